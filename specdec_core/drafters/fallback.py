@@ -1,0 +1,31 @@
+"""Try drafters in order and use the first non-empty draft (CopySpec §3.3: copy when the index matches, else draft)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import Draft, Drafter, RequestContext, empty_draft
+
+
+class FallbackDrafter(Drafter):
+    def __init__(self, drafters: list[Drafter]):
+        if not drafters:
+            raise ValueError("FallbackDrafter needs at least one drafter")
+        self.drafters = drafters
+        self.returns_probabilities = any(d.returns_probabilities for d in drafters)
+
+    def start(self, tokens: Sequence[int], request: RequestContext) -> None:
+        super().start(tokens, request)
+        for drafter in self.drafters:
+            drafter.start(tokens, request)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        for drafter in self.drafters:
+            draft = drafter.propose(tokens, max_tokens)
+            if draft.tokens:
+                return draft
+        return empty_draft()
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        for drafter in self.drafters:
+            drafter.observe(tokens, draft, num_accepted)

@@ -1,0 +1,99 @@
+"""Registry of decoding methods by name: each entry builds a fresh per-request drafter. No if/elif on names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .drafters.base import Drafter, NoDrafter
+from .drafters.copyspec import CopySpecDrafter
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.fallback import FallbackDrafter
+from .drafters.prompt_lookup import PromptLookupDrafter
+from .errors import UnknownMethodError
+from .model_runner import ModelRunner
+
+
+class MethodOptions(BaseModel):
+    """Knobs of the drafters; every method reads the ones it uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gamma: int = Field(3, ge=1, description="CopySpec: tokens in the matched suffix (γ)")
+    copy_tokens: int = Field(10, ge=1, description="CopySpec: tokens copied per match (m)")
+    max_copy_tokens: int = Field(64, ge=1, description="CopySpec adaptive: upper bound on m")
+    lookup_tokens: int = Field(10, ge=1, description="prompt lookup: tokens drafted per match (K)")
+    max_ngram: int = Field(3, ge=1, description="prompt lookup: longest suffix n-gram tried")
+    min_ngram: int = Field(1, ge=1, description="prompt lookup: shortest suffix n-gram tried")
+    draft_tokens: int = Field(4, ge=1, description="draft model: tokens drafted per step (δ)")
+    max_draft_tokens: int = Field(16, ge=1, description="draft model adaptive: upper bound on δ")
+    adaptive: bool = Field(False, description="grow the draft length after full acceptance, shrink after rejections")
+
+
+DrafterFactory = Callable[[MethodOptions, "ModelRunner | None"], Drafter]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    description: str
+    build_drafter: DrafterFactory
+    needs_draft_model: bool = False
+    lossless: bool = True
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register(name: str, description: str, needs_draft_model: bool = False, lossless: bool = True):
+    def wrap(factory: DrafterFactory) -> DrafterFactory:
+        if name in METHODS:
+            raise ValueError(f"method {name!r} registered twice")
+        METHODS[name] = MethodSpec(name, description, factory, needs_draft_model, lossless)
+        return factory
+
+    return wrap
+
+
+def get_method(name: str) -> MethodSpec:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise UnknownMethodError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
+
+
+@register("ar", "plain autoregressive decoding with a KV cache (the baseline)")
+def _ar(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+    return NoDrafter()
+
+
+@register("pld", "prompt lookup: match the last 3..1 tokens in the history, draft the K that followed")
+def _pld(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+    return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive)
+
+
+def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:
+    return CopySpecDrafter(options.gamma, options.copy_tokens, options.adaptive, options.max_copy_tokens)
+
+
+def _draft_model_drafter(options: MethodOptions, draft_model: ModelRunner | None) -> DraftModelDrafter:
+    if draft_model is None:
+        raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
+    return DraftModelDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
+
+
+@register("copyspec", "CopySpec: copy m tokens after the first earlier occurrence of the last γ tokens")
+def _copyspec(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+    return _copyspec_drafter(options)
+
+
+@register("draft", "speculative decoding with a same-vocabulary draft model (δ tokens per step)", True)
+def _draft(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+    return _draft_model_drafter(options, draft_model)
+
+
+@register("copyspec+draft", "CopySpec when the index matches, else the draft model (CopySpec §3.3)", True)
+def _copyspec_draft(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+    return FallbackDrafter([_copyspec_drafter(options), _draft_model_drafter(options, draft_model)])
