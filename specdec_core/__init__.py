@@ -1,0 +1,18 @@
+"""specdec_core: the model-agnostic speculative decoding engine (drafters, one verifier module, one decode loop)."""
+
+from .decode import DecodeParams, DecodeResult, decode
+from .engine import Engine, EngineConfig
+from .methods import METHODS, MethodOptions, get_method
+from .sampling import SamplingParams
+
+__all__ = [
+    "METHODS",
+    "DecodeParams",
+    "DecodeResult",
+    "Engine",
+    "EngineConfig",
+    "MethodOptions",
+    "SamplingParams",
+    "decode",
+    "get_method",
+]

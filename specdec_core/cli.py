@@ -1,0 +1,196 @@
+"""One-prompt CLI: decode one prompt with one method and print the text (or --json with every metric).
+
+  specbatch --method copyspec --prompt "..."            (python -m specdec_core works the same)
+  specbatch install-model gemma3-270m                   pip-install a registry model's packages
+  specbatch models | specbatch methods                  list what is available
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SpecbatchError
+
+EPILOG = """examples:
+  specbatch --method copyspec --prompt-file doc.txt --max-new-tokens 256
+  specbatch --method draft --drafter smollm2-135m --drafter-dtype bfloat16 --dtype float32 --prompt "Hi"
+  specbatch --method pld --messages-file chat.json --json
+other commands: specbatch models | specbatch methods | specbatch install-model NAME"""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments give one clear line (not the whole usage) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .methods import METHODS
+    from .model_registry import DEFAULT_MODEL
+
+    parser = OneLineParser(
+        prog="specbatch",
+        description="Decode one prompt with a speculative decoding method and report its speed statistics.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, local HF directory or hub id")
+    parser.add_argument("--method", default="copyspec", help=f"one of: {', '.join(METHODS)} (default copyspec)")
+    parser.add_argument("--drafter", help="draft model for draft / copyspec+draft (registry name or directory)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (sent as one user message through the chat template)")
+    source.add_argument("--prompt-file", help="file holding the prompt text (UTF-8)")
+    source.add_argument("--messages-file", help='chat JSON: [{"role": ..., "content": ...}, ...]')
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless against ar)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampler")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
+    parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="draft model: tokens per step δ")
+    parser.add_argument("--adaptive", action="store_true", help="adaptive draft length (still lossless)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
+    return parser
+
+
+def _options(args):
+    from .methods import MethodOptions
+
+    return MethodOptions(
+        gamma=args.gamma,
+        copy_tokens=args.copy_tokens,
+        lookup_tokens=args.lookup_tokens,
+        draft_tokens=args.draft_tokens,
+        adaptive=args.adaptive,
+    )
+
+
+def _params(args):
+    from .decode import DecodeParams
+    from .sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return DecodeParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
+
+
+def run_generate(argv: list[str]) -> int:
+    from pydantic import ValidationError
+
+    from .methods import get_method
+    from .model_registry import check_model_available
+    from .prompts import read_messages_file, read_text_file
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        # Everything that can be checked without loading a model is checked first.
+        spec = get_method(args.method)
+        if spec.needs_draft_model and not args.drafter:
+            parser.error(f"method {args.method!r} needs --drafter")
+        params, options = _params(args), _options(args)
+        prompt = args.prompt
+        messages = None
+        if args.prompt_file:
+            prompt = read_text_file(args.prompt_file)
+        elif args.messages_file:
+            messages = read_messages_file(args.messages_file)
+        check_model_available(args.model)
+        if spec.needs_draft_model:
+            check_model_available(args.drafter)
+        _quiet_transformers()
+        from .engine import Engine, EngineConfig
+
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                drafter=args.drafter if spec.needs_draft_model else None,
+                drafter_dtype=args.drafter_dtype,
+            )
+        )
+        result = engine.generate(prompt, messages, args.method, params, options, raw=args.raw)
+    except (SpecbatchError, ValueError, ValidationError) as exc:
+        print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["output_text"])
+        print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _summary(r: dict) -> str:
+    rate = r["acceptance_rate"]
+    return (
+        f"[{r['method']}] {r['new_tokens']} tokens in {r['wall_s']:.2f}s = {r['tokens_per_s']:.1f} tok/s, "
+        f"mean accepted length {r['mean_accepted_length']:.2f}, acceptance "
+        f"{'-' if rate is None else f'{rate:.0%}'}, copied {r['copied_tokens']}, finish {r['finish_reason']}"
+    )
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def run_install(argv: list[str]) -> int:
+    from .model_registry import MODEL_SPECS, install_model
+
+    if len(argv) != 1:
+        print(f"usage: specbatch install-model NAME   (NAME: {', '.join(MODEL_SPECS)})", file=sys.stderr)
+        return 2
+    try:
+        install_model(argv[0])
+    except SpecbatchError as exc:
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_list_models(argv: list[str]) -> int:
+    from .model_registry import MODEL_SPECS
+
+    for spec in MODEL_SPECS.values():
+        print(f"{spec.name:22s} {spec.notes}  (packages: {' '.join(spec.packages[:2])}{' ...' if len(spec.packages) > 2 else ''})")
+    return 0
+
+
+def run_list_methods(argv: list[str]) -> int:
+    from .methods import METHODS
+
+    for spec in METHODS.values():
+        flags = ("needs --drafter; " if spec.needs_draft_model else "") + ("lossless" if spec.lossless else "LOSSY")
+        print(f"{spec.name:16s} {spec.description} [{flags}]")
+    return 0
+
+
+COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return run_generate(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
