@@ -58,7 +58,7 @@ class SequenceState:
 
 @dataclass
 class DecodeResult:
-    token_ids: list[int]  # generated ids; the EOS token is not included
+    token_ids: list[int]  # generated ids, ending with the EOS token when decoding stopped on it
     text: str
     finish_reason: str
     metrics: RequestMetrics
@@ -123,14 +123,14 @@ def emit(target: ModelRunner, state: SequenceState, new: list[tuple[int, str, bo
     metrics = state.metrics
     kept = 0
     for token, source, copied in new:
-        if token in target.eos_token_ids:
-            state.finish_reason = FINISH_STOP
-            break
         state.tokens.append(token)
         kept += 1
         metrics.new_tokens += 1
         metrics.accepted_by_source[source] += 1
         metrics.copied_tokens += copied
+        if token in target.eos_token_ids:
+            state.finish_reason = FINISH_STOP  # the EOS token is kept, as HF generate does; text skips it
+            break
         if len(state.generated) >= params.max_new_tokens or len(state.tokens) >= target.max_positions:
             state.finish_reason = FINISH_LENGTH
             break

