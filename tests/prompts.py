@@ -15,7 +15,28 @@ CODE_RENAME = '''def moving_average(values, window):
     return result
 '''
 
-CODE_HINTS = '''def merge_intervals(intervals):
+CODE_HINTS = '''import re
+from collections import Counter
+
+
+def top_words(text, limit=10, stop_words=None):
+    if limit <= 0:
+        raise ValueError("limit must be positive")
+    stop_words = set(stop_words or ())
+    counts = Counter()
+    for line in text.splitlines():
+        line = line.strip().lower()
+        if not line or line.startswith("#"):
+            continue
+        for word in re.findall(r"[a-z']+", line):
+            if word in stop_words or len(word) < 2:
+                continue
+            counts[word] += 1
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return ranked[:limit]
+
+
+def merge_intervals(intervals):
     intervals = sorted(intervals, key=lambda pair: pair[0])
     merged = []
     for start, end in intervals:
@@ -49,7 +70,15 @@ POEM = (
     "The sea is wide and the sea is deep,\n"
     "It sings the sailors off to sleep.\n"
     "The waves are grey, the foam is white,\n"
-    "The lighthouse burns through every night."
+    "The lighthouse burns through every night.\n\n"
+    "The gulls cry out above the bay,\n"
+    "The fishing boats set out by day.\n"
+    "The harbour bells ring soft and slow,\n"
+    "As tides roll in and tides let go.\n\n"
+    "The sea is old and the sea is wise,\n"
+    "It holds the moon inside its eyes.\n"
+    "And when the storm has said its piece,\n"
+    "The sea lies down and finds its peace."
 )
 
 LOSSLESS_CASES = {
@@ -57,16 +86,19 @@ LOSSLESS_CASES = {
                      "and return the full updated code.\n\n```python\n" + CODE_RENAME + "```"}],
     "code_hints": [{"role": "user", "content": "Add type hints to this function and return the full code.\n\n"
                     "```python\n" + CODE_HINTS + "```"}],
-    "summary_news": [{"role": "user", "content": "Summarize this article in three sentences.\n\n" + ARTICLE}],
-    "summary_paper": [{"role": "user", "content": "Summarize the following abstract.\n\n" + PAPER}],
+    "summary_news": [{"role": "user", "content": "Summarize this article in one paragraph, then list every decision the council took "
+                     "and every request the residents made.\n\n" + ARTICLE}],
+    "summary_paper": [{"role": "user", "content": "Summarize the following abstract section by section: problem, method, "
+                      "results, conclusion.\n\n" + PAPER}],
     "chat_revise_poem": [
         {"role": "user", "content": "Write a short poem about the sea."},
         {"role": "assistant", "content": POEM},
         {"role": "user", "content": "Revise your previous answer: keep the poem but make it about a lake, "
-         "changing as few words as possible."},
+         "changing as few words as possible, and add a fourth stanza about the lake at night."},
     ],
     "chat_revise_code": [
-        {"role": "user", "content": "Write a Python function that merges overlapping intervals."},
+        {"role": "user", "content": "Write Python functions that count the top words of a text and merge "
+         "overlapping intervals."},
         {"role": "assistant", "content": "```python\n" + CODE_HINTS + "```"},
         {"role": "user", "content": "Rewrite your previous answer with a docstring and comments, "
          "keeping the same code."},
