@@ -6,6 +6,7 @@ It also accepts a custom 4-D attention mask and explicit positions, which tree v
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,6 +73,8 @@ class ModelRunner:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
         model.eval()
+        if device == "cpu":
+            tune_for_cpu(model)
         return cls(model, tokenizer, name, device, torch_dtype)
 
     @property
@@ -125,6 +128,35 @@ class ModelRunner:
         excess = cache.get_seq_length() - length
         if excess > 0:
             cache.crop(-excess)  # transformers 5.x: a negative count drops that many tokens from the end
+
+
+class OneDnnLinear(torch.nn.Module):
+    """fp32 LM head through oneDNN: measured on this 2-core AVX2 CPU, [11, 576] x [576, 49152] takes 12 ms instead
+    of MKL's 36 ms, and one row 6 ms instead of 11 ms. The head is the largest matmul of a small model's forward."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(hidden, self.weight, self.bias, "none", [], "")
+
+
+def tune_for_cpu(model) -> None:
+    """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds."""
+    # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
+    # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    head = model.get_output_embeddings()
+    usable = (
+        isinstance(head, torch.nn.Linear)
+        and head.weight.dtype == torch.float32
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.backends.mkldnn.is_available()
+    )
+    if usable:
+        model.set_output_embeddings(OneDnnLinear(head))
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
