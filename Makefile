@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(PY) -m specdec_core --method copyspec --adaptive --prompt-file samples/rename_variable.txt --max-new-tokens 300
+	$(PY) jobs/summarize.py --input workload:sample --output outputs --method ar --method copyspec
 
 test: install
 	$(PY) -m pytest

@@ -1,0 +1,108 @@
+"""The option set every generation job shares, and the thin main that runs one: parse, check, run, summarize.
+
+Everything that can be checked without Ray (methods, model names, input path, drafter) fails fast with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str]):
+    from specdec_core.methods import METHODS
+
+    parser = OneLineParser(prog=prog, description=description,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--input", default=default_input, required=default_input is None,
+                        help="JSONL, Parquet file/dir, hf:DIR (datasets.save_to_disk) or workload:NAME "
+                             "(sample, summarization, rag, code_edit, humaneval, multi_turn)")
+    parser.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
+    parser.add_argument("--method", action="append", dest="methods",
+                        help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, local HF directory or hub id")
+    parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
+    parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (lossless)")
+    parser.add_argument("--num-actors", type=int, default=1, help="decode actors (each loads the model once)")
+    parser.add_argument("--cpus-per-actor", type=float, default=None)
+    parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
+    parser.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
+    parser.add_argument("--resume", action="store_true", help="skip (request, method) pairs already in --output")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
+    parser.add_argument("--run-id", default=None)
+    return parser
+
+
+def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None):
+    from specdec_core.methods import MethodOptions
+    from pipelines.config import GenerationConfig
+
+    values = dict(
+        input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
+        drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, method_options=MethodOptions(adaptive=args.adaptive), task_template=task_template,
+        num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
+        limit=args.limit, resume=args.resume,
+    )
+    if args.run_id:
+        values["run_id"] = args.run_id
+    return GenerationConfig(**values)
+
+
+def preflight(config) -> None:
+    from operators.read_requests import check_input_path
+    from specdec_core.model_registry import check_model_available
+
+    check_input_path(config.input)
+    check_model_available(config.model)
+    if config.drafter:
+        check_model_available(config.drafter)
+
+
+def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],
+             task_template: str | None = None, argv: list[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    from specdec_core.errors import SpecbatchError
+
+    parser = build_parser(f"{job}.py", description, default_input, default_methods)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args, job, default_methods, task_template)
+        preflight(config)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"{job}.py: error: {where + ': ' if where else ''}{first['msg']}", file=sys.stderr)
+        return 2
+    except SpecbatchError as exc:
+        print(f"{job}.py: error: {exc}", file=sys.stderr)
+        return 2
+    from pipelines.generate import init_ray, run_generation
+
+    init_ray(args.address)
+    summary = run_generation(config)
+    print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
+                     | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))
+    return 0

@@ -1,0 +1,57 @@
+"""Prompt stage: apply the task template and chat template, count prompt tokens, flag unusable prompts.
+
+Runs with the tokenizer only (no weights), so decode actors spend their time decoding.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .requests_schema import requests_table
+
+
+class BuildPrompts:
+    """Ray Data callable class: requests (pandas) -> requests (Arrow) with prompt_ids / prompt_tokens filled."""
+
+    def __init__(self, model: str, task_template: str | None = None, max_positions: int | None = None):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specdec_core.model_registry import resolve_model_path
+
+        path = resolve_model_path(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+        self.max_positions = max_positions or int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.task_template = task_template
+
+    def prompt_ids(self, row: dict) -> list[int]:
+        from specdec_core.prompts import build_prompt_ids
+
+        messages = json.loads(row["messages"]) if row.get("messages") else None
+        prompt = row.get("prompt") if messages is None else None
+        if prompt is not None and self.task_template:
+            prompt = self.task_template.format(prompt=prompt)
+        return build_prompt_ids(self.tokenizer, prompt=prompt, messages=messages)
+
+    def __call__(self, batch):
+        from specdec_core.errors import SpecbatchError
+
+        rows = []
+        for row in batch.to_dict("records"):
+            row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+            row["prompt_ids"] = None
+            if not row.get("input_error"):
+                try:
+                    ids = self.prompt_ids(row)
+                    row["prompt_tokens"] = len(ids)
+                    if len(ids) >= self.max_positions:
+                        row["input_error"] = (f"prompt has {len(ids)} tokens, the model's context limit is "
+                                              f"{self.max_positions}")
+                    else:
+                        row["prompt_ids"] = ids
+                except SpecbatchError as exc:
+                    row["input_error"] = str(exc)
+                except Exception as exc:  # a tokenizer/template failure on one row must not stop the job
+                    row["input_error"] = f"{type(exc).__name__}: {exc}"
+            rows.append(row)
+        return requests_table(rows)

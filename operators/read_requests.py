@@ -1,0 +1,104 @@
+"""Read the workload input contract into a Ray Dataset of normalized requests.
+
+JSONL is read as bytes and parsed line by line, so one bad line (invalid JSON or UTF-8) becomes one error row
+instead of failing the whole file, as a pyarrow JSON reader would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec_core.errors import SpecbatchError
+
+from .requests_schema import normalize_row, requests_table
+
+WORKLOADS = ("sample", "summarization", "rag", "code_edit", "humaneval", "multi_turn")
+
+
+def workload_rows(name: str, limit: int | None) -> list[dict]:
+    from corpora import aclsum, code_edit, mtbench, sample
+
+    loaders = {
+        "sample": lambda: sample.sample_rows(),
+        "summarization": lambda: aclsum.summarization_rows(limit),
+        "rag": lambda: aclsum.rag_rows(limit),
+        "code_edit": lambda: code_edit.stdlib_rename_tasks(limit or 10),
+        "humaneval": lambda: code_edit.humaneval_rows(limit),
+        "multi_turn": lambda: mtbench.mtbench_rows(limit),
+    }
+    if name not in loaders:
+        raise SpecbatchError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")
+    return loaders[name]()
+
+
+def parse_jsonl_file(item: dict) -> list[dict]:
+    """flat_map UDF: one binary JSONL file -> one raw row per non-empty line (bad lines carry input_error)."""
+    rows = []
+    path = item.get("path", "input")
+    for number, line in enumerate(item["bytes"].splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line.decode("utf-8"))
+            if not isinstance(value, dict):
+                raise ValueError("a JSON object per line is expected")
+        except UnicodeDecodeError:
+            value = {"id": f"{Path(path).name}:{number}", "input_error": f"line {number} is not valid UTF-8"}
+        except ValueError as exc:
+            value = {"id": f"{Path(path).name}:{number}", "input_error": f"line {number} is not valid JSON: {exc}"}
+        rows.append({"raw": json.dumps(value, default=str)})
+    return rows
+
+
+def normalize_batch(batch) -> "object":
+    """map_batches UDF (pandas in, Arrow out): raw rows -> the requests schema."""
+    records = batch.to_dict("records")
+    if "raw" in batch.columns:
+        records = [json.loads(r["raw"]) for r in records]
+    return requests_table([normalize_row(_drop_nans(r)) for r in records])
+
+
+def _drop_nans(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not (isinstance(v, float) and v != v)}
+
+
+def check_input_path(source: str) -> None:
+    """Fail fast, before Ray starts, on an input that cannot be read at all."""
+    if source.startswith("workload:"):
+        if source.split(":", 1)[1] not in WORKLOADS:
+            raise SpecbatchError(f"unknown workload {source.split(':', 1)[1]!r}; choose one of: {', '.join(WORKLOADS)}")
+        return
+    path = Path(source.removeprefix("hf:"))
+    if not path.exists():
+        raise SpecbatchError(f"input not found: {path}")
+
+
+def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25):
+    """-> ray.data.Dataset in the requests schema (prompt ids not yet filled).
+
+    Every task here asks for task_cpus (a fraction): with decode actors holding most CPUs of a small machine, a
+    task that wants a whole CPU would wait forever.
+    """
+    import ray.data
+
+    remote = {"num_cpus": task_cpus}
+    check_input_path(source)
+    if source.startswith("workload:"):
+        rows = [{"raw": json.dumps(r)} for r in workload_rows(source.split(":", 1)[1], limit)]
+        dataset = ray.data.from_items(rows)
+    elif source.startswith("hf:"):
+        import datasets
+
+        dataset = ray.data.from_huggingface(datasets.load_from_disk(source[3:]))
+    else:
+        path = Path(source)
+        is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))
+        if is_parquet:
+            dataset = ray.data.read_parquet(str(path), ray_remote_args=remote)
+        else:
+            dataset = ray.data.read_binary_files(str(path), include_paths=True, ray_remote_args=remote)
+            dataset = dataset.flat_map(parse_jsonl_file, num_cpus=task_cpus)
+    if limit is not None:
+        dataset = dataset.limit(limit)
+    return dataset.map_batches(normalize_batch, batch_format="pandas", batch_size=256, num_cpus=task_cpus)

@@ -1,0 +1,100 @@
+"""The requests table that flows between stages: input-contract columns normalized to fixed types.
+
+Chat messages and later turns travel as JSON strings so that every block has the same Arrow schema whatever its
+rows hold; a row that cannot be used keeps flowing with `input_error` set, so it still gets an output row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pyarrow as pa
+
+REQUESTS_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("task", pa.string()),
+    ("prompt", pa.string()),
+    ("messages", pa.string()),  # JSON list of {role, content}
+    ("next_turns", pa.string()),  # JSON list of user messages decoded after the first turn
+    ("context", pa.string()),
+    ("reference", pa.string()),
+    ("max_new_tokens", pa.int64()),
+    ("input_error", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("prompt_tokens", pa.int64()),
+])
+
+
+def requests_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pydict({f.name: [row.get(f.name) for row in rows] for f in REQUESTS_SCHEMA},
+                                schema=REQUESTS_SCHEMA)
+
+
+def row_hash_id(row: dict) -> str:
+    """Stable id for rows that come without one: a hash of their content."""
+    payload = json.dumps(row, sort_keys=True, default=str).encode("utf-8", "replace")
+    return "row-" + hashlib.sha256(payload).hexdigest()[:16]
+
+
+def _as_text(value, name: str) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, None
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8"), None
+        except UnicodeDecodeError:
+            return None, f"column {name!r} is not valid UTF-8"
+    if isinstance(value, str):
+        return value, None
+    return None, f"column {name!r} must be a string, got {type(value).__name__}"
+
+
+def _as_messages(value) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None, "column 'messages' is not a JSON list"
+    if hasattr(value, "tolist"):  # numpy arrays from Parquet/pandas
+        value = value.tolist()
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        return None, "column 'messages' must be a list of {role, content}"
+    cleaned = [{"role": m.get("role"), "content": m.get("content")} for m in value]
+    return json.dumps(cleaned), None
+
+
+def normalize_row(raw: dict) -> dict:
+    """One input row -> the requests schema (without prompt ids); problems go to input_error, never raise."""
+    errors = []
+    row_id = raw.get("id")
+    row = {"id": str(row_id) if row_id not in (None, "") else row_hash_id(raw)}
+    for name in ("task", "prompt", "context", "reference"):
+        row[name], error = _as_text(raw.get(name), name)
+        errors.append(error)
+    row["messages"], error = _as_messages(raw.get("messages"))
+    errors.append(error)
+    turns = raw.get("next_turns")
+    if hasattr(turns, "tolist"):
+        turns = turns.tolist()
+    if turns is not None:
+        if isinstance(turns, list) and all(isinstance(t, str) for t in turns):
+            row["next_turns"] = json.dumps(turns)
+        else:
+            errors.append("column 'next_turns' must be a list of strings")
+    max_new = raw.get("max_new_tokens")
+    if max_new is not None and max_new == max_new:  # NaN from pandas means absent
+        try:
+            row["max_new_tokens"] = int(max_new)
+            if row["max_new_tokens"] < 1:
+                errors.append("max_new_tokens must be >= 1")
+        except (TypeError, ValueError):
+            errors.append("max_new_tokens must be an integer")
+    if row.get("prompt") is None and row.get("messages") is None and not any(errors):
+        errors.append("missing column: the row needs 'prompt' or 'messages'")
+    if raw.get("input_error"):
+        errors.insert(0, raw["input_error"])
+    row["input_error"] = "; ".join(e for e in errors if e) or None
+    return row

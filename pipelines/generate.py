@@ -1,0 +1,122 @@
+"""The generation pipeline: read -> normalize -> prompts -> decode actors (every method per request) -> Parquet.
+
+Stages are lazy Ray Data operators; nothing runs until the write. Light stages take a quarter CPU each so that the
+decode actors can hold the rest without starving them (a 2-CPU cluster deadlocks with 2 actors x 1 CPU plus reads).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+from .config import GenerationConfig
+from .outputs import count_rows, done_pairs, publish, staging_dir, write_run_row
+from .schema import PARTITION_COLUMNS
+
+LIGHT_TASK_CPUS = 0.25
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Embedded local Ray unless an address is given or we run under `ray job submit` (RAY_ADDRESS is set)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        # address="local": a plain ray.init() would silently attach to any `ray start` cluster on this machine.
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+
+
+def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset()):
+    """-> a lazy ray.data.Dataset of output rows (contract schema)."""
+    import ray
+    import ray.data
+
+    from operators.build_prompts import BuildPrompts
+    from operators.decode_requests import DecodeRequests
+    from operators.read_requests import read_requests
+
+    cluster_cpus = float(ray.cluster_resources().get("CPU", 1))
+    actor_cpus = config.actor_cpus(cluster_cpus)
+    requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS)
+    prompts = requests.map_batches(
+        BuildPrompts,
+        fn_constructor_kwargs={"model": config.model, "task_template": config.task_template},
+        batch_format="pandas",
+        batch_size=64,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        num_cpus=LIGHT_TASK_CPUS,
+    )
+    return prompts.map_batches(
+        DecodeRequests,
+        fn_constructor_kwargs={
+            "config": config.model_dump(),
+            "torch_threads": max(1, round(actor_cpus)),
+            "done": done,
+        },
+        batch_format="pandas",
+        batch_size=config.batch_size,
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
+        num_cpus=actor_cpus,
+        num_gpus=config.num_gpus_per_actor or None,
+        # A dead actor is replaced and its batch redone (Ray Data retries the task on another actor).
+        max_restarts=-1,
+        max_task_retries=-1,
+    )
+
+
+def run_generation(config: GenerationConfig) -> dict:
+    """Run the whole job; returns the run's summary (also written as one row of OUTPUT/runs/)."""
+    started_at = datetime.now(timezone.utc)
+    started = time.perf_counter()
+    done = done_pairs(config.output) if config.resume else frozenset()
+    stage = staging_dir(config.output, config.run_id)
+    outputs = build_pipeline(config, done)
+    # Write into staging; only a finished run is moved under generations/, so readers never see partial files.
+    outputs.write_parquet(str(stage), partition_cols=PARTITION_COLUMNS, ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+    publish(config.output, config.run_id)
+    rows_out, errors = count_rows(config.output, config.run_id)
+    wall = time.perf_counter() - started
+    summary = {
+        "run_id": config.run_id,
+        "job": config.job,
+        "config": config.model_dump(),
+        "versions": _versions(),
+        "hardware": _hardware(),
+        "started_at": started_at,
+        "ended_at": datetime.now(timezone.utc),
+        "rows_in": _count_input(config),
+        "rows_out": rows_out,
+        "errors": errors,
+    }
+    write_run_row(config.output, summary)
+    summary["wall_s"] = wall
+    summary["skipped_pairs"] = len(done)
+    return summary
+
+
+def _count_input(config: GenerationConfig) -> int:
+    from operators.read_requests import read_requests
+
+    return read_requests(config.input, config.limit, LIGHT_TASK_CPUS).count()
+
+
+def _versions() -> dict:
+    import ray
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "ray": ray.__version__}
+
+
+def _hardware() -> dict:
+    import ray
+
+    return {"machine": platform.machine(), "processor": platform.processor(), "node": platform.node(),
+            "cluster_resources": ray.cluster_resources()}

@@ -1,0 +1,77 @@
+"""Output directory handling: staging then publish (no partial file ever looks finished), runs rows, resume state."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from .schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
+
+
+def generations_dir(output: str | Path) -> Path:
+    return Path(output) / "generations"
+
+
+def runs_dir(output: str | Path) -> Path:
+    return Path(output) / "runs"
+
+
+def staging_dir(output: str | Path, run_id: str) -> Path:
+    return Path(output) / "_staging" / run_id
+
+
+def read_generations(output: str | Path) -> pa.Table:
+    """Every published generation row (empty table with the contract's schema when there are none)."""
+    path = generations_dir(output)
+    if not path.exists() or not any(path.rglob("*.parquet")):
+        return GENERATIONS_SCHEMA.empty_table()
+    dataset = pads.dataset(str(path), format="parquet", partitioning="hive",
+                           schema=GENERATIONS_SCHEMA)
+    return dataset.to_table()
+
+
+def done_pairs(output: str | Path) -> frozenset[str]:
+    """'request_id<TAB>method' of rows already published without error (what --resume skips)."""
+    table = read_generations(output).select(["request_id", "method", "error"]).to_pylist()
+    return frozenset(f"{r['request_id']}\t{r['method']}" for r in table if r["error"] is None)
+
+
+def publish(output: str | Path, run_id: str) -> int:
+    """Move a finished run's Parquet files from staging into generations/ (renames: atomic per file)."""
+    stage = staging_dir(output, run_id)
+    moved = 0
+    for source in sorted(stage.rglob("*.parquet")):
+        relative = source.relative_to(stage)
+        target = generations_dir(output) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+        moved += 1
+    shutil.rmtree(stage, ignore_errors=True)
+    return moved
+
+
+def count_rows(output: str | Path, run_id: str) -> tuple[int, int]:
+    """(rows, error rows) published for one run."""
+    path = generations_dir(output) / f"run_id={run_id}"
+    if not path.exists():
+        return 0, 0
+    table = pads.dataset(str(path), format="parquet").to_table(columns=["error"])
+    errors = table.column("error").null_count
+    return table.num_rows, table.num_rows - errors
+
+
+def write_run_row(output: str | Path, row: dict) -> Path:
+    target_dir = runs_dir(output) / f"run_id={row['run_id']}"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    row = {**row, **{k: json.dumps(row[k], default=str) for k in ("config", "versions", "hardware")}}
+    table = pa.Table.from_pylist([row], schema=RUNS_SCHEMA).drop_columns(["run_id"])
+    temporary = target_dir / "run.parquet.tmp"
+    pq.write_table(table, temporary)
+    final = target_dir / "run.parquet"
+    temporary.rename(final)
+    return final

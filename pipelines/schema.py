@@ -1,0 +1,64 @@
+"""The output contract as pyarrow schemas: generations (one row per request x method) and runs (one per run)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+GENERATIONS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("job", pa.string()),
+    ("request_id", pa.string()),
+    ("method", pa.string()),
+    ("model", pa.string()),
+    ("drafter", pa.string()),
+    ("dtype", pa.string()),
+    ("device", pa.string()),
+    ("temperature", pa.float64()),
+    ("seed", pa.int64()),
+    ("prompt_tokens", pa.int64()),
+    ("new_tokens", pa.int64()),
+    ("output_text", pa.string()),
+    ("output_token_ids", pa.list_(pa.int32())),
+    ("finish_reason", pa.string()),
+    ("target_forwards", pa.int64()),
+    ("drafted_tokens", pa.int64()),
+    ("accepted_tokens", pa.int64()),
+    ("mean_accepted_length", pa.float64()),
+    ("acceptance_rate", pa.float64()),
+    ("copied_tokens", pa.int64()),
+    ("accepted_by_source", pa.map_(pa.string(), pa.int64())),
+    ("ttft_s", pa.float64()),
+    ("tpot_s", pa.float64()),
+    ("wall_s", pa.float64()),
+    ("tokens_per_s", pa.float64()),
+    ("lossy", pa.bool_()),
+    ("error", pa.string()),
+    ("host", pa.string()),
+    ("actor_id", pa.string()),
+    ("started_at", pa.timestamp("us", tz="UTC")),
+    # Additions to the contract: the workload's task and, for multi-turn rows, the turn (1-based).
+    ("task", pa.string()),
+    ("turn", pa.int64()),
+])
+
+RUNS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("job", pa.string()),
+    ("config", pa.string()),  # JSON
+    ("versions", pa.string()),  # JSON
+    ("hardware", pa.string()),  # JSON
+    ("started_at", pa.timestamp("us", tz="UTC")),
+    ("ended_at", pa.timestamp("us", tz="UTC")),
+    ("rows_in", pa.int64()),
+    ("rows_out", pa.int64()),
+    ("errors", pa.int64()),
+])
+
+PARTITION_COLUMNS = ["run_id", "method"]
+
+
+def generations_table(rows: list[dict]) -> pa.Table:
+    """Rows (dicts) -> a table with exactly the contract's columns and types; missing values become null."""
+    columns = {field.name: [row.get(field.name) for row in rows] for field in GENERATIONS_SCHEMA}
+    columns["accepted_by_source"] = [list((d or {}).items()) for d in columns["accepted_by_source"]]
+    return pa.Table.from_pydict(columns, schema=GENERATIONS_SCHEMA)

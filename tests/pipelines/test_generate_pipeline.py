@@ -1,0 +1,133 @@
+"""The Ray generation pipeline end to end on the real default model: row accounting, schema, bad rows, resume."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pyarrow.dataset as pads
+import pytest
+
+from pipelines.schema import GENERATIONS_SCHEMA
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_job(*args, timeout=480):
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+def write_jsonl(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_input(tmp_path_factory):
+    """3 good rows (one multi-turn) and 4 bad ones: empty prompt, missing column, bad UTF-8, bad JSON."""
+    good = [
+        {"id": "good-1", "prompt": "Repeat exactly: alpha beta gamma delta."},
+        {"id": "good-2", "messages": [{"role": "user", "content": "Count from one to five."}]},
+        {"id": "good-3", "messages": [{"role": "user", "content": "Name two colors."}],
+         "next_turns": ["Repeat your previous answer."]},
+    ]
+    lines = [json.dumps(r).encode() for r in good]
+    lines += [json.dumps({"id": "bad-empty", "prompt": "   "}).encode(),
+              json.dumps({"id": "bad-missing", "text": "no prompt column"}).encode(),
+              b'{"id": "bad-utf8", "prompt": "caf\xe9"}',
+              b'{"id": "bad-json", "prompt": ']
+    return write_jsonl(tmp_path_factory.mktemp("input") / "mixed.jsonl", lines)
+
+
+@pytest.fixture(scope="module")
+def first_run(mixed_input, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
+                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def generations(out: Path):
+    return pads.dataset(str(out / "generations"), format="parquet", partitioning="hive").to_table()
+
+
+def test_every_row_once_per_method(first_run):
+    out, summary = first_run
+    table = generations(out)
+    pairs = [(r["request_id"], r["method"]) for r in table.select(["request_id", "method"]).to_pylist()]
+    assert len(pairs) == len(set(pairs)), "duplicated (request, method) rows"
+    # 7 input rows; good-3 has two turns -> 8 request ids, each with both methods.
+    assert summary["rows_in"] == 7 and summary["rows_out"] == 16 == len(pairs)
+    ids = {p[0] for p in pairs}
+    assert ids == {"good-1", "good-2", "good-3#t1", "good-3#t2", "bad-empty", "bad-missing", "mixed.jsonl:6",
+                   "mixed.jsonl:7"}
+
+
+def test_bad_rows_get_errors_and_good_rows_do_not(first_run):
+    out, summary = first_run
+    rows = {(r["request_id"], r["method"]): r for r in generations(out).to_pylist()}
+    assert summary["errors"] == 8
+    assert "empty prompt" in rows[("bad-empty", "ar")]["error"]
+    assert "missing column" in rows[("bad-missing", "copyspec")]["error"]
+    assert "UTF-8" in rows[("mixed.jsonl:6", "ar")]["error"]
+    assert "JSON" in rows[("mixed.jsonl:7", "ar")]["error"]
+    for key in [("good-1", "ar"), ("good-3#t2", "copyspec")]:
+        assert rows[key]["error"] is None and rows[key]["new_tokens"] > 0
+    # greedy copyspec is lossless: same ids as ar on every good request
+    for request in ("good-1", "good-2", "good-3#t1", "good-3#t2"):
+        assert rows[(request, "ar")]["output_token_ids"] == rows[(request, "copyspec")]["output_token_ids"]
+
+
+def test_schema_is_the_contract_and_duckdb_reads_it(first_run):
+    out, _ = first_run
+    files = list((out / "generations").rglob("*.parquet"))
+    assert files and not list(out.rglob("*.tmp")) and not (out / "_staging" / "run-a").exists()
+    table = generations(out)
+    expected = {f.name: f.type for f in GENERATIONS_SCHEMA}
+    got = {f.name: f.type for f in table.schema}
+    for name in expected:
+        if name in ("run_id", "method"):
+            continue  # hive partition columns, read back as dictionary strings
+        assert got[name] == expected[name], name
+    con = duckdb.connect()
+    glob = str(out / "generations" / "**" / "*.parquet")
+    rows = con.execute(
+        "SELECT method, count(*), sum(new_tokens), max(accepted_by_source['target']) FROM read_parquet(?, "
+        "hive_partitioning = true) GROUP BY method ORDER BY method", [glob]).fetchall()
+    assert [r[0] for r in rows] == ["ar", "copyspec"] and all(r[1] == 8 for r in rows)
+    runs = con.execute("SELECT run_id, rows_in, rows_out, errors FROM read_parquet(?, hive_partitioning = true)",
+                       [str(out / "runs" / "**" / "*.parquet")]).fetchall()
+    assert runs == [("run-a", 7, 16, 8)]
+
+
+def test_resume_skips_pairs_already_done(first_run, mixed_input):
+    out, _ = first_run
+    proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "pld",
+                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-b", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in generations(out).to_pylist() if r["run_id"] == "run-b"]
+    methods = {(r["request_id"], r["method"]) for r in rows}
+    # ar succeeded for the 4 good request rows in run-a: only its error rows are redone, pld runs everywhere.
+    assert {m for (_, m) in methods} == {"ar", "pld"}
+    assert not any(m == "ar" and r in ("good-1", "good-2") for r, m in methods)
+    assert ("bad-empty", "ar") in methods and ("good-1", "pld") in methods
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, fragment", [
+    (["--method", "nope"], "unknown method"),
+    (["--model", "no-such-model"], "unknown model"),
+    (["--input", "/no/such/file.jsonl"], "input not found"),
+    (["--method", "draft"], "drafter"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_bad_arguments_fail_fast_with_one_line(args, fragment, tmp_path):
+    proc = run_job("--output", str(tmp_path), *args, timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert not (tmp_path / "generations").exists()
