@@ -16,12 +16,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str]):
+    from specdec_core.cli import OneLineParser
     from specdec_core.methods import METHODS
 
     parser = OneLineParser(prog=prog, description=description,

@@ -82,7 +82,7 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
     """
     import ray.data
 
-    remote = {"num_cpus": task_cpus}
+
     check_input_path(source)
     if source.startswith("workload:"):
         rows = [{"raw": json.dumps(r)} for r in workload_rows(source.split(":", 1)[1], limit)]
@@ -95,9 +95,9 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
         path = Path(source)
         is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))
         if is_parquet:
-            dataset = ray.data.read_parquet(str(path), ray_remote_args=remote)
+            dataset = ray.data.read_parquet(str(path), num_cpus=task_cpus)
         else:
-            dataset = ray.data.read_binary_files(str(path), include_paths=True, ray_remote_args=remote)
+            dataset = ray.data.read_binary_files(str(path), include_paths=True, num_cpus=task_cpus)
             dataset = dataset.flat_map(parse_jsonl_file, num_cpus=task_cpus)
     if limit is not None:
         dataset = dataset.limit(limit)

@@ -64,9 +64,8 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
         num_cpus=actor_cpus,
         num_gpus=config.num_gpus_per_actor or None,
-        # A dead actor is replaced and its batch redone (Ray Data retries the task on another actor).
-        max_restarts=-1,
-        max_task_retries=-1,
+        # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is replaced and
+        # its batch is redone, and since rows only reach the writer from finished batches none is written twice.
     )
 
 
