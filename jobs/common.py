@@ -99,6 +99,17 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
 
     init_ray(args.address)
     summary = run_generation(config)
+    print_method_summary(config.output, config.run_id)
     print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
                      | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))
     return 0
+
+
+def print_method_summary(output: str, run_id: str) -> None:
+    from pipelines.outputs import method_summary
+
+    for m in method_summary(output, run_id):
+        tps = "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f}"
+        acc = "-" if m["mean_accepted_length"] is None else f"{m['mean_accepted_length']:.2f}"
+        print(f"{m['method']:16s} rows {m['rows']:5d}  errors {m['errors']:4d}  tokens {m['new_tokens']:7d}  "
+              f"tok/s {tps:>6s}  mean accepted length {acc}", file=sys.stderr)

@@ -75,3 +75,28 @@ def write_run_row(output: str | Path, row: dict) -> Path:
     final = target_dir / "run.parquet"
     temporary.rename(final)
     return final
+
+
+def method_summary(output: str | Path, run_id: str) -> list[dict]:
+    """Per method of one run: requests, errors, tokens/s over all rows, mean accepted length (for the job's print)."""
+    path = generations_dir(output) / f"run_id={run_id}"
+    if not path.exists():
+        return []
+    rows = pads.dataset(str(path), format="parquet", partitioning="hive").to_table(
+        columns=["method", "new_tokens", "wall_s", "target_forwards", "error"]).to_pylist()
+    summary = {}
+    for row in rows:
+        entry = summary.setdefault(row["method"], {"method": row["method"], "rows": 0, "errors": 0, "new_tokens": 0,
+                                                   "wall_s": 0.0, "target_forwards": 0})
+        entry["rows"] += 1
+        if row["error"] is not None:
+            entry["errors"] += 1
+            continue
+        entry["new_tokens"] += row["new_tokens"]
+        entry["wall_s"] += row["wall_s"]
+        entry["target_forwards"] += row["target_forwards"]
+    for entry in summary.values():
+        entry["tokens_per_s"] = entry["new_tokens"] / entry["wall_s"] if entry["wall_s"] else None
+        forwards = entry["target_forwards"]
+        entry["mean_accepted_length"] = entry["new_tokens"] / forwards if forwards else None
+    return sorted(summary.values(), key=lambda e: e["method"])
