@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--code-tokens", type=int, default=320)
     parser.add_argument("--summary-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated subset of: {', '.join(list(OUR_METHODS) + list(PEERS))} (ar is always run)")
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/engine_bench.json")
     args = parser.parse_args()
@@ -176,6 +178,12 @@ def main() -> None:
     logging.disable_progress_bar()
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu"))
     labels = list(OUR_METHODS) + list(PEERS)
+    if args.methods:
+        chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in chosen if m not in labels]
+        if unknown:
+            parser.error(f"unknown method(s): {', '.join(unknown)}")
+        labels = ["ar"] + [m for m in chosen if m != "ar"]
     print(f"model {args.model} {engine.target.dtype_name}, {args.threads} threads, methods: {', '.join(labels)}")
     engine.generate("Warm up.", params=DecodeParams(max_new_tokens=8))
 
