@@ -52,18 +52,15 @@ class DecodeRequests:
             "turn": turn,
         }
 
-    def _decode_turns(self, row: dict, method: str) -> list[dict]:
+    def _decode_turns(self, row: dict, method: str, context_ids: list[int] | None) -> list[dict]:
         later_turns = json.loads(row["next_turns"]) if row.get("next_turns") else []
         multi = bool(later_turns)
         params = self._params(row.get("max_new_tokens"))
-        context_ids = None
-        if row.get("context"):
-            context_ids = self.engine.tokenizer(row["context"])["input_ids"]
         out = []
         base = self._base(row, method, 1 if multi else None)
         if row.get("input_error"):
             return [{**base, "error": row["input_error"]}]
-        prompt_ids = list(row["prompt_ids"])
+        prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
         messages = json.loads(row["messages"]) if row.get("messages") else [{"role": "user", "content": row["prompt"]}]
         for turn in range(1, len(later_turns) + 2):
             base = self._base(row, method, turn if multi else None)
@@ -90,10 +87,12 @@ class DecodeRequests:
         rows = []
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+            # The context is tokenized once per request, for every method's drafter.
+            context_ids = self.engine.tokenizer(row["context"])["input_ids"] if row.get("context") else None
             for method in self.config.methods:
                 if f"{_final_request_id(row)}\t{method}" in self.done:
                     continue
-                rows.extend(self._decode_turns(row, method))
+                rows.extend(self._decode_turns(row, method, context_ids))
         return generations_table(rows)
 
 
