@@ -84,6 +84,7 @@ class DecodeRequests:
     def __call__(self, batch):
         from pipelines.schema import generations_table
 
+        _maybe_die_for_test()
         rows = []
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
@@ -111,6 +112,18 @@ def _final_request_id(row: dict) -> str:
     """The request id of a row's last output row: a multi-turn request is done when its last turn is."""
     later_turns = json.loads(row["next_turns"]) if row.get("next_turns") else []
     return f"{row['id']}#t{len(later_turns) + 1}" if later_turns else row["id"]
+
+
+FAULT_ENV = "SPECBATCH_TEST_KILL_ACTOR_ONCE"
+
+
+def _maybe_die_for_test() -> None:
+    """Fault-injection hook for the exactly-once test: when FAULT_ENV names a marker file that does not exist yet,
+    create it and kill this actor process mid-job (as an OOM kill or a lost node would)."""
+    marker = os.environ.get(FAULT_ENV)
+    if marker and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
 
 
 def _actor_id() -> str:

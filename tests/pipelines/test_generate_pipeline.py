@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(*args, timeout=480):
+def run_job(*args, timeout=480, env=None):
     return subprocess.run([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -131,3 +131,20 @@ def test_bad_arguments_fail_fast_with_one_line(args, fragment, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], proc.stderr
     assert not (tmp_path / "generations").exists()
+
+
+def test_actor_killed_mid_run_is_replaced_and_rows_are_written_exactly_once(tmp_path):
+    import os
+
+    from operators.decode_requests import FAULT_ENV
+
+    rows = [json.dumps({"id": f"r{i}", "prompt": f"Say the number {i}."}).encode() for i in range(6)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    marker = tmp_path / "killed"
+    proc = run_job("--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar", "--method",
+                   "copyspec", "--max-new-tokens", "6", "--dtype", "float32",
+                   env={**os.environ, FAULT_ENV: str(marker)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected, so the test proved nothing"
+    pairs = [(r["request_id"], r["method"]) for r in generations(tmp_path / "out").to_pylist()]
+    assert sorted(pairs) == sorted((f"r{i}", m) for i in range(6) for m in ("ar", "copyspec"))
