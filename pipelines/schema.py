@@ -36,9 +36,13 @@ GENERATIONS_SCHEMA = pa.schema([
     ("host", pa.string()),
     ("actor_id", pa.string()),
     ("started_at", pa.timestamp("us", tz="UTC")),
-    # Additions to the contract: the workload's task and, for multi-turn rows, the turn (1-based).
+    # Additions to the contract: the workload's task and, for multi-turn rows, the turn (1-based); the output's
+    # quality against the row's `reference` (metric name + value); for edits, a unified diff against the input.
     ("task", pa.string()),
     ("turn", pa.int64()),
+    ("quality_metric", pa.string()),
+    ("quality", pa.float64()),
+    ("diff", pa.string()),
 ])
 
 RUNS_SCHEMA = pa.schema([

@@ -1,0 +1,113 @@
+"""The canned reports: named SQL queries over the analysis views, and their rendering as Markdown tables.
+
+Every query takes one parameter, $run_id (NULL = all runs). Speed-ups compare a method with `ar` on the same
+request in the same run only (the `speedups` view), reported both as the mean of per-request ratios and as the
+ratio of totals (tokens/s over all requests), as DESIGN.md defines them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from .views import connect
+
+RUN_FILTER = "($run_id::VARCHAR IS NULL OR run_id = $run_id)"
+
+
+@dataclass(frozen=True)
+class Report:
+    title: str
+    sql: str
+    note: str = ""
+
+
+REPORTS: dict[str, Report] = {
+    "runs": Report("Runs", f"""
+        SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
+        FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),
+    "speedup": Report("Speed-up over ar by method and task", f"""
+        SELECT coalesce(task, '-') AS task, method, bool_or(lossy) AS lossy, count(*) AS requests,
+               avg(speedup) AS mean_of_ratios,
+               (sum(new_tokens) / sum(wall_s)) / (sum(ar_new_tokens) / sum(ar_wall_s)) AS ratio_of_totals,
+               100 * avg(same_output_as_ar::INT) AS pct_same_output_as_ar
+        FROM speedups WHERE {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
+        "tokens/s of the method ÷ tokens/s of ar on the same request in the same run."),
+    "acceptance": Report("Acceptance by method and task", f"""
+        SELECT coalesce(task, '-') AS task, method, count(*) AS requests, sum(new_tokens) AS new_tokens,
+               sum(new_tokens) / sum(wall_s) AS tokens_per_s,
+               sum(new_tokens) / sum(target_forwards) AS mean_accepted_length,
+               sum(accepted_tokens) / nullif(sum(drafted_tokens), 0) AS acceptance_rate,
+               100 * sum(copied_tokens) / nullif(sum(new_tokens), 0) AS pct_copied
+        FROM generations WHERE error IS NULL AND {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
+        "mean accepted length = new tokens / target forwards (bonus token included, ar = 1.0); "
+        "acceptance rate = accepted / drafted tokens."),
+    "sources": Report("Accepted tokens by source", f"""
+        WITH kept AS (
+            SELECT method, unnest(map_keys(accepted_by_source)) AS source,
+                   unnest(map_values(accepted_by_source)) AS tokens
+            FROM generations WHERE error IS NULL AND {RUN_FILTER})
+        SELECT method, source, sum(tokens) AS tokens,
+               100 * sum(tokens) / sum(sum(tokens)) OVER (PARTITION BY method) AS pct_of_method
+        FROM kept GROUP BY method, source ORDER BY method, tokens DESC""",
+        "`target` = tokens the target model emitted itself (bonus or correction tokens)."),
+    "latency": Report("Latency percentiles (TTFT in s, TPOT in ms)", f"""
+        SELECT method, count(*) AS requests,
+               quantile_cont(ttft_s, 0.5) AS ttft_p50, quantile_cont(ttft_s, 0.9) AS ttft_p90,
+               quantile_cont(ttft_s, 0.99) AS ttft_p99,
+               1000 * quantile_cont(tpot_s, 0.5) AS tpot_p50_ms, 1000 * quantile_cont(tpot_s, 0.9) AS tpot_p90_ms,
+               1000 * quantile_cont(tpot_s, 0.99) AS tpot_p99_ms
+        FROM generations WHERE error IS NULL AND {RUN_FILTER} GROUP BY method ORDER BY method"""),
+    "quality": Report("Quality against the reference", f"""
+        SELECT coalesce(task, '-') AS task, method, quality_metric, count(*) AS scored, avg(quality) AS mean_quality
+        FROM generations WHERE quality IS NOT NULL AND {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
+        "ROUGE-L for summaries, exact match for computable code edits, token F1 for QA."),
+    "errors": Report("Errors", f"""
+        SELECT method, count(*) AS rows, count(error) AS errors,
+               arg_max(error, error IS NOT NULL) FILTER (WHERE error IS NOT NULL) AS example_error
+        FROM generations WHERE {RUN_FILTER} GROUP BY method ORDER BY method"""),
+}
+
+
+def run_report(con, name: str, run_id: str | None = None) -> pa.Table:
+    return con.sql(REPORTS[name].sql, params={"run_id": run_id}).to_arrow_table()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    text = str(value).replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def markdown_table(table: pa.Table) -> str:
+    header = "| " + " | ".join(table.column_names) + " |"
+    rule = "|" + "|".join("---" for _ in table.column_names) + "|"
+    rows = ["| " + " | ".join(_cell(v) for v in row.values()) + " |" for row in table.to_pylist()]
+    return "\n".join([header, rule, *rows]) if rows else header + "\n" + rule + "\n| (no rows) |"
+
+
+def build_report(output: str | Path, run_id: str | None = None) -> tuple[str, dict[str, pa.Table]]:
+    """-> (the Markdown text of every canned report, the tables by name)."""
+    con = connect(output, sandbox=True)
+    try:
+        tables = {name: run_report(con, name, run_id) for name in REPORTS}
+    finally:
+        con.close()
+    scope = f"run {run_id}" if run_id else "all runs"
+    parts = [f"# specbatch report: {output} ({scope})"]
+    for name, report in REPORTS.items():
+        parts.append(f"## {report.title}")
+        if report.note:
+            parts.append(report.note)
+        parts.append(markdown_table(tables[name]))
+    return "\n\n".join(parts) + "\n", tables
