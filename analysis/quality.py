@@ -17,9 +17,12 @@ _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.S)
 
 
 def extract_code(text: str) -> str:
-    """The first fenced code block's body when the text has one (models wrap edits in fences), else the text."""
+    """The first fenced code block's body when the text has one (models wrap edits in fences), else the text without
+    stray fence lines (a model sometimes only closes a fence it never opened)."""
     match = _FENCE.search(text)
-    return match.group(1) if match else text
+    if match:
+        return match.group(1)
+    return "".join(line for line in text.splitlines(keepends=True) if not line.strip().startswith("```"))
 
 
 def _normalized_lines(text: str) -> list[str]:

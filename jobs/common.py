@@ -16,7 +16,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str]):
+def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
+                 default_max_new_tokens: int = 256):
     from specdec_core.cli import OneLineParser
     from specdec_core.methods import METHODS
 
@@ -31,7 +32,7 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--model", default="smollm2-135m", help="registry name, local HF directory or hub id")
     parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
     parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -49,7 +50,8 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     return parser
 
 
-def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None):
+def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None,
+                     default_task: str | None = None):
     from specdec_core.methods import MethodOptions
     from pipelines.config import GenerationConfig
 
@@ -58,9 +60,13 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, method_options=MethodOptions(adaptive=args.adaptive), task_template=task_template,
+        default_task=default_task,
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
         limit=args.limit, resume=args.resume,
     )
+    for job_option in ("instruction", "max_context_chars"):  # options only some jobs have
+        if getattr(args, job_option, None) is not None:
+            values[job_option] = getattr(args, job_option)
     if args.run_id:
         values["run_id"] = args.run_id
     return GenerationConfig(**values)
@@ -77,15 +83,20 @@ def preflight(config) -> None:
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],
-             task_template: str | None = None, argv: list[str] | None = None) -> int:
+             task_template: str | None = None, default_task: str | None = None, default_max_new_tokens: int = 256,
+             add_options=None, argv: list[str] | None = None) -> int:
+    """Parse, check (one line and exit 2 on bad input, before Ray starts), run, summarize. add_options(parser)
+    adds a job's own options."""
     from pydantic import ValidationError
 
     from specdec_core.errors import SpecbatchError
 
-    parser = build_parser(f"{job}.py", description, default_input, default_methods)
+    parser = build_parser(f"{job}.py", description, default_input, default_methods, default_max_new_tokens)
+    if add_options is not None:
+        add_options(parser)
     args = parser.parse_args(argv)
     try:
-        config = config_from_args(args, job, default_methods, task_template)
+        config = config_from_args(args, job, default_methods, task_template, default_task)
         preflight(config)
     except ValidationError as exc:
         first = exc.errors()[0]

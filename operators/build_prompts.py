@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 
 from .requests_schema import requests_table
+from .task_prompts import compose_prompt
 
 
 class BuildPrompts:
     """Ray Data callable class: requests (pandas) -> requests (Arrow) with prompt_ids / prompt_tokens filled."""
 
-    def __init__(self, model: str, task_template: str | None = None, max_positions: int | None = None):
+    def __init__(self, model: str, task_template: str | None = None, max_positions: int | None = None,
+                 instruction: str | None = None, max_context_chars: int = 6000, default_task: str | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         from specdec_core.model_registry import resolve_model_path
@@ -23,15 +25,25 @@ class BuildPrompts:
         config = AutoConfig.from_pretrained(path)
         self.max_positions = max_positions or int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.task_template = task_template
+        self.instruction = instruction
+        self.max_context_chars = max_context_chars
+        self.default_task = default_task
+
+    def prompt_text(self, row: dict) -> str:
+        """The final user prompt of a row without messages: its prompt in the task template, or one composed from
+        its document / question."""
+        if row.get("prompt") is not None:
+            return self.task_template.format(prompt=row["prompt"]) if self.task_template else row["prompt"]
+        return compose_prompt(row, self.instruction, self.max_context_chars)
 
     def prompt_ids(self, row: dict) -> list[int]:
         from specdec_core.prompts import build_prompt_ids
 
-        messages = json.loads(row["messages"]) if row.get("messages") else None
-        prompt = row.get("prompt") if messages is None else None
-        if prompt is not None and self.task_template:
-            prompt = self.task_template.format(prompt=prompt)
-        return build_prompt_ids(self.tokenizer, prompt=prompt, messages=messages)
+        if row.get("messages"):
+            return build_prompt_ids(self.tokenizer, messages=json.loads(row["messages"]))
+        # Stored back: later turns of a multi-turn row start their history from this text.
+        row["prompt"] = self.prompt_text(row)
+        return build_prompt_ids(self.tokenizer, prompt=row["prompt"])
 
     def __call__(self, batch):
         from specdec_core.errors import SpecbatchError
@@ -40,6 +52,7 @@ class BuildPrompts:
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
             row["prompt_ids"] = None
+            row["task"] = row.get("task") or self.default_task
             if not row.get("input_error"):
                 try:
                     ids = self.prompt_ids(row)

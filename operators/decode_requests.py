@@ -12,6 +12,8 @@ import os
 import socket
 from datetime import datetime, timezone
 
+from .score_outputs import output_annotations
+
 
 class DecodeRequests:
     def __init__(self, config: dict, torch_threads: int, done: frozenset = frozenset()):
@@ -70,7 +72,8 @@ class DecodeRequests:
             except Exception as exc:  # one failing request must not stop the job
                 out.append({**base, "prompt_tokens": len(prompt_ids), "error": f"{type(exc).__name__}: {exc}"})
                 break
-            out.append({**base, **_contract_fields(result), "prompt_tokens": len(prompt_ids), "error": None})
+            out.append({**base, **_contract_fields(result), **output_annotations(row, result["output_text"]),
+                        "prompt_tokens": len(prompt_ids), "error": None})
             if turn <= len(later_turns):
                 messages = messages + [{"role": "assistant", "content": result["output_text"]},
                                        {"role": "user", "content": later_turns[turn - 1]}]

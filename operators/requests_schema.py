@@ -19,6 +19,9 @@ REQUESTS_SCHEMA = pa.schema([
     ("next_turns", pa.string()),  # JSON list of user messages decoded after the first turn
     ("context", pa.string()),
     ("reference", pa.string()),
+    ("document", pa.string()),  # edit jobs: the text to edit (the output's diff is taken against it)
+    ("instruction", pa.string()),  # edit jobs: this row's edit instruction
+    ("question", pa.string()),  # QA jobs: answered from `context`
     ("max_new_tokens", pa.int64()),
     ("input_error", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())),
@@ -71,7 +74,7 @@ def normalize_row(raw: dict) -> dict:
     errors = []
     row_id = raw.get("id")
     row = {"id": str(row_id) if row_id not in (None, "") else row_hash_id(raw)}
-    for name in ("task", "prompt", "context", "reference"):
+    for name in ("task", "prompt", "context", "reference", "document", "instruction", "question"):
         row[name], error = _as_text(raw.get(name), name)
         errors.append(error)
     row["messages"], error = _as_messages(raw.get("messages"))
@@ -92,8 +95,8 @@ def normalize_row(raw: dict) -> dict:
                 errors.append("max_new_tokens must be >= 1")
         except (TypeError, ValueError):
             errors.append("max_new_tokens must be an integer")
-    if row.get("prompt") is None and row.get("messages") is None and not any(errors):
-        errors.append("missing column: the row needs 'prompt' or 'messages'")
+    if all(row.get(name) is None for name in ("prompt", "messages", "document", "question")) and not any(errors):
+        errors.append("missing column: the row needs 'prompt', 'messages', 'document' or 'question'")
     if raw.get("input_error"):
         errors.insert(0, raw["input_error"])
     row["input_error"] = "; ".join(e for e in errors if e) or None

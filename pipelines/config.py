@@ -34,6 +34,9 @@ class GenerationConfig(BaseModel):
     seed: int | None = None
     method_options: MethodOptions = Field(default_factory=MethodOptions)
     task_template: str | None = Field(None, description="wraps each prompt: must contain {prompt}")
+    default_task: str | None = Field(None, description="task of rows without one (picks the quality metric)")
+    instruction: str | None = Field(None, description="edit instruction for `document` rows without their own")
+    max_context_chars: int = Field(6000, ge=1, description="context characters put into a `question` row's prompt")
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float | None = Field(None, gt=0, description="default: a fair share that leaves CPU for reads")
     num_gpus_per_actor: float = Field(0.0, ge=0)

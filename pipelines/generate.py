@@ -46,7 +46,9 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
     requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS)
     prompts = requests.map_batches(
         BuildPrompts,
-        fn_constructor_kwargs={"model": config.model, "task_template": config.task_template},
+        fn_constructor_kwargs={"model": config.model, "task_template": config.task_template,
+                               "instruction": config.instruction, "max_context_chars": config.max_context_chars,
+                               "default_task": config.default_task},
         batch_format="pandas",
         batch_size=64,
         compute=ray.data.ActorPoolStrategy(size=1),

@@ -1,0 +1,58 @@
+"""Prompt composition for document / question rows, normalization of those columns, and the per-row edit diff."""
+
+import pytest
+
+from operators.requests_schema import normalize_row
+from operators.score_outputs import document_diff, output_annotations
+from operators.task_prompts import compose_prompt
+from specdec_core.errors import BadRequestError
+
+DOCUMENT = "line one\nline two\nline three\n"
+
+
+def test_edit_prompt_uses_the_row_instruction_before_the_run_one():
+    prompt = compose_prompt({"document": DOCUMENT, "instruction": "Row says."}, instruction="Run says.")
+    assert prompt.startswith("Row says.") and DOCUMENT in prompt
+    assert compose_prompt({"document": DOCUMENT}, instruction="Run says.").startswith("Run says.")
+
+
+@pytest.mark.parametrize("row, fragment", [
+    ({"document": DOCUMENT}, "no edit instruction"),
+    ({"document": "  ", "instruction": "x"}, "empty document"),
+    ({"question": "Why?"}, "needs a 'context'"),
+    ({"question": " ", "context": "c"}, "empty question"),
+    ({}, "missing column"),
+])
+def test_unusable_rows_raise_a_clear_error(row, fragment):
+    with pytest.raises(BadRequestError, match=fragment):
+        compose_prompt(row)
+
+
+def test_question_prompt_truncates_the_context_only_in_the_prompt():
+    row = {"question": "Who?", "context": "x" * 100}
+    prompt = compose_prompt(row, max_context_chars=10)
+    assert "x" * 10 in prompt and "x" * 11 not in prompt and prompt.endswith("Question: Who?")
+
+
+def test_normalize_accepts_document_and_question_rows():
+    assert normalize_row({"id": "d", "document": DOCUMENT, "instruction": "Edit."})["input_error"] is None
+    assert normalize_row({"id": "q", "question": "Q?", "context": "C"})["input_error"] is None
+    assert "missing column" in normalize_row({"id": "n", "instruction": "Edit."})["input_error"]
+    assert "UTF-8" in normalize_row({"id": "b", "document": b"caf\xe9"})["input_error"]
+
+
+def test_diff_shows_only_the_changed_line_and_reads_inside_fences():
+    diff = document_diff(DOCUMENT, "```\nline one\nline 2\nline three\n```\nI changed one line.")
+    changed = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert changed == ["-line two", "+line 2"]
+    assert document_diff(DOCUMENT, DOCUMENT) == ""
+    # No final newline on the output: the last line still ends before the next diff line.
+    assert "+line 3\n" in document_diff(DOCUMENT, "line one\nline two\nline 3")
+
+
+def test_annotations_score_references_and_diff_documents():
+    row = {"task": "code_edit", "document": DOCUMENT, "reference": DOCUMENT}
+    notes = output_annotations(row, DOCUMENT)
+    assert notes == {"quality_metric": "exact_match", "quality": 1.0, "diff": ""}
+    assert output_annotations({"task": "summarization"}, "text") == {"quality_metric": None, "quality": None,
+                                                                     "diff": None}
