@@ -1,0 +1,70 @@
+"""The edit and QA jobs end to end on the real default model: diff and quality columns, error rows, bad options."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.dataset as pads
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(job, *args, timeout=480):
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / job), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def rows_of(out: Path) -> dict:
+    table = pads.dataset(str(out / "generations"), format="parquet", partitioning="hive").to_table()
+    return {(r["request_id"], r["method"]): r for r in table.to_pylist()}
+
+
+def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
+    sample = [json.loads(line) for line in (ROOT / "samples" / "edit_documents.jsonl").read_text().splitlines()]
+    rows = [sample[0], {"id": "empty-document", "document": "  ", "instruction": "Edit."},
+            {"id": "run-instruction", "document": "Alpha beta gamma.\n", "max_new_tokens": 8}]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run("edit_documents.py", "--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar",
+               "--method", "copyspec", "--max-new-tokens", "40", "--dtype", "float32",
+               "--instruction", "Write it in upper case.")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = rows_of(tmp_path / "out")
+    assert len(out) == 6
+    assert "empty document" in out[("empty-document", "ar")]["error"]
+    # The row without an instruction of its own takes --instruction (without it, it would be an error row).
+    assert out[("run-instruction", "copyspec")]["error"] is None
+    assert out[("run-instruction", "copyspec")]["new_tokens"] == 8
+    edited = out[("edit-rename", "copyspec")]
+    assert edited["error"] is None and edited["task"] == "code_edit"
+    assert edited["quality_metric"] == "exact_match" and edited["quality"] in (0.0, 1.0)
+    assert edited["diff"].startswith("--- input\n+++ output\n")
+    # Lossless: the same output, hence the same diff, for ar and copyspec.
+    assert edited["output_token_ids"] == out[("edit-rename", "ar")]["output_token_ids"]
+    assert edited["diff"] == out[("edit-rename", "ar")]["diff"]
+
+
+def test_answer_job_scores_answers_by_token_f1(tmp_path):
+    proc = run("answer_questions.py", "--output", str(tmp_path / "qa"), "--method", "ar", "--method", "pld",
+               "--limit", "1", "--max-new-tokens", "16", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = rows_of(tmp_path / "qa")
+    assert set(out) == {("qa-bridge-year", "ar"), ("qa-bridge-year", "pld")}
+    answer = out[("qa-bridge-year", "pld")]
+    assert answer["error"] is None and answer["task"] == "qa" and answer["quality_metric"] == "token_f1"
+    assert 0.0 <= answer["quality"] <= 1.0 and answer["diff"] is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("job, args, fragment", [
+    ("edit_documents.py", ["--instruction"], "expected one argument"),
+    ("answer_questions.py", ["--max-context-chars", "0"], "max_context_chars"),
+    ("edit_documents.py", ["--input", "/no/such.jsonl"], "input not found"),
+])
+def test_job_specific_bad_arguments_fail_fast(job, args, fragment, tmp_path):
+    proc = run(job, "--output", str(tmp_path), *args, timeout=100)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and fragment in proc.stderr, \
+        proc.stderr
