@@ -111,3 +111,24 @@ def build_report(output: str | Path, run_id: str | None = None) -> tuple[str, di
             parts.append(report.note)
         parts.append(markdown_table(tables[name]))
     return "\n\n".join(parts) + "\n", tables
+
+
+def write_report_files(output: str | Path, run_id: str | None, report_dir: Path,
+                       plots: bool = True) -> tuple[str, list[Path]]:
+    """report.md plus the PNG plots (speed-up bars, accepted-length histogram) in report_dir."""
+    from .plots import accepted_length_histogram, speedup_bars
+    from .views import run_query
+
+    text, tables = build_report(output, run_id)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    written = [report_dir / "report.md"]
+    written[0].write_text(text, encoding="utf-8")
+    if plots:
+        lengths = run_query(output, f"SELECT method, list(mean_accepted_length) AS v FROM generations "
+                                    f"WHERE error IS NULL AND {RUN_FILTER} GROUP BY method", {"run_id": run_id})
+        for path in (speedup_bars(tables["speedup"], report_dir / "speedup.png"),
+                     accepted_length_histogram({r["method"]: r["v"] for r in lengths.to_pylist()},
+                                               report_dir / "accepted_length.png")):
+            if path is not None:
+                written.append(path)
+    return text, written

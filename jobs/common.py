@@ -98,14 +98,8 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
     try:
         config = config_from_args(args, job, default_methods, task_template, default_task)
         preflight(config)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"{job}.py: error: {where + ': ' if where else ''}{first['msg']}", file=sys.stderr)
-        return 2
-    except SpecbatchError as exc:
-        print(f"{job}.py: error: {exc}", file=sys.stderr)
-        return 2
+    except (ValidationError, SpecbatchError) as exc:
+        return report_validation_error(job, exc)
     from pipelines.generate import init_ray, run_generation
 
     init_ray(args.address)
@@ -114,6 +108,20 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
     print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
                      | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))
     return 0
+
+
+def report_validation_error(job: str, exc: Exception) -> int:
+    """One `JOB.py: error: ...` line on stderr for a bad configuration; returns the exit status (2)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = f"{where + ': ' if where else ''}{first['msg']}"
+    else:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    print(f"{job}.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def print_method_summary(output: str, run_id: str) -> None:

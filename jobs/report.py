@@ -61,31 +61,10 @@ def print_query(output: str, sql: str, parameters: dict, fmt: str) -> None:
         print(markdown_table(table))
 
 
-def write_report(output: str, run_id: str | None, report_dir: Path, plots: bool) -> list[Path]:
-    from analysis.plots import accepted_length_histogram, speedup_bars
-    from analysis.reports import build_report
-    from analysis.views import run_query
-
-    text, tables = build_report(output, run_id)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    written = [report_dir / "report.md"]
-    written[0].write_text(text, encoding="utf-8")
-    if plots:
-        lengths = run_query(output, "SELECT method, list(mean_accepted_length) AS v FROM generations WHERE error IS "
-                                    "NULL AND ($run_id::VARCHAR IS NULL OR run_id = $run_id) GROUP BY method",
-                            {"run_id": run_id}).to_pylist()
-        for path in (speedup_bars(tables["speedup"], report_dir / "speedup.png"),
-                     accepted_length_histogram({r["method"]: r["v"] for r in lengths},
-                                               report_dir / "accepted_length.png")):
-            if path is not None:
-                written.append(path)
-    print(text)
-    return written
-
-
 def main(argv: list[str] | None = None) -> int:
     import duckdb
 
+    from analysis.reports import write_report_files
     from analysis.views import ReadOnlyQueryError
 
     parser = build_parser()
@@ -97,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             print_query(args.output, args.sql, dict(args.param), args.format)
         else:
             report_dir = Path(args.report_dir) if args.report_dir else Path(args.output) / "report"
-            written = write_report(args.output, args.run_id, report_dir, not args.no_plots)
+            text, written = write_report_files(args.output, args.run_id, report_dir, plots=not args.no_plots)
+            print(text)
             print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     except (ReadOnlyQueryError, duckdb.Error) as exc:
         print(f"report.py: error: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -1,0 +1,33 @@
+"""The benchmark job on a tiny request set: runs, throughput table, and HF batch-1 greedy identical to our ar."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_reports_speedups_throughput_and_the_hf_peer(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--output", str(tmp_path), "--workload", "sample",
+         "--per-workload", "2", "--max-new-tokens", "8", "--method", "ar", "--method", "copyspec", "--actors", "1",
+         "--hf-batch-sizes", "1,2", "--dtype", "float32"],
+        capture_output=True, text=True, timeout=540, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "benchmark" / "benchmark.json").read_text())
+    (run,) = result["pipeline_runs"]
+    assert run["actors"] == 1 and run["errors"] == 0 and run["new_tokens"] > 0
+    # 2 sample rows (a code edit and a summary) x 2 methods, at most 8 new tokens each.
+    assert run["new_tokens"] <= 2 * 2 * 8
+    assert {m["method"] for m in result["methods_in_speedup_run"]} == {"ar", "copyspec"}
+    peers = {p["batch_size"]: p for p in result["hf_generate"]}
+    assert set(peers) == {1, 2} and peers[1]["requests"] == 2
+    # HF greedy at batch 1 in fp32 decodes exactly what our ar decoded.
+    assert peers[1]["same_as_ar"] == 2
+    markdown = (tmp_path / "benchmark" / "benchmark.md").read_text()
+    assert "Speed-up over ar" in markdown and "HF generate greedy, batch 1" in markdown
+    assert (tmp_path / "benchmark" / "speedup.png").exists()
