@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench pipeline-bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,3 +28,6 @@ test: install
 
 bench: install
 	$(PY) benchmarks/engine_bench.py
+
+pipeline-bench: install
+	$(PY) jobs/benchmark.py --output bench_outputs

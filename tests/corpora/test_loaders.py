@@ -6,7 +6,8 @@ import pytest
 
 from corpora.aclsum import rag_rows, summarization_rows
 from corpora.code_edit import humaneval_rows, rename_identifier, stdlib_rename_tasks
-from corpora.mtbench import REDUNDANT_SECOND_TURN, mtbench_rows
+from corpora.mt_redundant import SECOND_TURNS
+from corpora.mtbench import mtbench_rows
 
 
 def assert_input_contract(rows):
@@ -66,7 +67,10 @@ def test_mtbench_rows_have_a_redundant_second_turn():
     assert_input_contract(rows)
     for row in rows:
         assert row["messages"][0]["role"] == "user"
-        assert row["next_turns"] == [REDUNDANT_SECOND_TURN[row["category"]]]
+        assert row["next_turns"] == [SECOND_TURNS[int(row["id"].split("-")[1])]]
+    # One second turn written per question: all 80 differ, and each asks to repeat or revise the first answer.
+    assert len({row["next_turns"][0] for row in rows}) == 80
+    assert all(t.startswith(("Repeat", "Revise", "Rewrite", "Keep", "Restate")) for t in SECOND_TURNS.values())
 
 
 @pytest.mark.parametrize("limit", [0, 1, 3])
