@@ -16,6 +16,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: Path) -> Path:
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def speedup_bars(speedup: pa.Table, path: Path) -> Path | None:
     """Grouped bars: one group per task, one bar per method (mean of per-request ratios); ar's 1.0 is the line."""
     rows = [r for r in speedup.to_pylist() if r["method"] != "ar"]
@@ -33,11 +41,7 @@ def speedup_bars(speedup: pa.Table, path: Path) -> Path | None:
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set_ylabel("speed-up over ar (mean of per-request ratios)")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def accepted_length_histogram(lengths_by_method: dict[str, list[float]], path: Path) -> Path | None:
@@ -52,8 +56,5 @@ def accepted_length_histogram(lengths_by_method: dict[str, list[float]], path: P
         ax.hist(values, bins=bins, alpha=0.5, label=method)
     ax.set_xlabel("mean accepted length per request (tokens per target forward)")
     ax.set_ylabel("requests")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    return _save(plt, fig, ax, path)

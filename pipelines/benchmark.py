@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdec_core.methods import METHODS, MethodOptions
+from specdec_core.methods import MethodOptions, check_method_names
 
 DEFAULT_WORKLOADS = ["summarization", "code_edit", "rag", "multi_turn"]
 
@@ -33,21 +33,17 @@ class BenchmarkConfig(BaseModel):
     @field_validator("methods")
     @classmethod
     def _ar_and_known(cls, methods: list[str]) -> list[str]:
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-        if "ar" not in methods:
+        if "ar" not in check_method_names(methods):
             raise ValueError("speed-ups are measured against ar: include --method ar")
-        return list(dict.fromkeys(methods))
+        return methods
 
     @field_validator("workloads")
     @classmethod
     def _known_workloads(cls, workloads: list[str]) -> list[str]:
-        from operators.read_requests import WORKLOADS
+        from operators.read_requests import check_input_path
 
-        unknown = [w for w in workloads if w not in WORKLOADS]
-        if unknown:
-            raise ValueError(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+        for workload in workloads:
+            check_input_path(f"workload:{workload}")  # raises SpecbatchError naming the choices
         return workloads
 
     @field_validator("actors", "hf_batch_sizes")

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec_core.methods import METHODS, MethodOptions
+from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
 
 def new_run_id() -> str:
@@ -48,12 +48,7 @@ class GenerationConfig(BaseModel):
     @field_validator("methods")
     @classmethod
     def _known_methods(cls, methods: list[str]) -> list[str]:
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-        if len(set(methods)) != len(methods):
-            raise ValueError("a method is listed twice")
-        return methods
+        return check_method_names(methods)
 
     @field_validator("task_template")
     @classmethod

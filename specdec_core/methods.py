@@ -57,6 +57,16 @@ def register(name: str, description: str, needs_draft_model: bool = False, lossl
     return wrap
 
 
+def check_method_names(methods: list[str]) -> list[str]:
+    """For config validators: every name registered, none twice (ValueError naming the choices otherwise)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ValueError("a method is listed twice")
+    return methods
+
+
 def get_method(name: str) -> MethodSpec:
     try:
         return METHODS[name]
