@@ -96,13 +96,12 @@ def markdown_table(table: pa.Table) -> str:
     return "\n".join([header, rule, *rows]) if rows else header + "\n" + rule + "\n| (no rows) |"
 
 
-def build_report(output: str | Path, run_id: str | None = None) -> tuple[str, dict[str, pa.Table]]:
-    """-> (the Markdown text of every canned report, the tables by name)."""
-    con = connect(output, sandbox=True)
-    try:
-        tables = {name: run_report(con, name, run_id) for name in REPORTS}
-    finally:
-        con.close()
+def build_report(output: str | Path, run_id: str | None = None, con=None) -> tuple[str, dict[str, pa.Table]]:
+    """-> (the Markdown text of every canned report, the tables by name); con: an open analysis connection."""
+    if con is None:
+        with connect(output) as con:
+            return build_report(output, run_id, con)
+    tables = {name: run_report(con, name, run_id) for name in REPORTS}
     scope = f"run {run_id}" if run_id else "all runs"
     parts = [f"# specbatch report: {output} ({scope})"]
     for name, report in REPORTS.items():
@@ -117,15 +116,16 @@ def write_report_files(output: str | Path, run_id: str | None, report_dir: Path,
                        plots: bool = True) -> tuple[str, list[Path]]:
     """report.md plus the PNG plots (speed-up bars, accepted-length histogram) in report_dir."""
     from .plots import accepted_length_histogram, speedup_bars
-    from .views import run_query
 
-    text, tables = build_report(output, run_id)
+    with connect(output) as con:
+        text, tables = build_report(output, run_id, con)
+        lengths = con.sql(f"SELECT method, list(mean_accepted_length) AS v FROM generations "
+                          f"WHERE error IS NULL AND {RUN_FILTER} GROUP BY method", params={"run_id": run_id})
+        lengths = lengths.to_arrow_table()
     report_dir.mkdir(parents=True, exist_ok=True)
     written = [report_dir / "report.md"]
     written[0].write_text(text, encoding="utf-8")
     if plots:
-        lengths = run_query(output, f"SELECT method, list(mean_accepted_length) AS v FROM generations "
-                                    f"WHERE error IS NULL AND {RUN_FILTER} GROUP BY method", {"run_id": run_id})
         for path in (speedup_bars(tables["speedup"], report_dir / "speedup.png"),
                      accepted_length_histogram({r["method"]: r["v"] for r in lengths.to_pylist()},
                                                report_dir / "accepted_length.png")):

@@ -41,8 +41,6 @@ class BuildPrompts:
 
         if row.get("messages"):
             return build_prompt_ids(self.tokenizer, messages=json.loads(row["messages"]))
-        # Stored back: later turns of a multi-turn row start their history from this text.
-        row["prompt"] = self.prompt_text(row)
         return build_prompt_ids(self.tokenizer, prompt=row["prompt"])
 
     def __call__(self, batch):
@@ -55,6 +53,9 @@ class BuildPrompts:
             row["task"] = row.get("task") or self.default_task
             if not row.get("input_error"):
                 try:
+                    if not row.get("messages"):
+                        # The final prompt text is stored: later turns of a multi-turn row build on it.
+                        row["prompt"] = self.prompt_text(row)
                     ids = self.prompt_ids(row)
                     row["prompt_tokens"] = len(ids)
                     if len(ids) >= self.max_positions:

@@ -81,22 +81,25 @@ def run_pipeline(config: BenchmarkConfig, requests: Path, actors: int, run_id: s
             "tokens_per_s": new_tokens / summary["wall_s"], "errors": summary["errors"]}
 
 
-def _run_new_tokens(output: str, run_id: str) -> int:
-    from analysis.views import run_query
+def _select(output: str, sql: str, run_id: str) -> list[dict]:
+    """Our own queries over the live views (no sandbox copy: they are not user SQL)."""
+    from analysis.views import connect
 
-    table = run_query(output, "SELECT coalesce(sum(new_tokens), 0) AS n FROM generations "
-                              "WHERE run_id = $run AND error IS NULL", {"run": run_id})
-    return int(table.to_pylist()[0]["n"])
+    with connect(output) as con:
+        return con.sql(sql, params={"run": run_id}).to_arrow_table().to_pylist()
+
+
+def _run_new_tokens(output: str, run_id: str) -> int:
+    rows = _select(output, "SELECT coalesce(sum(new_tokens), 0) AS n FROM generations "
+                           "WHERE run_id = $run AND error IS NULL", run_id)
+    return int(rows[0]["n"])
 
 
 def method_throughput(output: str, run_id: str) -> list[dict]:
     """Per method of one run: new tokens / time spent decoding that method (sum of its requests' wall_s)."""
-    from analysis.views import run_query
-
-    return run_query(output, "SELECT method, sum(new_tokens) AS new_tokens, sum(wall_s) AS decode_s, "
-                             "sum(new_tokens) / sum(wall_s) AS tokens_per_s FROM generations "
-                             "WHERE run_id = $run AND error IS NULL GROUP BY method ORDER BY method",
-                     {"run": run_id}).to_pylist()
+    return _select(output, "SELECT method, sum(new_tokens) AS new_tokens, sum(wall_s) AS decode_s, "
+                           "sum(new_tokens) / sum(wall_s) AS tokens_per_s FROM generations "
+                           "WHERE run_id = $run AND error IS NULL GROUP BY method ORDER BY method", run_id)
 
 
 def prepared_requests(config: BenchmarkConfig, requests: Path) -> list[dict]:
@@ -141,10 +144,8 @@ def run_hf_peer(config: BenchmarkConfig, requests: Path, ar_outputs: dict[str, l
 
 
 def ar_outputs(output: str, run_id: str) -> dict[str, list[int]]:
-    from analysis.views import run_query
-
-    rows = run_query(output, "SELECT request_id, output_token_ids FROM generations WHERE run_id = $run "
-                             "AND method = 'ar' AND error IS NULL", {"run": run_id}).to_pylist()
+    rows = _select(output, "SELECT request_id, output_token_ids FROM generations WHERE run_id = $run "
+                           "AND method = 'ar' AND error IS NULL", run_id)
     return {r["request_id"]: list(r["output_token_ids"]) for r in rows}
 
 

@@ -52,6 +52,11 @@ class SequenceState:
         return self.tokens[self.prompt_len :]
 
     @property
+    def num_generated(self) -> int:
+        # Checked for every emitted token: a length, not the copy `generated` makes.
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -92,7 +97,7 @@ def prefill(target: ModelRunner, prompt_ids: list[int], params: DecodeParams) ->
 
 def draft_budget(target: ModelRunner, state: SequenceState, params: DecodeParams) -> int:
     """Most draft tokens this step may verify without passing max_new_tokens or the context limit."""
-    room_new = params.max_new_tokens - len(state.generated) - 1
+    room_new = params.max_new_tokens - state.num_generated - 1
     room_context = target.max_positions - len(state.tokens) - 1
     return max(0, min(room_new, room_context))
 
@@ -133,7 +138,7 @@ def emit(target: ModelRunner, state: SequenceState, new: list[tuple[int, str, bo
             break
         if params.stop_strings and hit_stop_string(target, state, params.stop_strings):
             break  # tokens after the one that completed a stop string are dropped
-        if len(state.generated) >= params.max_new_tokens or len(state.tokens) >= target.max_positions:
+        if state.num_generated >= params.max_new_tokens or len(state.tokens) >= target.max_positions:
             state.finish_reason = FINISH_LENGTH
             break
     return kept
@@ -144,7 +149,8 @@ def hit_stop_string(target: ModelRunner, state: SequenceState, stop_strings: tup
     # A stop string of n characters spans at most n tokens (+ a few for multi-byte pieces): decode only that tail
     # per token, and the whole text once on a hit.
     window = max(len(s) for s in stop_strings) + 4
-    tail = target.tokenizer.decode(state.generated[-window:], skip_special_tokens=True)
+    tail = target.tokenizer.decode(state.tokens[max(state.prompt_len, len(state.tokens) - window):],
+                                  skip_special_tokens=True)
     if not any(s and s in tail for s in stop_strings):
         return False
     text = target.tokenizer.decode(state.generated, skip_special_tokens=True)

@@ -17,10 +17,15 @@ def test_local_directory_passes_through(tmp_path):
     assert model_registry.resolve_model_path(str(tmp_path)) == str(tmp_path)
 
 
-def test_missing_package_names_the_fix(monkeypatch, tmp_path):
+def register_fake_model(monkeypatch, tmp_path, packages, parts) -> None:
+    """A registry entry named "fake" whose pinned sha256 is all zeros, with its cache in tmp_path."""
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
-    spec = model_registry.ModelSpec("fake", ("fake-pkg==1.0",), (("no_such_module_xyz", "w.gguf"),), "w.gguf", "0" * 64)
+    spec = model_registry.ModelSpec("fake", packages, parts, "w.gguf", "0" * 64)
     monkeypatch.setitem(model_registry.MODEL_SPECS, "fake", spec)
+
+
+def test_missing_package_names_the_fix(monkeypatch, tmp_path):
+    register_fake_model(monkeypatch, tmp_path, ("fake-pkg==1.0",), (("no_such_module_xyz", "w.gguf"),))
     with pytest.raises(ModelPackageMissingError, match="install-model fake"):
         model_registry.ensure_converted("fake")
     with pytest.raises(ModelPackageMissingError):
@@ -28,10 +33,8 @@ def test_missing_package_names_the_fix(monkeypatch, tmp_path):
 
 
 def test_checksum_mismatch_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     # A real module file stands in for the weights: its hash cannot match the pinned one.
-    spec = model_registry.ModelSpec("fake", ("x",), (("specdec_core", "errors.py"),), "w.gguf", "0" * 64)
-    monkeypatch.setitem(model_registry.MODEL_SPECS, "fake", spec)
+    register_fake_model(monkeypatch, tmp_path, ("x",), (("specdec_core", "errors.py"),))
     with pytest.raises(ChecksumMismatchError, match="expected 0000"):
         model_registry.ensure_converted("fake")
     assert not (tmp_path / "models" / "fake").exists()
