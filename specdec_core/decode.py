@@ -1,26 +1,19 @@
-"""The one decode loop: draft -> verify with ONE target forward -> accept -> crop the KV cache -> observe -> stop?
-
-State lives in a per-row `SequenceState` (tokens, cache, generator, counters) so that a batched loop can later step
-several rows of different lengths and draft lengths; this version steps one row at a time.
-
-Invariant between steps: `state.tokens` = prompt + emitted tokens, and the target cache holds every token but the
-last one (the "pending" token, fed at the start of the next step together with the draft).
+"""Per-request decoding state and the rules every step applies to it: emit tokens, stop (EOS, stop string,
+length, context limit), how many draft tokens may still be verified. The loop itself is `batch_decode.py`;
+`decode()` here is its one-request case.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import Draft, Drafter, RequestContext
 from .errors import BadRequestError
-from .metrics import TARGET_SOURCE, RequestMetrics
+from .metrics import RequestMetrics
 from .model_runner import ModelRunner
-from .sampling import SamplingParams, make_generator, select_token
-from .verification import verify
+from .sampling import SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens or the model's context limit
@@ -41,11 +34,15 @@ class DecodeParams:
 class SequenceState:
     tokens: list[int]
     prompt_len: int
-    cache: object
     generator: torch.Generator
     metrics: RequestMetrics
     finish_reason: str | None = None
     stop_text: str | None = None  # output text cut at a stop string
+
+    @classmethod
+    def new(cls, prompt_ids: Sequence[int], generator: torch.Generator) -> "SequenceState":
+        return cls(tokens=list(prompt_ids), prompt_len=len(prompt_ids), generator=generator,
+                   metrics=RequestMetrics(prompt_tokens=len(prompt_ids)))
 
     @property
     def generated(self) -> list[int]:
@@ -79,48 +76,11 @@ def check_prompt(target: ModelRunner, prompt_ids: Sequence[int]) -> None:
         )
 
 
-def prefill(target: ModelRunner, prompt_ids: list[int], params: DecodeParams) -> SequenceState:
-    """Run the prompt and emit the first token (that is what TTFT measures)."""
-    check_prompt(target, prompt_ids)
-    state = SequenceState(
-        tokens=list(prompt_ids),
-        prompt_len=len(prompt_ids),
-        cache=target.new_cache(),
-        generator=make_generator(params.sampling.seed),
-        metrics=RequestMetrics(prompt_tokens=len(prompt_ids)),
-    )
-    logits = target.forward(state.cache, state.tokens, num_logits=1).logits[0]  # [vocab]
-    state.metrics.target_forwards += 1
-    emit(target, state, [(select_token(logits, params.sampling, state.generator), TARGET_SOURCE, False)], params)
-    return state
-
-
 def draft_budget(target: ModelRunner, state: SequenceState, params: DecodeParams) -> int:
     """Most draft tokens this step may verify without passing max_new_tokens or the context limit."""
     room_new = params.max_new_tokens - state.num_generated - 1
     room_context = target.max_positions - len(state.tokens) - 1
     return max(0, min(room_new, room_context))
-
-
-def speculative_step(target: ModelRunner, drafter: Drafter, state: SequenceState, params: DecodeParams) -> None:
-    draft = drafter.propose(state.tokens, draft_budget(target, state, params))
-    k = len(draft.tokens)
-    cached = len(state.tokens) - 1
-    # One target forward over [pending] + draft gives k + 1 next-token distributions.
-    logits = target.forward(state.cache, [state.tokens[-1], *draft.tokens], num_logits=k + 1).logits  # [k+1, V]
-    state.metrics.target_forwards += 1
-    result = verify(draft.tokens, logits, params.sampling, state.generator, draft.probs)
-    # Keep the pending token and the accepted draft tokens in the cache; the new pending token is not fed yet.
-    target.crop(state.cache, cached + 1 + result.num_accepted)
-    state.metrics.drafted_tokens += k
-    kept = emit(target, state, _sourced(draft, result.num_accepted, result.next_token), params)
-    state.metrics.accepted_tokens += min(kept, result.num_accepted)
-    drafter.observe(state.tokens, draft, result.num_accepted)
-
-
-def _sourced(draft: Draft, num_accepted: int, next_token: int) -> list[tuple[int, str, bool]]:
-    accepted = [(token, draft.source, draft.from_context) for token in draft.tokens[:num_accepted]]
-    return accepted + [(next_token, TARGET_SOURCE, False)]
 
 
 def emit(target: ModelRunner, state: SequenceState, new: list[tuple[int, str, bool]], params: DecodeParams) -> int:
@@ -159,28 +119,8 @@ def hit_stop_string(target: ModelRunner, state: SequenceState, stop_strings: tup
     return True
 
 
-def decode(
-    target: ModelRunner,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    params: DecodeParams,
-    context_ids: list[int] | None = None,
-) -> DecodeResult:
-    started = time.perf_counter()
-    state = prefill(target, prompt_ids, params)
-    state.metrics.ttft_s = time.perf_counter() - started
-    drafter.start(
-        state.tokens,
-        RequestContext(
-            prompt_len=state.prompt_len, context_ids=context_ids, sampling=params.sampling, generator=state.generator
-        ),
-    )
-    while not state.finished:
-        speculative_step(target, drafter, state, params)
-    state.metrics.wall_s = time.perf_counter() - started
-    text = state.stop_text
-    if text is None:
-        text = target.tokenizer.decode(state.generated, skip_special_tokens=True)
-    return DecodeResult(
-        token_ids=list(state.generated), text=text, finish_reason=state.finish_reason, metrics=state.metrics
-    )
+def final_text(target: ModelRunner, state: SequenceState) -> str:
+    if state.stop_text is not None:
+        return state.stop_text
+    return target.tokenizer.decode(state.generated, skip_special_tokens=True)
+

@@ -1,18 +1,22 @@
 """Engine: a loaded target (and optional draft model) that decodes requests with any registered method.
 
 This is the public entry point that the CLI and the Ray operators share; it returns the engine's part of the output
-contract (ids, text, finish reason, every speed metric) for one request.
+contract (ids, text, finish reason, every speed metric) per request. `decode_batch` runs many requests through one
+continuous-batching loop; `generate_ids` is its one-request case.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .decode import DecodeParams, decode
+from .batch_decode import BatchDecoder, DecodeRequest
+from .decode import DecodeParams, DecodeResult
+from .errors import BadRequestError
 from .methods import MethodOptions, get_method
 from .model_runner import ModelRunner
 from .prompts import build_prompt_ids
-from .sampling import SamplingParams
+from .speculation_budget import SpeculationBudget, StepCostModel
 
 
 @dataclass
@@ -24,6 +28,16 @@ class EngineConfig:
     drafter_dtype: str | None = None  # default: the target's dtype
 
 
+@dataclass
+class BatchItem:
+    """One request of a batch: `key` comes back with its result."""
+
+    key: object
+    prompt_ids: list[int]
+    params: DecodeParams
+    context_ids: list[int] | None = None
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -33,6 +47,9 @@ class Engine:
             self.draft_model = ModelRunner.load(
                 config.drafter, config.drafter_dtype or self.target.dtype_name, self.target.device
             )
+            check_same_vocabulary(self.target, self.draft_model)
+        # Step costs are a property of the machine and the model: measured once, shared by every batch.
+        self.step_costs = StepCostModel()
 
     @property
     def tokenizer(self):
@@ -41,19 +58,37 @@ class Engine:
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
         return build_prompt_ids(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
 
-    def generate_ids(
-        self,
-        prompt_ids: list[int],
-        method: str = "ar",
-        params: DecodeParams | None = None,
-        options: MethodOptions | None = None,
-        context_ids: list[int] | None = None,
-    ) -> dict:
+    def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True
+                ) -> BatchDecoder:
+        budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
+        return BatchDecoder(self.target, max_batch=batch_size, budget=budget)
+
+    def request(self, item: BatchItem, method: str, options: MethodOptions | None = None) -> DecodeRequest:
         spec = get_method(method)
         drafter = spec.build_drafter(options or MethodOptions(), self.draft_model)
-        params = params or DecodeParams()
-        result = decode(self.target, drafter, prompt_ids, params, context_ids)
-        sampling: SamplingParams = params.sampling
+        return DecodeRequest(item.key, list(item.prompt_ids), item.params, drafter, item.context_ids)
+
+    def decode_batch(
+        self,
+        items: Iterable[BatchItem],
+        method: str = "ar",
+        options: MethodOptions | None = None,
+        batch_size: int = 8,
+        token_budget: int | None = None,
+        decoder: BatchDecoder | None = None,
+    ) -> Iterator[tuple[object, dict]]:
+        """Decode every item with `method`, `batch_size` rows at a time; yields (key, result dict) as rows finish.
+        A failing row yields a dict with only `error` set (the others go on)."""
+        decoder = decoder or self.decoder(batch_size, token_budget)
+        requests = (self.request(item, method, options) for item in items)
+        for request, result in decoder.run(requests):
+            yield request.key, self.result_dict(method, request.params, result)
+
+    def result_dict(self, method: str, params: DecodeParams, result: DecodeResult | str) -> dict:
+        if isinstance(result, str):
+            return {"method": method, "error": result}
+        spec = get_method(method)
+        sampling = params.sampling
         return {
             "method": method,
             "model": self.config.model,
@@ -66,8 +101,24 @@ class Engine:
             "output_token_ids": result.token_ids,
             "finish_reason": result.finish_reason,
             "lossy": not spec.lossless,
+            "error": None,
             **result.metrics.as_dict(),
         }
+
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        method: str = "ar",
+        params: DecodeParams | None = None,
+        options: MethodOptions | None = None,
+        context_ids: list[int] | None = None,
+    ) -> dict:
+        """One request (B = 1). A request that cannot be decoded raises BadRequestError with the reason."""
+        item = BatchItem(0, list(prompt_ids), params or DecodeParams(), context_ids)
+        [(_, result)] = list(self.decode_batch([item], method, options, batch_size=1))
+        if result["error"]:
+            raise BadRequestError(result["error"].split(": ", 1)[-1])
+        return result
 
     def generate(
         self,
@@ -79,3 +130,12 @@ class Engine:
         raw: bool = False,
     ) -> dict:
         return self.generate_ids(self.prompt_ids(prompt, messages, raw), method, params, options)
+
+
+def check_same_vocabulary(target: ModelRunner, draft: ModelRunner) -> None:
+    """`draft` verifies the drafter's token ids as the target's: that needs the same tokenizer."""
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise BadRequestError(
+            f"draft model {draft.name!r} has a different tokenizer from the target {target.name!r}: same-vocabulary "
+            "drafting needs identical token ids (drafters with another vocabulary are not supported yet)"
+        )

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import torch
 
+from .errors import SpecbatchError
+from .kv_cache import SlotKVCache
 from .model_registry import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,6 +124,64 @@ class ModelRunner:
         hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None  # [T, hidden]
         return ForwardOutput(logits=logits, hidden=hidden)
 
+    # ------------------------------------------------------------------------------------------- the owned cache
+    def new_slot_cache(self) -> SlotKVCache:
+        """An empty engine-owned cache for this model (rows are added by the batched loop)."""
+        check_servable(self.model.config)
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return SlotKVCache(config.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward_slots(
+        self,
+        cache: SlotKVCache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        logit_index: torch.Tensor,
+        single_row: int | None = None,
+    ) -> torch.Tensor:
+        """One forward over the cache's live rows (or one row, for prefill); keys/values land at each row's length.
+
+        input_ids  [b, T]     new tokens of each row, padded to the longest row's T
+        positions  [b, T]     their positions (chain: length + t; a tree node: length + depth)
+        visible    [b, T, T]  visible[r, t, i]: new token t of row r may attend new token i (chain: i <= t)
+        logit_index [N, 2]    (row, t) pairs whose next-token logits are wanted; nothing else goes through the head
+        -> [N, vocab] float32 logits. The rows' lengths are NOT advanced: the caller commits what it accepts.
+        """
+        b, num_new = input_ids.shape
+        cache.bind(num_new, single_row)
+        lengths = (torch.tensor([cache.lengths[single_row]]) if single_row is not None
+                   else torch.tensor(cache.lengths))  # [b]
+        mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
+                               self.dtype)
+        out = self.base_model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask={k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict)
+            else mask.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(num_new, device=self.device),
+        )
+        hidden = out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]  # [N, H]
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, as the model's own LM head computes them (Gemma's soft-capping too)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    @property
+    def base_model(self):
+        return getattr(self.model, self.model.base_model_prefix)
+
     @staticmethod
     def crop(cache, length: int) -> None:
         """Drop cached positions >= length (rejected draft tokens)."""
@@ -157,6 +217,64 @@ def tune_for_cpu(model) -> None:
     )
     if usable:
         model.set_output_embeddings(OneDnnLinear(head))
+
+
+SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class UnsupportedArchitectureError(SpecbatchError):
+    pass
+
+
+def check_servable(config) -> None:
+    """The owned cache serves decoder-only attention models; anything else (linear attention, SSM, chunked or
+    encoder-decoder attention) gets one clear error instead of wrong tokens."""
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    unknown = layer_types - SERVABLE_LAYER_TYPES
+    if unknown or getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"the batched engine cannot serve {config.model_type!r}: layer types {sorted(unknown) or 'encoder-decoder'}"
+            " need a cache it does not have (it serves full and sliding-window attention)"
+        )
+
+
+def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: torch.dtype):
+    """4-D float masks [b, 1, T, kv_len] (0 = may attend, dtype-min = may not) for a slot-cache forward.
+
+    Row r's key j is: a cached token when j < lengths[r] (position j), new token i = j - lengths[r] when
+    0 <= i < T (position positions[r, i]), else dead (padding, rolled-back drafts). Worked example, lengths [3, 1],
+    T = 2, chain: row 0 query t=1 sees keys 0,1,2 (cache) and 3,4 (new tokens 0,1); row 1 query t=0 sees key 0 and
+    key 1 (itself), never keys 2..4, which are row 1's padding.
+    A model with sliding-window layers gets a dict {layer type: mask}, the windowed one also requiring
+    query position - key position < window, as the model's own masks do.
+    """
+    b, num_new = positions.shape
+    key = torch.arange(kv_len)[None, :]  # [1, L]
+    new_index = key - lengths[:, None]  # [b, L]: which new token a key is, if 0 <= . < T
+    is_cached = new_index < 0  # [b, L]
+    is_new = (new_index >= 0) & (new_index < num_new)
+    gathered = visible.gather(2, new_index.clamp(0, num_new - 1)[:, None, :].expand(b, num_new, kv_len))  # [b,T,L]
+    allowed = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [b, T, L]
+    minimum = torch.finfo(dtype).min
+    layer_types = getattr(config, "layer_types", None)
+    full = torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~allowed[:, None], minimum)
+    if not layer_types:
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        return full if not window else _windowed(allowed, lengths, positions, kv_len, window, dtype)
+    masks = {"full_attention": full}
+    if "sliding_attention" in layer_types:
+        masks["sliding_attention"] = _windowed(allowed, lengths, positions, kv_len, config.sliding_window, dtype)
+    return masks
+
+
+def _windowed(allowed, lengths, positions, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    b, num_new = positions.shape
+    key = torch.arange(kv_len)[None, :]  # [1, L]
+    new_index = (key - lengths[:, None]).clamp(0, num_new - 1)  # [b, L]
+    key_pos = torch.where(key < lengths[:, None], key, positions.gather(1, new_index))  # [b, L]
+    near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [b, T, L]
+    ok = allowed & near
+    return torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~ok[:, None], torch.finfo(dtype).min)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -28,15 +28,20 @@ class VerifyResult:
     next_token: int  # recovered token (after a rejection) or bonus token (whole draft accepted)
 
 
-def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> VerifyResult:
-    """Accept the longest draft prefix equal to the target's argmax; target_logits is [k + 1, vocab]."""
-    target_argmax = torch.argmax(target_logits, dim=-1).tolist()  # [k + 1]
+def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """Longest draft prefix equal to the target's argmax ([k + 1] ids) -> (num_accepted, next_token). The batched
+    loop calls this per row after one argmax over the whole batch's [N, vocab] logits."""
     num_accepted = 0
     for drafted, wanted in zip(draft_tokens, target_argmax):
         if drafted != wanted:
             break
         num_accepted += 1
-    return VerifyResult(num_accepted, target_argmax[num_accepted])
+    return num_accepted, target_argmax[num_accepted]
+
+
+def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> VerifyResult:
+    """Accept the longest draft prefix equal to the target's argmax; target_logits is [k + 1, vocab]."""
+    return VerifyResult(*accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1).tolist()))
 
 
 def _uniform(generator: torch.Generator) -> float:
@@ -57,16 +62,17 @@ def verify_speculative_sampling(
     vocab = target_probs.shape[-1]
     for i, x in enumerate(draft_tokens):
         p = target_probs[i]  # [vocab]
-        if x >= vocab:  # a drafter token the target cannot emit: p(x) = 0, always rejected
-            return VerifyResult(i, sample(p, generator))
-        p_x = float(p[x])
+        # A drafter token the target cannot emit has p(x) = 0: always rejected, and the replacement still comes
+        # from the residual max(p - q, 0) over the target's vocabulary (q's mass on x is what made x likely).
+        p_x = float(p[x]) if x < vocab else 0.0
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
         # accept with probability min(1, p(x) / q(x))
         if q_x > 0 and _uniform(generator) * q_x < p_x:
             continue
         if draft_probs is None:
             residual = p.clone()
-            residual[x] = 0.0  # max(0, p - delta_x)
+            if x < vocab:
+                residual[x] = 0.0  # max(0, p - delta_x)
         else:
             q = _match_width(draft_probs[i], vocab)
             residual = torch.clamp(p - q, min=0.0)

@@ -1,0 +1,307 @@
+"""The one decode loop, batched with continuous batching: admit -> draft -> ONE target forward for all rows ->
+verify per row -> commit per row -> retire -> admit ... (batch size 1 is just B = 1, not another code path).
+
+Every live row owns a slot of the engine's `SlotKVCache` and a `SequenceState`. Invariant between steps, per row:
+`state.tokens` = prompt + emitted tokens, and the cache row holds every token but the last (the "pending" token,
+fed at the start of the next step together with the row's draft).
+
+A step, worked through for 3 rows whose drafters proposed [3, 0, 2] tokens and a budget that allows T = 4:
+
+    input   [3, 4]: row 0 = pending + d0 d1 d2 ; row 1 = pending + pad pad pad ; row 2 = pending + d0 d1 + pad
+    logits  rows 0,0,0,0, 1, 2,2,2 at t = 0,1,2,3, 0, 0,1,2  ->  [8, vocab] (never [3, 4, vocab])
+    verify  row 0 accepts 1 -> emits d0 + recovered; row 1 emits its one target token; row 2 accepts 2 -> d0 d1 bonus
+    commit  cache lengths += 1 + accepted: 2, 1, 3 (rejected positions are dead keys, overwritten next step)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .decode import (
+    DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
+)
+from .drafters.base import Draft, Drafter, RequestContext, empty_draft
+from .metrics import TARGET_SOURCE
+from .model_runner import ModelRunner
+from .sampling import make_generator, select_token
+from .speculation_budget import AcceptanceEstimate, SpeculationBudget
+from .verification import accept_greedy, verify
+
+DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
+
+
+@dataclass
+class DecodeRequest:
+    key: object  # the caller's handle, returned with the result
+    prompt_ids: list[int]
+    params: DecodeParams
+    drafter: Drafter
+    context_ids: list[int] | None = None
+
+
+@dataclass
+class Row:
+    request: DecodeRequest
+    state: SequenceState
+    admitted_at: float
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    draft: Draft | None = None
+    error: str | None = None
+
+
+@dataclass
+class BatchStats:
+    """What one decoder pass did, for the runs row: occupancy = mean live rows per step."""
+
+    steps: int = 0
+    row_steps: int = 0
+    drafted_tokens: int = 0  # proposed by the drafters
+    verified_tokens: int = 0  # of those, verified after the budget cut them to the step's width
+    accepted_tokens: int = 0
+    new_tokens: int = 0
+    peak_cache_bytes: int = 0
+    peak_rows: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def mean_occupancy(self) -> float | None:
+        return self.row_steps / self.steps if self.steps else None
+
+
+class BatchDecoder:
+    """Decodes requests with continuous batching on one target; each request brings its own drafter."""
+
+    def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64):
+        if max_batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {max_batch}")
+        self.target = target
+        self.max_batch = max_batch
+        self.budget = budget or SpeculationBudget()
+        self.cache_budget_bytes = cache_budget_bytes
+        self.cache = target.new_slot_cache()
+        self.rows: list[Row] = []  # rows[i] lives in cache row i
+        self.waiting: deque[DecodeRequest] = deque()
+        self.finished: deque[tuple[DecodeRequest, DecodeResult | str]] = deque()
+        self.stats = BatchStats()
+        self.max_draft = max_draft
+        # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
+        self.step_slack = 1 + max_draft
+
+    # ----------------------------------------------------------------------------------------------- public
+    def submit(self, request: DecodeRequest) -> None:
+        self.waiting.append(request)
+
+    def run(self, requests: Iterable[DecodeRequest] = ()) -> Iterator[tuple[DecodeRequest, DecodeResult | str]]:
+        """Decode until nothing waits or runs; yields (request, result or error message) as rows finish. Requests
+        submitted while iterating (a conversation's next turn) join the batch."""
+        started = time.perf_counter()
+        for request in requests:
+            self.submit(request)
+        while self.waiting or self.rows or self.finished:
+            self.admit()
+            if self.rows:
+                self.step()
+            while self.finished:
+                self.stats.wall_s = time.perf_counter() - started
+                yield self.finished.popleft()
+        self.stats.wall_s = time.perf_counter() - started
+
+    # ----------------------------------------------------------------------------------------------- admission
+    def _capacity_for(self, request: DecodeRequest) -> int:
+        longest = min(len(request.prompt_ids) + request.params.max_new_tokens, self.target.max_positions)
+        return longest + self.step_slack
+
+    def admit(self) -> None:
+        """Move waiting requests into free slots, each prefilled alone (batching prefills of different lengths
+        would pad; on CPU a prefill is compute-bound at any batch size, so one row at a time costs nothing)."""
+        while self.waiting and len(self.rows) < self.max_batch:
+            request = self.waiting[0]
+            try:
+                check_prompt(self.target, request.prompt_ids)
+            except Exception as exc:
+                self.waiting.popleft()
+                self.finished.append((request, f"{type(exc).__name__}: {exc}"))
+                continue
+            capacity = max([self._capacity_for(request)] + [self._capacity_for(r.request) for r in self.rows])
+            needed = self.cache.bytes_for(len(self.rows) + 1, capacity)
+            if needed > self.cache_budget_bytes:
+                if self.rows:
+                    return  # wait for rows to retire
+                self.waiting.popleft()
+                self.finished.append((request, (
+                    f"KVCacheBudgetError: this request needs {needed / 2**30:.2f} GiB of KV cache, over the decoder's "
+                    f"budget of {self.cache_budget_bytes / 2**30:.2f} GiB: shorten the prompt or max_new_tokens")))
+                continue
+            self.waiting.popleft()
+            self.cache.fit(len(self.rows) + 1, capacity)
+            self._prefill(request)
+        self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
+
+    def _prefill(self, request: DecodeRequest) -> None:
+        started = time.perf_counter()
+        state = SequenceState.new(request.prompt_ids, make_generator(request.params.sampling.seed))
+        index = self.cache.add_row()
+        row = Row(request, state, started)
+        self.rows.append(row)
+        try:
+            prompt = torch.tensor([request.prompt_ids])  # [1, P]
+            size = prompt.shape[1]
+            logits = self.target.forward_slots(
+                self.cache, prompt, torch.arange(size)[None], torch.ones(size, size, dtype=torch.bool).tril()[None],
+                torch.tensor([[0, size - 1]]), single_row=index,
+            )[0]  # [vocab]
+            self.cache.set_length(index, size)
+            state.metrics.target_forwards += 1
+            first = select_token(logits, request.params.sampling, state.generator)
+            emit(self.target, state, [(first, TARGET_SOURCE, False)], request.params)
+            state.metrics.ttft_s = time.perf_counter() - started
+            request.drafter.start(state.tokens, RequestContext(
+                prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
+                generator=state.generator))
+        except Exception as exc:  # a bad row errors alone; the batch goes on
+            row.error = f"{type(exc).__name__}: {exc}"
+        if row.error or state.finished:
+            self._retire([index])
+
+    # ----------------------------------------------------------------------------------------------- one step
+    def step(self) -> None:
+        rows = self.rows
+        self._propose(rows)
+        rows = self.rows  # proposals may have retired failing rows
+        if not rows:
+            return
+        width = self.budget.choose_width([len(r.draft) for r in rows], [r.acceptance for r in rows],
+                                         self._measure_width)
+        for row in rows:
+            self.stats.drafted_tokens += len(row.draft)
+            if len(row.draft) > width - 1:
+                row.draft = _truncated(row.draft, width - 1)
+        width = 1 + max(len(r.draft) for r in rows)
+        input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
+        logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index)  # [N, vocab]
+        self._commit(rows, logits)
+
+    def _propose(self, rows: list[Row]) -> None:
+        failed = []
+        for index, row in enumerate(rows):
+            try:
+                limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
+                row.draft = row.request.drafter.propose(row.state.tokens, limit)
+            except Exception as exc:
+                row.error = f"{type(exc).__name__}: {exc}"
+                failed.append(index)
+        if failed:
+            self._retire(failed)
+
+    def _step_inputs(self, rows: list[Row], width: int):
+        """-> input_ids [B, T], positions [B, T], visible [B, T, T] (chain), logit_index [N, 2]."""
+        lengths = torch.tensor(self.cache.lengths)  # [B]
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # padding id 0: its keys are never attended
+        index = []
+        for b, row in enumerate(rows):
+            tokens = [row.state.tokens[-1], *row.draft.tokens]
+            input_ids[b, : len(tokens)] = torch.tensor(tokens)
+            index.extend((b, t) for t in range(len(tokens)))
+        positions = lengths[:, None] + torch.arange(width)  # [B, T]
+        counts = torch.tensor([1 + len(r.draft) for r in rows])  # [B]
+        real = torch.arange(width)[None, :] < counts[:, None]  # [B, T]
+        visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & real[:, None, :]  # [B, T, T]
+        return input_ids, positions, visible, torch.tensor(index)
+
+    def _measure_width(self, width: int) -> float:
+        """Time a [B, width] forward on the live rows without committing anything (cost calibration)."""
+        rows = len(self.rows)
+        lengths = torch.tensor(self.cache.lengths)
+        input_ids = torch.zeros(rows, width, dtype=torch.long)
+        positions = lengths[:, None] + torch.arange(width)
+        visible = torch.ones(width, width, dtype=torch.bool).tril()[None].expand(rows, width, width)
+        index = torch.tensor([(b, t) for b in range(rows) for t in range(width)])
+        started = time.perf_counter()
+        self.target.forward_slots(self.cache, input_ids, positions, visible, index)
+        return time.perf_counter() - started
+
+    def _commit(self, rows: list[Row], logits: torch.Tensor) -> None:
+        greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [N]: one argmax over the batch for greedy rows
+        done, offset = [], 0
+        self.stats.steps += 1
+        self.stats.row_steps += len(rows)
+        self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
+        for index, row in enumerate(rows):
+            draft, state, params = row.draft, row.state, row.request.params
+            count = 1 + len(draft)
+            try:
+                if params.sampling.greedy:
+                    num_accepted, next_token = accept_greedy(draft.tokens, greedy_ids[offset : offset + count])
+                else:
+                    result = verify(draft.tokens, logits[offset : offset + count], params.sampling,
+                                    state.generator, draft.probs)
+                    num_accepted, next_token = result.num_accepted, result.next_token
+                self.cache.set_length(index, self.cache.lengths[index] + 1 + num_accepted)
+                state.metrics.target_forwards += 1
+                state.metrics.drafted_tokens += len(draft)
+                kept = emit(self.target, state, _sourced(draft, num_accepted, next_token), params)
+                state.metrics.accepted_tokens += min(kept, num_accepted)
+                self.stats.verified_tokens += len(draft)
+                self.stats.accepted_tokens += min(kept, num_accepted)
+                self.stats.new_tokens += kept
+                self.budget.observe(row.acceptance, len(draft), num_accepted)
+                row.request.drafter.observe(state.tokens, draft, num_accepted)
+            except Exception as exc:
+                row.error = f"{type(exc).__name__}: {exc}"
+            offset += count
+            if row.error or state.finished:
+                done.append(index)
+        self._retire(done)
+
+    # ----------------------------------------------------------------------------------------------- retire
+    def _retire(self, indices: list[int]) -> None:
+        """Finish rows and free their slots (highest index first: a removal moves the last row into the hole)."""
+        now = time.perf_counter()
+        for index in sorted(indices, reverse=True):
+            row = self.rows[index]
+            if row.error:
+                self.finished.append((row.request, row.error))
+            else:
+                row.state.metrics.wall_s = now - row.admitted_at
+                self.finished.append((row.request, DecodeResult(
+                    token_ids=list(row.state.generated), text=final_text(self.target, row.state),
+                    finish_reason=row.state.finish_reason, metrics=row.state.metrics)))
+            self.cache.remove_row(index)
+            last = self.rows.pop()
+            if index < len(self.rows):
+                self.rows[index] = last
+
+
+def _truncated(draft: Draft, length: int) -> Draft:
+    if length <= 0:
+        return empty_draft()
+    probs = draft.probs[:length] if draft.probs is not None else None
+    return Draft(tokens=draft.tokens[:length], source=draft.source, from_context=draft.from_context, probs=probs)
+
+
+def _sourced(draft: Draft, num_accepted: int, next_token: int) -> list[tuple[int, str, bool]]:
+    accepted = [(token, draft.source, draft.from_context) for token in draft.tokens[:num_accepted]]
+    return accepted + [(next_token, TARGET_SOURCE, False)]
+
+
+def decode(
+    target: ModelRunner,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: DecodeParams,
+    context_ids: list[int] | None = None,
+) -> DecodeResult:
+    """One request through the batched loop (B = 1); a bad request raises BadRequestError."""
+    check_prompt(target, prompt_ids)
+    request = DecodeRequest(key=0, prompt_ids=list(prompt_ids), params=params, drafter=drafter,
+                            context_ids=context_ids)
+    [(_, result)] = list(BatchDecoder(target, max_batch=1).run([request]))
+    if isinstance(result, str):
+        raise RuntimeError(result)
+    return result

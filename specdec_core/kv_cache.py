@@ -1,0 +1,180 @@
+"""The engine-owned KV cache: per layer a `[slots, kv_heads, capacity, head_dim]` key and value buffer, one row per
+live sequence, with per-row lengths. Rollback of a row is setting its length; what lies past it is masked out and
+overwritten by the next forward (as vLLM does with rejected slots).
+
+Layout: padded slots, not flattened ragged tokens. Stock Hugging Face attention (SDPA on CPU and GPU) takes dense
+`[batch, heads, kv_len, head_dim]` keys; a flattened ragged layout would need a varlen / paged attention kernel that
+those models do not have, or a gather of every row's keys into a padded tensor on every layer of every step
+(measured in the probe that preceded this file: the gather alone cost more than the attention it fed). With slots,
+the rows of a step are the slot range [0, n) and the keys handed to attention are a *view* `buf[:n, :, :kv_len]` —
+no copy. The cost is padding: each row attends over `kv_len = max(lengths) + T` keys, the shorter rows' extra keys
+being masked. Attention is a small part of a small model's step (the MLPs and the LM head dominate at these
+lengths), so that waste is cheaper than the gathers it saves.
+
+Memory follows the live rows: buffers grow (and shrink) to `slots x capacity` as rows are admitted and retire, where
+capacity covers the longest admitted row's prompt + max_new_tokens + one step of draft tokens. The scheduler asks
+`bytes_for()` before it admits a row, and keeps the total under a budget.
+
+Active rows are kept packed at the front (slots 0..n-1): a retiring row's slot is filled by moving the last row into
+it (one row's keys, once per request), so a step never indexes scattered slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+GROW_QUANTUM = 256  # capacity grows in steps of this many positions, so a run does not reallocate every admission
+
+
+class SlotKVCache(Cache):
+    """Plugs into stock HF decoder models as `past_key_values`. Call `bind(rows, num_new)` before each forward."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device):
+        # No transformers layer objects: this class overrides everything a decoder model asks of its cache.
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []  # committed positions of each live row (slot i = row i)
+        self._allocate(0, 0)
+        self._rows = 0  # the bound forward reads rows [0, _rows) ... or one row at `_single`
+        self._single: int | None = None
+        self._num_new = 0
+        self._write_pos: torch.Tensor | None = None  # [b, T] where each new token's keys go
+
+    # ----------------------------------------------------------------------------------------------- memory
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * slots * self.kv_heads * capacity * self.head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.slots, self.capacity)
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.kv_heads, capacity, self.head_dim)
+        old_k, old_v = self.keys, self.values
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if old_k and self.lengths:
+            n, length = len(self.lengths), min(max(self.lengths), capacity)
+            for layer in range(self.num_layers):
+                self.keys[layer][:n, :, :length] = old_k[layer][:n, :, :length]
+                self.values[layer][:n, :, :length] = old_v[layer][:n, :, :length]
+
+    def fit(self, slots: int, capacity: int) -> None:
+        """Make room for `slots` rows of `capacity` positions; shrink when the live rows need far less."""
+        capacity = -(-capacity // GROW_QUANTUM) * GROW_QUANTUM
+        grow = slots > self.slots or capacity > self.capacity
+        shrink = capacity * 2 <= self.capacity or slots * 2 <= self.slots
+        if grow or shrink:
+            self._allocate(max(slots, len(self.lengths)), max(capacity, max(self.lengths, default=0)))
+
+    # ----------------------------------------------------------------------------------------------- rows
+    def add_row(self) -> int:
+        """A new empty row at the end of the packed rows; returns its index. Call fit() first."""
+        if len(self.lengths) >= self.slots:
+            raise RuntimeError("no free slot: fit() the cache before adding a row")
+        self.lengths.append(0)
+        return len(self.lengths) - 1
+
+    def remove_row(self, row: int) -> int | None:
+        """Free a row by moving the last row into its slot; returns the moved row's old index (None if none)."""
+        last = len(self.lengths) - 1
+        moved = None
+        if row != last:
+            length = self.lengths[last]
+            for layer in range(self.num_layers):
+                self.keys[layer][row, :, :length] = self.keys[layer][last, :, :length]
+                self.values[layer][row, :, :length] = self.values[layer][last, :, :length]
+            self.lengths[row] = length
+            moved = last
+        self.lengths.pop()
+        return moved
+
+    def set_length(self, row: int, length: int) -> None:
+        """Commit (or roll back) a row to `length` positions; keys past it are dead and will be overwritten."""
+        self.lengths[row] = length
+
+    # ----------------------------------------------------------------------------------------------- a forward
+    def bind(self, num_new: int, single_row: int | None = None) -> None:
+        """Next forward feeds `num_new` tokens to every live row ([n, T] input), or to one row ([1, T], prefill)."""
+        self._single = single_row
+        self._rows = 1 if single_row is not None else len(self.lengths)
+        self._num_new = num_new
+        if single_row is None:
+            lengths = torch.tensor(self.lengths, device=self.device)  # [n]
+            self._write_pos = lengths[:, None] + torch.arange(num_new, device=self.device)  # [n, T]
+        if self.kv_length() > self.capacity:
+            raise RuntimeError(f"KV cache too small: need {self.kv_length()} positions, have {self.capacity}")
+
+    def kv_length(self) -> int:
+        """Keys each bound row attends over: the longest bound row's cached positions + the new tokens."""
+        if self._single is not None:
+            return self.lengths[self._single] + self._num_new
+        return max(self.lengths) + self._num_new
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """key_states/value_states: [b, kv_heads, T, head_dim]; returns this layer's [b, kv_heads, kv_len, head_dim]."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        kv_len = self.kv_length()
+        if self._single is not None:
+            row, start = self._single, self.lengths[self._single]
+            keys[row, :, start : start + self._num_new] = key_states[0]
+            values[row, :, start : start + self._num_new] = value_states[0]
+            return keys[row : row + 1, :, :kv_len], values[row : row + 1, :, :kv_len]
+        n = self._rows
+        row_index = torch.arange(n, device=self.device)[:, None].expand_as(self._write_pos)  # [n, T]
+        # Advanced indexing on dims 0 and 2 puts them first: the target is [n, T, kv_heads, head_dim].
+        keys[row_index, :, self._write_pos] = key_states.transpose(1, 2)
+        values[row_index, :, self._write_pos] = value_states.transpose(1, 2)
+        return keys[:n, :, :kv_len], values[:n, :, :kv_len]
+
+    # ----------------------------------------------------------------------------------------------- HF Cache API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Read by models only to build default positions/masks; the engine passes both explicitly.
+        if self._single is not None:
+            return self.lengths[self._single]
+        return max(self.lengths, default=0)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.kv_length(), 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        # Sliding-window layers keep every position here and get a windowed mask instead (model_runner builds it).
+        return [False] * self.num_layers
+
+    @property
+    def batch_size(self) -> int:
+        return self._rows
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __repr__(self) -> str:
+        return f"SlotKVCache(rows={len(self.lengths)}, slots={self.slots}, capacity={self.capacity})"
