@@ -26,6 +26,16 @@ class Report:
 
 
 REPORTS: dict[str, Report] = {
+    "throughput": Report("Job throughput by method (batched decoding)", f"""
+        WITH m AS (SELECT run_id, unnest(method_stats, recursive := true) FROM runs WHERE {RUN_FILTER}),
+             ar AS (SELECT run_id, job_tokens_per_s AS ar_tokens_per_s FROM m WHERE method = 'ar')
+        SELECT m.run_id, method, requests, errors, new_tokens, decode_wall_s, job_tokens_per_s,
+               job_tokens_per_s / ar.ar_tokens_per_s AS x_ar, mean_occupancy,
+               accepted_tokens / nullif(drafted_tokens, 0) AS acceptance_rate, drafted_tokens, accepted_tokens,
+               peak_kv_bytes / 1048576.0 AS peak_kv_mib
+        FROM m LEFT JOIN ar USING (run_id) ORDER BY m.run_id, method""",
+        "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes, model load excluded); "
+        "x ar = that ÷ ar's in the same run; occupancy = mean live rows per decode step."),
     "runs": Report("Runs", f"""
         SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
         FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),

@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from pipelines.schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
+from contract.schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
 
 SPEEDUPS_SQL = """
 SELECT m.run_id, m.task, m.request_id, m.method, m.lossy,

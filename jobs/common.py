@@ -18,6 +18,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int = 256):
+    from contract.decode_config import DEFAULT_BATCH_SIZE
     from specdec_core.cli import OneLineParser
     from specdec_core.methods import METHODS
 
@@ -40,6 +41,14 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (lossless)")
+    parser.add_argument("--candidates", type=int, default=1,
+                        help="copyspec/pld: earlier continuations offered at once as a draft tree (lossless)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sequences decoded at once per actor (continuous batching)")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="most tokens one batched forward may verify (rows x width); default: no cap")
+    parser.add_argument("--no-speculation-budget", dest="speculation_budget", action="store_false",
+                        help="verify every draft as proposed instead of sizing drafts by acceptance and step cost")
     parser.add_argument("--num-actors", type=int, default=1, help="decode actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)
     parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
@@ -59,7 +68,9 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, method_options=MethodOptions(adaptive=args.adaptive), task_template=task_template,
+        seed=args.seed, method_options=MethodOptions(adaptive=args.adaptive, candidates=args.candidates),
+        task_template=task_template, batch_size=args.batch_size, token_budget=args.token_budget,
+        speculation_budget=args.speculation_budget,
         default_task=default_task,
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
         limit=args.limit, resume=args.resume,

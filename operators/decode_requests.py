@@ -1,8 +1,10 @@
-"""Decode stage: an actor loads the model once and runs every requested method on each request.
+"""Decode stage: an actor loads the model once and decodes the rows Ray Data gives it with continuous batching.
 
-Each (request, method) gives one output row in the contract's schema, an error row when decoding it failed, so no
-row is ever lost. Multi-turn rows decode their later turns after the first, with the same method, each turn's
-history holding the previous turns' outputs, and give one output row per turn.
+For each method, the call's rows go through one batched decoder pass (`--batch-size` sequences at once; rows flow
+into slots as others finish), so each method has its own decode wall time. Each (request, method) gives one output
+row in the contract's schema, an error row when decoding it failed, so no row is ever lost. Multi-turn rows decode
+their later turns with the same method, each turn's history holding the previous turns' outputs: a turn joins the
+running batch as soon as the turn before it finishes.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import uuid
 from datetime import datetime, timezone
 
 from .score_outputs import output_annotations
@@ -19,12 +22,12 @@ class DecodeRequests:
     def __init__(self, config: dict, torch_threads: int, done: frozenset = frozenset()):
         import torch
 
-        from pipelines.config import GenerationConfig
+        from contract.decode_config import DecodeConfig
         from specdec_core.engine import Engine, EngineConfig
 
         # Ray sets OMP_NUM_THREADS=1 in actors; use the CPUs this actor was given instead.
         torch.set_num_threads(max(1, torch_threads))
-        self.config = GenerationConfig.model_validate(config)
+        self.config = DecodeConfig.model_validate(config)
         cfg = self.config
         self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype))
         self.done = done  # "request_id\tmethod" pairs already in the output (--resume)
@@ -51,53 +54,77 @@ class DecodeRequests:
             "device": self.engine.target.device, "temperature": cfg.temperature, "seed": cfg.seed,
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
-            "turn": turn,
+            "turn": turn, "batch_size": cfg.batch_size,
         }
 
-    def _decode_turns(self, row: dict, method: str, context_ids: list[int] | None) -> list[dict]:
-        later_turns = json.loads(row["next_turns"]) if row.get("next_turns") else []
-        multi = bool(later_turns)
-        params = self._params(row.get("max_new_tokens"))
-        out = []
-        base = self._base(row, method, 1 if multi else None)
-        if row.get("input_error"):
-            return [{**base, "error": row["input_error"]}]
-        prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
-        messages = json.loads(row["messages"]) if row.get("messages") else [{"role": "user", "content": row["prompt"]}]
-        for turn in range(1, len(later_turns) + 2):
+    def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
+        """One batched decoder pass of `method` over the call's rows (later turns join as earlier ones finish)."""
+        from specdec_core.engine import BatchItem
+
+        cfg = self.config
+        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget)
+        out: list[dict] = []
+        turns: dict[int, dict] = {}  # key -> {row, turn, messages, later}
+
+        def submit(key: int, row: dict, turn: int, prompt_ids: list[int], messages: list[dict], later: list[str],
+                   context_ids):
+            turns[key] = {"row": row, "turn": turn, "messages": messages, "later": later, "prompt_ids": prompt_ids}
+            item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), context_ids)
+            decoder.submit(self.engine.request(item, method, cfg.method_options))
+
+        next_key = 0
+        for row in rows:
+            later = json.loads(row["next_turns"]) if row.get("next_turns") else []
+            multi = bool(later)
+            if row.get("input_error"):
+                out.append({**self._base(row, method, 1 if multi else None), "error": row["input_error"]})
+                continue
+            messages = json.loads(row["messages"]) if row.get("messages") else [
+                {"role": "user", "content": row["prompt"]}]
+            prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
+            submit(next_key, row, 1, prompt_ids, messages, later, row["_context_ids"])
+            next_key += 1
+        for key, result in self.engine.results(decoder, method):
+            entry = turns.pop(key)
+            row, turn, later = entry["row"], entry["turn"], entry["later"]
+            multi = bool(later) or turn > 1
             base = self._base(row, method, turn if multi else None)
-            try:
-                result = self.engine.generate_ids(prompt_ids, method, params, self.config.method_options,
-                                                  context_ids)
-            except Exception as exc:  # one failing request must not stop the job
-                out.append({**base, "prompt_tokens": len(prompt_ids), "error": f"{type(exc).__name__}: {exc}"})
-                break
+            if result["error"]:
+                out.append({**base, "prompt_tokens": len(entry["prompt_ids"]), "error": result["error"]})
+                continue
             out.append({**base, **_contract_fields(result), **output_annotations(row, result["output_text"]),
-                        "prompt_tokens": len(prompt_ids), "error": None})
-            if turn <= len(later_turns):
-                messages = messages + [{"role": "assistant", "content": result["output_text"]},
-                                       {"role": "user", "content": later_turns[turn - 1]}]
+                        "prompt_tokens": len(entry["prompt_ids"]), "error": None})
+            if later:
+                messages = entry["messages"] + [{"role": "assistant", "content": result["output_text"]},
+                                                {"role": "user", "content": later[0]}]
                 try:
                     prompt_ids = self.engine.prompt_ids(messages=messages)
                 except Exception as exc:
                     out.append({**self._base(row, method, turn + 1), "error": f"{type(exc).__name__}: {exc}"})
-                    break
-        return out
+                    continue
+                submit(next_key, row, turn + 1, prompt_ids, messages, later[1:], row["_context_ids"])
+                next_key += 1
+        stats = decoder.stats
+        pass_fields = {"decode_pass": f"{self.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
+                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes}
+        return [{**r, **pass_fields} for r in out]
 
     def __call__(self, batch):
-        from pipelines.schema import generations_table
+        from contract.schema import generations_table
 
         _maybe_die_for_test()
         rows = []
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
             # The context is tokenized once per request, for every method's drafter.
-            context_ids = self.engine.tokenizer(row["context"])["input_ids"] if row.get("context") else None
-            for method in self.config.methods:
-                if f"{_final_request_id(row)}\t{method}" in self.done:
-                    continue
-                rows.extend(self._decode_turns(row, method, context_ids))
-        return generations_table(rows)
+            row["_context_ids"] = self.engine.tokenizer(row["context"])["input_ids"] if row.get("context") else None
+            rows.append(row)
+        out = []
+        for method in self.config.methods:
+            todo = [row for row in rows if f"{_final_request_id(row)}\t{method}" not in self.done]
+            if todo:
+                out.extend(self._decode_method(todo, method))
+        return generations_table(out)
 
 
 CONTRACT_RESULT_KEYS = (

@@ -12,8 +12,8 @@ import time
 from datetime import datetime, timezone
 
 from .config import GenerationConfig
-from .outputs import count_rows, done_pairs, publish, staging_dir, write_run_row
-from .schema import PARTITION_COLUMNS
+from .outputs import count_rows, done_pairs, method_stats, publish, staging_dir, write_run_row
+from contract.schema import PARTITION_COLUMNS
 
 LIGHT_TASK_CPUS = 0.25
 
@@ -57,12 +57,12 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
     return prompts.map_batches(
         DecodeRequests,
         fn_constructor_kwargs={
-            "config": config.model_dump(),
+            "config": config.decode_config(),
             "torch_threads": max(1, round(actor_cpus)),
             "done": done,
         },
         batch_format="pandas",
-        batch_size=config.batch_size,
+        batch_size=config.ray_batch_rows(),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
         num_cpus=actor_cpus,
         num_gpus=config.num_gpus_per_actor or None,
@@ -94,6 +94,7 @@ def run_generation(config: GenerationConfig) -> dict:
         "rows_in": _count_input(config),
         "rows_out": rows_out,
         "errors": errors,
+        "method_stats": method_stats(config.output, config.run_id),
     }
     write_run_row(config.output, summary)
     summary["wall_s"] = wall

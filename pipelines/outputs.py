@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from .schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
+from contract.schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
 
 
 def generations_dir(output: str | Path) -> Path:
@@ -100,3 +100,45 @@ def method_summary(output: str | Path, run_id: str) -> list[dict]:
         forwards = entry["target_forwards"]
         entry["mean_accepted_length"] = entry["new_tokens"] / forwards if forwards else None
     return sorted(summary.values(), key=lambda e: e["method"])
+
+
+def method_stats(output: str | Path, run_id: str) -> list[dict]:
+    """Per method of one run, the runs row's `method_stats`: job throughput from the decoder passes' wall times.
+
+    A pass is one method over one actor call's rows; passes of one actor run one after another, passes of different
+    actors at the same time, so the method's decode wall time is the passes' total divided by the actors that ran
+    them (exact for one actor).
+    """
+    path = generations_dir(output) / f"run_id={run_id}"
+    if not path.exists():
+        return []
+    rows = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
+        columns=["method", "new_tokens", "drafted_tokens", "accepted_tokens", "error", "decode_pass", "pass_wall_s",
+                 "pass_mean_occupancy", "pass_peak_kv_bytes", "actor_id"]).to_pylist()
+    stats: dict[str, dict] = {}
+    for row in rows:
+        entry = stats.setdefault(row["method"], {"method": row["method"], "requests": 0, "errors": 0, "new_tokens": 0,
+                                                 "drafted_tokens": 0, "accepted_tokens": 0, "passes": {},
+                                                 "actor_ids": set()})
+        entry["requests"] += 1
+        if row["error"] is not None:
+            entry["errors"] += 1
+        else:
+            entry["new_tokens"] += row["new_tokens"] or 0
+            entry["drafted_tokens"] += row["drafted_tokens"] or 0
+            entry["accepted_tokens"] += row["accepted_tokens"] or 0
+        if row["decode_pass"] is not None:
+            entry["passes"][row["decode_pass"]] = (row["pass_wall_s"], row["pass_mean_occupancy"],
+                                                   row["pass_peak_kv_bytes"])
+            entry["actor_ids"].add(row["actor_id"])
+    out = []
+    for entry in sorted(stats.values(), key=lambda e: e["method"]):
+        passes = [p for p in entry.pop("passes").values() if p[0] is not None]
+        actors = max(1, len(entry.pop("actor_ids")))
+        total = sum(p[0] for p in passes)
+        wall = total / actors if passes else None
+        occupancy = sum(p[0] * (p[1] or 0) for p in passes) / total if total else None  # time-weighted
+        out.append({**entry, "decode_wall_s": wall, "actors": actors,
+                    "job_tokens_per_s": entry["new_tokens"] / wall if wall else None, "mean_occupancy": occupancy,
+                    "peak_kv_bytes": max((p[2] or 0 for p in passes), default=None)})
+    return out

@@ -80,8 +80,14 @@ class Engine:
         """Decode every item with `method`, `batch_size` rows at a time; yields (key, result dict) as rows finish.
         A failing row yields a dict with only `error` set (the others go on)."""
         decoder = decoder or self.decoder(batch_size, token_budget)
-        requests = (self.request(item, method, options) for item in items)
-        for request, result in decoder.run(requests):
+        for item in items:
+            decoder.submit(self.request(item, method, options))
+        yield from self.results(decoder, method)
+
+    def results(self, decoder: BatchDecoder, method: str) -> Iterator[tuple[object, dict]]:
+        """Run a decoder whose requests were submitted; (key, result dict) as rows finish. Requests submitted while
+        iterating (a conversation's next turn) join the running batch."""
+        for request, result in decoder.run():
             yield request.key, self.result_dict(method, request.params, result)
 
     def result_dict(self, method: str, params: DecodeParams, result: DecodeResult | str) -> dict:

@@ -30,6 +30,8 @@ class MethodOptions(BaseModel):
     draft_tokens: int = Field(4, ge=1, description="draft model: tokens drafted per step (δ)")
     max_draft_tokens: int = Field(16, ge=1, description="draft model adaptive: upper bound on δ")
     adaptive: bool = Field(False, description="grow the draft length after full acceptance, shrink after rejections")
+    candidates: int = Field(1, ge=1, le=16, description="copyspec/pld: distinct earlier continuations drafted as "
+                                                        "branches of one tree (1 = a single chain)")
 
 
 DrafterFactory = Callable[[MethodOptions, "ModelRunner | None"], Drafter]

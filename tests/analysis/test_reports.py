@@ -12,7 +12,7 @@ import pytest
 from analysis.reports import REPORTS, build_report, run_report
 from analysis.views import ReadOnlyQueryError, check_read_only, connect, run_query
 from pipelines.outputs import write_run_row
-from pipelines.schema import generations_table
+from contract.schema import generations_table
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2026, 11, 22, tzinfo=timezone.utc)

@@ -9,7 +9,7 @@ import duckdb
 import pyarrow.dataset as pads
 import pytest
 
-from pipelines.schema import GENERATIONS_SCHEMA
+from contract.schema import GENERATIONS_SCHEMA
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]

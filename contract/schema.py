@@ -43,6 +43,28 @@ GENERATIONS_SCHEMA = pa.schema([
     ("quality_metric", pa.string()),
     ("quality", pa.float64()),
     ("diff", pa.string()),
+    # Batched decoding: the decoder pass (one method over one actor call's rows) a row was decoded in, that pass's
+    # wall time, mean live rows per step and peak KV-cache bytes. Repeated on each row of the pass; the runs row
+    # aggregates them per method (job throughput = new tokens / decode wall time).
+    ("decode_pass", pa.string()),
+    ("pass_wall_s", pa.float64()),
+    ("pass_mean_occupancy", pa.float64()),
+    ("pass_peak_kv_bytes", pa.int64()),
+    ("batch_size", pa.int64()),
+])
+
+METHOD_STATS = pa.struct([
+    ("method", pa.string()),
+    ("requests", pa.int64()),
+    ("errors", pa.int64()),
+    ("new_tokens", pa.int64()),
+    ("decode_wall_s", pa.float64()),
+    ("job_tokens_per_s", pa.float64()),
+    ("mean_occupancy", pa.float64()),
+    ("drafted_tokens", pa.int64()),
+    ("accepted_tokens", pa.int64()),
+    ("peak_kv_bytes", pa.int64()),
+    ("actors", pa.int64()),
 ])
 
 RUNS_SCHEMA = pa.schema([
@@ -56,6 +78,9 @@ RUNS_SCHEMA = pa.schema([
     ("rows_in", pa.int64()),
     ("rows_out", pa.int64()),
     ("errors", pa.int64()),
+    # Per method of the run (batched decoding): decode_wall_s = the method's decoder passes' wall time summed,
+    # divided by the actors that ran them; job_tokens_per_s = new_tokens / decode_wall_s.
+    ("method_stats", pa.list_(METHOD_STATS)),
 ])
 
 PARTITION_COLUMNS = ["run_id", "method"]

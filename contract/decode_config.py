@@ -1,0 +1,46 @@
+"""What a decode actor needs of a run's configuration (the pipeline's `GenerationConfig` extends it)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specdec_core.methods import METHODS, MethodOptions, check_method_names
+
+# Measured on 2-core CPUs (benchmarks/batch_bench.py): batched `ar` keeps gaining up to 16 rows and flattens after;
+# larger batches only add KV-cache memory. GPUs want far more rows (pass --batch-size).
+DEFAULT_BATCH_SIZE = 16
+
+
+class DecodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field("run", description="recorded with every output row")
+    job: str = Field("generate", description="job name recorded with every row")
+    methods: list[str] = Field(default_factory=lambda: ["ar", "copyspec"], min_length=1)
+    model: str = "smollm2-135m"
+    drafter: str | None = None
+    drafter_dtype: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    method_options: MethodOptions = Field(default_factory=MethodOptions)
+    batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, description="sequences decoded at once per actor")
+    token_budget: int | None = Field(None, ge=1, description="most tokens one batched forward verifies (rows x "
+                                                                "width, padding included); default: no cap")
+    speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, methods: list[str]) -> list[str]:
+        return check_method_names(methods)
+
+    @model_validator(mode="after")
+    def _drafter_when_needed(self) -> "DecodeConfig":
+        needing = [m for m in self.methods if METHODS[m].needs_draft_model]
+        if needing and not self.drafter:
+            raise ValueError(f"method(s) {', '.join(needing)} need a drafter model (--drafter)")
+        return self
