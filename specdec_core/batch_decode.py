@@ -25,12 +25,13 @@ import torch
 from .decode import (
     DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
 )
-from .drafters.base import Draft, Drafter, RequestContext, empty_draft
+from .draft_tree import ancestor_mask, depths, prefix_depths
+from .drafters.base import Draft, Drafter, RequestContext
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
-from .verification import accept_greedy, verify
+from .verification import VerifyResult, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
@@ -171,17 +172,15 @@ class BatchDecoder:
 
     # ----------------------------------------------------------------------------------------------- one step
     def step(self) -> None:
-        rows = self.rows
-        self._propose(rows)
+        self._propose(self.rows)
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
             return
-        width = self.budget.choose_width([len(r.draft) for r in rows], [r.acceptance for r in rows],
+        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows],
                                          self._measure_width)
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
-            if len(row.draft) > width - 1:
-                row.draft = _truncated(row.draft, width - 1)
+            row.draft = row.draft.truncated(width - 1)
         width = 1 + max(len(r.draft) for r in rows)
         input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
         logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index)  # [N, vocab]
@@ -200,19 +199,29 @@ class BatchDecoder:
             self._retire(failed)
 
     def _step_inputs(self, rows: list[Row], width: int):
-        """-> input_ids [B, T], positions [B, T], visible [B, T, T] (chain), logit_index [N, 2]."""
+        """-> input_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
+
+        A chain's node t sits at position length + t and sees nodes 0..t; a tree's node at length + its depth and
+        sees its ancestors (draft_tree.py). Padding nodes see only the cached prefix and are never read.
+        """
         lengths = torch.tensor(self.cache.lengths)  # [B]
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # padding id 0: its keys are never attended
+        offsets = torch.zeros(len(rows), width, dtype=torch.long)  # position - length of each node
+        visible = torch.zeros(len(rows), width, width, dtype=torch.bool)
+        chain = torch.ones(width, width, dtype=torch.bool).tril()
         index = []
         for b, row in enumerate(rows):
-            tokens = [row.state.tokens[-1], *row.draft.tokens]
-            input_ids[b, : len(tokens)] = torch.tensor(tokens)
-            index.extend((b, t) for t in range(len(tokens)))
-        positions = lengths[:, None] + torch.arange(width)  # [B, T]
-        counts = torch.tensor([1 + len(r.draft) for r in rows])  # [B]
-        real = torch.arange(width)[None, :] < counts[:, None]  # [B, T]
-        visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & real[:, None, :]  # [B, T, T]
-        return input_ids, positions, visible, torch.tensor(index)
+            draft = row.draft
+            count = 1 + len(draft)
+            input_ids[b, :count] = torch.tensor([row.state.tokens[-1], *draft.tokens])
+            if draft.parents is None:
+                offsets[b] = torch.arange(width)
+                visible[b, :count, :count] = chain[:count, :count]
+            else:
+                offsets[b, 1:count] = torch.tensor(depths(draft.parents))
+                visible[b] = ancestor_mask(draft.parents, width)
+            index.extend((b, t) for t in range(count))
+        return input_ids, lengths[:, None] + offsets, visible, torch.tensor(index)
 
     def _measure_width(self, width: int) -> float:
         """Time a [B, width] forward on the live rows without committing anything (cost calibration)."""
@@ -227,34 +236,33 @@ class BatchDecoder:
         return time.perf_counter() - started
 
     def _commit(self, rows: list[Row], logits: torch.Tensor) -> None:
-        greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [N]: one argmax over the batch for greedy rows
-        done, offset = [], 0
+        results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
+                              [r.state.generator for r in rows])
+        done = []
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
-        for index, row in enumerate(rows):
+        for index, (row, result) in enumerate(zip(rows, results)):
             draft, state, params = row.draft, row.state, row.request.params
-            count = 1 + len(draft)
             try:
-                if params.sampling.greedy:
-                    num_accepted, next_token = accept_greedy(draft.tokens, greedy_ids[offset : offset + count])
-                else:
-                    result = verify(draft.tokens, logits[offset : offset + count], params.sampling,
-                                    state.generator, draft.probs)
-                    num_accepted, next_token = result.num_accepted, result.next_token
-                self.cache.set_length(index, self.cache.lengths[index] + 1 + num_accepted)
+                length = self.cache.lengths[index]
+                if draft.parents is not None and result.path:
+                    # The accepted path's keys sit at their node offsets; move them to where a chain puts them.
+                    nodes = [i + 1 for i in result.path]
+                    self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
+                self.cache.set_length(index, length + 1 + result.num_accepted)
                 state.metrics.target_forwards += 1
                 state.metrics.drafted_tokens += len(draft)
-                kept = emit(self.target, state, _sourced(draft, num_accepted, next_token), params)
-                state.metrics.accepted_tokens += min(kept, num_accepted)
+                kept = emit(self.target, state, _sourced(draft, result), params)
+                accepted = min(kept, result.num_accepted)
+                state.metrics.accepted_tokens += accepted
                 self.stats.verified_tokens += len(draft)
-                self.stats.accepted_tokens += min(kept, num_accepted)
+                self.stats.accepted_tokens += accepted
                 self.stats.new_tokens += kept
-                self.budget.observe(row.acceptance, len(draft), num_accepted)
-                row.request.drafter.observe(state.tokens, draft, num_accepted)
+                self.budget.observe(row.acceptance, draft.max_depth, result.num_accepted)
+                row.request.drafter.observe(state.tokens, draft, result.num_accepted)
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
-            offset += count
             if row.error or state.finished:
                 done.append(index)
         self._retire(done)
@@ -278,17 +286,14 @@ class BatchDecoder:
                 self.rows[index] = last
 
 
-def _truncated(draft: Draft, length: int) -> Draft:
-    if length <= 0:
-        return empty_draft()
-    probs = draft.probs[:length] if draft.probs is not None else None
-    return Draft(tokens=draft.tokens[:length], source=draft.source, from_context=draft.from_context, probs=probs)
+def _reach(draft: Draft) -> list[int]:
+    """[n - 1] -> how deep the draft cut to n tokens can accept (a chain: n; a tree: its deepest of n nodes)."""
+    return prefix_depths(draft.parents) if draft.parents is not None else list(range(1, len(draft) + 1))
 
 
-def _sourced(draft: Draft, num_accepted: int, next_token: int) -> list[tuple[int, str, bool]]:
-    accepted = [(token, draft.source, draft.from_context) for token in draft.tokens[:num_accepted]]
-    return accepted + [(next_token, TARGET_SOURCE, False)]
-
+def _sourced(draft: Draft, result: VerifyResult) -> list[tuple[int, str, bool]]:
+    accepted = [(draft.tokens[i], draft.source, draft.from_context) for i in result.accepted_indices()]
+    return accepted + [(result.next_token, TARGET_SOURCE, False)]
 
 def decode(
     target: ModelRunner,

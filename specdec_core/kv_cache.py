@@ -105,6 +105,15 @@ class SlotKVCache(Cache):
         self.lengths.pop()
         return moved
 
+    def move(self, row: int, source: list[int], target: list[int]) -> None:
+        """Copy one row's keys/values from positions `source` to `target` (a tree's accepted path, into place).
+        Gathered before written, so overlapping ranges are safe."""
+        src = torch.tensor(source, device=self.device)
+        dst = torch.tensor(target, device=self.device)
+        for layer in range(self.num_layers):
+            for buf in (self.keys[layer], self.values[layer]):
+                buf[row].index_copy_(1, dst, buf[row].index_select(1, src))
+
     def set_length(self, row: int, length: int) -> None:
         """Commit (or roll back) a row to `length` positions; keys past it are dead and will be overwritten."""
         self.lengths[row] = length

@@ -83,11 +83,13 @@ def _ar(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
 
 @register("pld", "prompt lookup: match the last 3..1 tokens in the history, draft the K that followed")
 def _pld(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
-    return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive)
+    return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive,
+                               options.candidates)
 
 
 def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:
-    return CopySpecDrafter(options.gamma, options.copy_tokens, options.adaptive, options.max_copy_tokens)
+    return CopySpecDrafter(options.gamma, options.copy_tokens, options.adaptive, options.max_copy_tokens,
+                           options.candidates)
 
 
 def _draft_model_drafter(options: MethodOptions, draft_model: ModelRunner | None) -> DraftModelDrafter:

@@ -104,30 +104,33 @@ class SpeculationBudget:
     token_budget: int | None = None  # most B x T tokens per forward (padding included); None = no cap
     enabled: bool = True  # False: verify every draft as proposed (still capped by token_budget)
     pooled: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    calibration_s: float = 0.0
+    planning_s: float = 0.0  # time spent choosing widths, calibration forwards included
 
-    def choose_width(self, draft_lens: list[int], estimates: list[AcceptanceEstimate],
+    def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate],
                      measure: Callable[[int], float] | None = None) -> int:
-        """T for this step (1 = no drafts verified); draft_lens are the rows' proposals."""
-        rows = len(draft_lens)
-        longest = max(draft_lens, default=0)
+        """T for this step (1 = no drafts verified). reaches[r][n - 1] = the deepest path row r's draft cut to n
+        tokens can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its proposal."""
+        rows = len(reaches)
+        lengths = [len(reach) for reach in reaches]
+        longest = max(lengths, default=0)
         if self.token_budget is not None:
             longest = min(longest, max(1, self.token_budget // max(rows, 1)) - 1)
         if longest <= 0:
             return 1
         if not self.enabled:
             return longest + 1
+        started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
         rates = [e.rate(prior) for e in estimates]
-        started = time.perf_counter()
-        candidates = sorted({1, *(min(k, longest) + 1 for k in draft_lens if k > 0)})
+        candidates = sorted({min(k, longest) + 1 for k in lengths if k > 0})
         best, best_value = 1, float(rows)  # T = 1: every row emits one token at cost ratio 1
-        for width in candidates[1:]:
-            gain = sum(expected_tokens(rate, min(k, width - 1)) for rate, k in zip(rates, draft_lens))
+        for width in candidates:
+            gain = sum(expected_tokens(rate, reach[min(len(reach), width - 1) - 1]) if reach else 1.0
+                       for rate, reach in zip(rates, reaches))
             value = gain / self.cost.ratio(rows, width, measure)
             if value > best_value:
                 best, best_value = width, value
-        self.calibration_s += time.perf_counter() - started
+        self.planning_s += time.perf_counter() - started
         return best
 
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:

@@ -19,13 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .draft_tree import children_of
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    num_accepted: int  # accepted draft tokens, 0..len(draft)
+    num_accepted: int  # accepted draft tokens, 0..len(draft) (a tree: the accepted path's length)
     next_token: int  # recovered token (after a rejection) or bonus token (whole draft accepted)
+    path: tuple[int, ...] | None = None  # a tree: accepted draft indices, root to leaf (a chain: 0..num_accepted-1)
+
+    def accepted_indices(self) -> list[int]:
+        return list(self.path) if self.path is not None else list(range(self.num_accepted))
 
 
 def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
@@ -103,3 +108,76 @@ def verify(
         return verify_greedy(draft_tokens, target_logits)
     target_probs = logits_to_probs(target_logits, params)  # [k + 1, vocab]
     return verify_speculative_sampling(draft_tokens, target_probs, generator, draft_probs)
+
+
+# ----------------------------------------------------------------------------------------------------- trees
+# A tree's logits are per node (node 0 = the pending token, node i + 1 = draft token i; see draft_tree.py): the
+# distribution of what follows that node's path.
+
+def verify_tree_greedy(parents: list[int], draft_tokens: list[int], node_argmax: list[int]) -> VerifyResult:
+    """Walk from the root, each step into the child whose token is the target's argmax; node_argmax is [k + 1]."""
+    children = children_of(parents)
+    node, path = 0, []
+    while True:
+        wanted = node_argmax[node]
+        match = next((c for c in children.get(node, ()) if draft_tokens[c - 1] == wanted), None)
+        if match is None:
+            return VerifyResult(len(path), wanted, tuple(path))
+        path.append(match - 1)
+        node = match
+
+
+def verify_tree_sampling(parents: list[int], draft_tokens: list[int], node_probs: torch.Tensor,
+                         generator: torch.Generator) -> VerifyResult:
+    """Multi-candidate speculative sampling for one-hot (copied) branches, exact in distribution.
+
+    At a node with distinct candidate children x_1..x_m: accept x_j with probability r(x_j) / sum(r), where r is p
+    with the candidates already rejected at this node zeroed (SpecInfer's multi-draft rule with one-hot q): by
+    induction each token comes out with probability p(x) — x_1 with p(x_1); x_2 with (1 - p(x_1)) * p(x_2) /
+    (1 - p(x_1)) = p(x_2); and when every candidate is rejected the token is drawn from the residual r.
+    """
+    children = children_of(parents)
+    vocab = node_probs.shape[-1]
+    node, path = 0, []
+    while True:
+        residual = node_probs[node].clone()  # [vocab]
+        moved = False
+        for child in children.get(node, ()):
+            x = draft_tokens[child - 1]
+            if x >= vocab:
+                continue  # the target cannot emit it: rejected, nothing to remove from r
+            total = float(residual.sum())
+            if total > 0 and _uniform(generator) * total < float(residual[x]):
+                path.append(child - 1)
+                node, moved = child, True
+                break
+            residual[x] = 0.0
+        if not moved:
+            total = float(residual.sum())
+            return VerifyResult(len(path), sample(residual / total if total > 0 else node_probs[node], generator),
+                                tuple(path))
+
+
+# ----------------------------------------------------------------------------------------------------- a batch
+def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[VerifyResult]:
+    """Verify every row of a batched step. logits [N, vocab]: row r's k_r + 1 rows, in row order (chain: after the
+    pending token and each draft token; tree: per node). Greedy rows share one argmax over the whole [N, vocab];
+    sampling rows use their own generator, so a seeded row draws the same numbers whatever shares its batch."""
+    argmax = torch.argmax(logits, dim=-1).tolist()  # [N]
+    results, offset = [], 0
+    for draft, params, generator in zip(drafts, sampling, generators):
+        count = 1 + len(draft.tokens)
+        if params.greedy:
+            if draft.parents is None:
+                result = VerifyResult(*accept_greedy(draft.tokens, argmax[offset: offset + count]))
+            else:
+                result = verify_tree_greedy(draft.parents, draft.tokens, argmax[offset: offset + count])
+        elif draft.parents is None:
+            result = verify(draft.tokens, logits[offset: offset + count], params, generator, draft.probs)
+        else:
+            probs = logits_to_probs(logits[offset: offset + count], params)  # [k + 1, vocab]
+            result = verify_tree_sampling(draft.parents, draft.tokens, probs, generator)
+        results.append(result)
+        offset += count
+    return results

@@ -17,7 +17,7 @@ MERSENNE_61 = (1 << 61) - 1
 class CopyIndex:
     """Index of an append-only token sequence; positions are 0-based window starts."""
 
-    def __init__(self, gamma: int = 3, base: int = 1_000_003, modulus: int = MERSENNE_61):
+    def __init__(self, gamma: int = 3, base: int = 1_000_003, modulus: int = MERSENNE_61, keep_all: bool = False):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.gamma = gamma
@@ -26,6 +26,8 @@ class CopyIndex:
         self.tokens = array("q")  # the indexed sequence
         self._first: dict[int, int] = {}  # window hash -> start of the first window with that hash
         self._collisions: dict[int, list[int]] = {}  # hash -> first starts of OTHER distinct windows with it
+        # Multi-candidate copying also needs the later occurrences: hash -> every window start with it, in order.
+        self._all: dict[int, list[int]] | None = {} if keep_all else None
         self._hash = 0  # hash of the last (up to γ) tokens
         self._drop_factor = pow(base, gamma - 1, modulus)  # weight of the token leaving the window
 
@@ -51,6 +53,8 @@ class CopyIndex:
         return self.tokens[a : a + gamma] == self.tokens[b : b + gamma]
 
     def _insert(self, window_hash: int, start: int) -> None:
+        if self._all is not None:
+            self._all.setdefault(window_hash, []).append(start)
         first = self._first.get(window_hash)
         if first is None:
             self._first[window_hash] = start
@@ -95,6 +99,27 @@ class CopyIndex:
         if source is None or max_tokens <= 0:
             return []
         return self.tokens[source : source + max_tokens].tolist()
+
+    def copy_candidates(self, max_tokens: int, count: int, scan: int = 32) -> list[list[int]]:
+        """Up to `count` distinct continuations of the suffix: the first occurrence's (the paper's candidate) first,
+        then the most recent other occurrences' (recent text is the likelier repeat). At most `scan` occurrences
+        are looked at, so a very common window does not make a step slow. Needs keep_all=True."""
+        first = self.copy_candidate(max_tokens)
+        out = [first] if first else []
+        if self._all is None or max_tokens <= 0 or len(self.tokens) < self.gamma:
+            return out
+        gamma = self.gamma
+        suffix_start = len(self.tokens) - gamma
+        starts = self._all.get(self._hash, ())
+        for start in reversed(starts[-scan:]):
+            if len(out) >= count:
+                break
+            if start + gamma - 1 >= suffix_start or not self._same_window(start, suffix_start):
+                continue  # overlaps the suffix, or a hash collision
+            continuation = self.tokens[start + gamma : start + gamma + max_tokens].tolist()
+            if continuation and continuation not in out:
+                out.append(continuation)
+        return out
 
     def snapshot(self) -> tuple[dict[int, int], dict[int, list[int]]]:
         """The index's content, for tests comparing incremental updates with a rebuild."""

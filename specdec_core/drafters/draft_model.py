@@ -26,7 +26,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
 
 
 class DraftModelDrafter(Drafter):
-    returns_probabilities = True
 
     def __init__(self, runner: ModelRunner, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16):
         self.runner = runner

@@ -12,7 +12,8 @@ class FallbackDrafter(Drafter):
         if not drafters:
             raise ValueError("FallbackDrafter needs at least one drafter")
         self.drafters = drafters
-        self.returns_probabilities = any(d.returns_probabilities for d in drafters)
+        self.proposes_trees = any(d.proposes_trees for d in drafters)
+        self.uses_context = any(d.uses_context for d in drafters)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)

@@ -1,0 +1,76 @@
+"""Draft trees: a draft may carry several branches as (token, parent) nodes; index arithmetic lives here.
+
+Node numbering, per row and per step: node 0 is the pending token (the tree's root, already accepted), node i + 1 is
+draft token i, whose parent node is `parents[i] + 1` (`parents[i] = -1`: a child of the root). Parents always come
+before their children, so any prefix of the node list is itself a tree (truncation keeps a valid tree).
+
+Worked example: branches [5, 6, 7] and [5, 8] share their first token, so the trie is
+    tokens  [5, 6, 7, 8]     parents [-1, 0, 1, 0]
+    nodes   0=pending  1=5  2=6  3=7  4=8        depth [0, 1, 2, 3, 2]
+    node 3 attends nodes 0, 1, 2, 3; node 4 attends nodes 0, 1, 4. Positions = row length + depth.
+If the target accepts 5 then 8, the accepted path is nodes [1, 4]; node 4's keys sit at offset 4 of the step and
+move to offset 2 (its depth), where a chain would have put them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chain_parents(length: int) -> list[int]:
+    return list(range(-1, length - 1))
+
+
+def build_trie(branches: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Merge continuations into one trie -> (tokens, parents); the first branch's nodes come first, unbroken."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent index, token) -> node index
+    for branch in branches:
+        parent = -1
+        for token in branch:
+            node = children.get((parent, token))
+            if node is None:
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                children[(parent, token)] = node
+            parent = node
+    return tokens, parents
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each draft token (1 = a child of the root)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def prefix_depths(parents: list[int]) -> list[int]:
+    """[n - 1] -> the deepest node among the first n draft tokens (what a tree cut to n nodes can accept at most)."""
+    deepest, out = 0, []
+    for depth in depths(parents):
+        deepest = max(deepest, depth)
+        out.append(deepest)
+    return out
+
+
+def ancestor_mask(parents: list[int], width: int) -> torch.Tensor:
+    """[width, width] bool: node t may attend node i (i is t's ancestor or t itself); nodes past the tree see
+    nothing new (padding: they still see the cached prefix, which the mask builder adds)."""
+    visible = torch.zeros(width, width, dtype=torch.bool)
+    visible[0, 0] = True
+    for index, parent in enumerate(parents):
+        node = index + 1
+        visible[node] = visible[parent + 1]
+        visible[node, node] = True
+    return visible
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """node -> its child nodes in draft order (node numbering as above)."""
+    out: dict[int, list[int]] = {}
+    for index, parent in enumerate(parents):
+        out.setdefault(parent + 1, []).append(index + 1)
+    return out
