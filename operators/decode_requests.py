@@ -70,7 +70,7 @@ class DecodeRequests:
                    context_ids):
             turns[key] = {"row": row, "turn": turn, "messages": messages, "later": later, "prompt_ids": prompt_ids}
             item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), context_ids)
-            decoder.submit(self.engine.request(item, method, cfg.method_options))
+            decoder.submit(self.engine.request(item, method, cfg.method_options, decoder))
 
         next_key = 0
         for row in rows:

@@ -90,6 +90,7 @@ class BatchDecoder:
         self.waiting: deque[DecodeRequest] = deque()
         self.finished: deque[tuple[DecodeRequest, DecodeResult | str]] = deque()
         self.stats = BatchStats()
+        self.draft_pool = None  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
         self.max_draft = max_draft
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft
@@ -155,7 +156,7 @@ class BatchDecoder:
             size = prompt.shape[1]
             logits = self.target.forward_slots(
                 self.cache, prompt, torch.arange(size)[None], torch.ones(size, size, dtype=torch.bool).tril()[None],
-                torch.tensor([[0, size - 1]]), single_row=index,
+                torch.tensor([[0, size - 1]]), rows=[index],
             )[0]  # [vocab]
             self.cache.set_length(index, size)
             state.metrics.target_forwards += 1
@@ -187,14 +188,30 @@ class BatchDecoder:
         self._commit(rows, logits)
 
     def _propose(self, rows: list[Row]) -> None:
+        """Every row's draft. Drafters that share a pool (a draft model) are collected, then drafted together."""
+        pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
+        for pool in pools.values():
+            pool.collecting = True
         failed = []
-        for index, row in enumerate(rows):
+        try:
+            for index, row in enumerate(rows):
+                try:
+                    limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
+                    row.draft = row.request.drafter.propose(row.state.tokens, limit)
+                except Exception as exc:
+                    row.error = f"{type(exc).__name__}: {exc}"
+                    failed.append(index)
+        finally:
+            for pool in pools.values():
+                pool.collecting = False
+        for key, pool in pools.items():
             try:
-                limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
-                row.draft = row.request.drafter.propose(row.state.tokens, limit)
-            except Exception as exc:
-                row.error = f"{type(exc).__name__}: {exc}"
-                failed.append(index)
+                pool.flush()
+            except Exception as exc:  # the pool's rows fail, the others go on
+                for index, row in enumerate(rows):
+                    if id(row.request.drafter.pool) == key and index not in failed:
+                        row.error = f"{type(exc).__name__}: {exc}"
+                        failed.append(index)
         if failed:
             self._retire(failed)
 
@@ -280,6 +297,10 @@ class BatchDecoder:
                 self.finished.append((row.request, DecodeResult(
                     token_ids=list(row.state.generated), text=final_text(self.target, row.state),
                     finish_reason=row.state.finish_reason, metrics=row.state.metrics)))
+            try:
+                row.request.drafter.finish()
+            except Exception:  # freeing a drafter's slot must not stop the batch
+                pass
             self.cache.remove_row(index)
             last = self.rows.pop()
             if index < len(self.rows):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .batch_decode import BatchDecoder, DecodeRequest
 from .decode import DecodeParams, DecodeResult
+from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
 from .methods import MethodOptions, get_method
 from .model_runner import ModelRunner
@@ -61,11 +62,15 @@ class Engine:
     def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True
                 ) -> BatchDecoder:
         budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
-        return BatchDecoder(self.target, max_batch=batch_size, budget=budget)
+        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget)
+        # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
+        decoder.draft_pool = DraftModelPool(self.draft_model) if self.draft_model is not None else None
+        return decoder
 
-    def request(self, item: BatchItem, method: str, options: MethodOptions | None = None) -> DecodeRequest:
+    def request(self, item: BatchItem, method: str, options: MethodOptions | None,
+                decoder: BatchDecoder) -> DecodeRequest:
         spec = get_method(method)
-        drafter = spec.build_drafter(options or MethodOptions(), self.draft_model)
+        drafter = spec.build_drafter(options or MethodOptions(), decoder.draft_pool)
         return DecodeRequest(item.key, list(item.prompt_ids), item.params, drafter, item.context_ids)
 
     def decode_batch(
@@ -81,7 +86,7 @@ class Engine:
         A failing row yields a dict with only `error` set (the others go on)."""
         decoder = decoder or self.decoder(batch_size, token_budget)
         for item in items:
-            decoder.submit(self.request(item, method, options))
+            decoder.submit(self.request(item, method, options, decoder))
         yield from self.results(decoder, method)
 
     def results(self, decoder: BatchDecoder, method: str) -> Iterator[tuple[object, dict]]:

@@ -42,9 +42,11 @@ class SlotKVCache(Cache):
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # committed positions of each live row (slot i = row i)
         self._allocate(0, 0)
-        self._rows = 0  # the bound forward reads rows [0, _rows) ... or one row at `_single`
-        self._single: int | None = None
+        self._bound: list[int] = []  # the rows the next forward feeds
+        self._contiguous = True
         self._num_new = 0
+        self._kv_len = 0
+        self._row_index: torch.Tensor | None = None  # [b]
         self._write_pos: torch.Tensor | None = None  # [b, T] where each new token's keys go
 
     # ----------------------------------------------------------------------------------------------- memory
@@ -119,45 +121,51 @@ class SlotKVCache(Cache):
         self.lengths[row] = length
 
     # ----------------------------------------------------------------------------------------------- a forward
-    def bind(self, num_new: int, single_row: int | None = None) -> None:
-        """Next forward feeds `num_new` tokens to every live row ([n, T] input), or to one row ([1, T], prefill)."""
-        self._single = single_row
-        self._rows = 1 if single_row is not None else len(self.lengths)
+    def bind(self, num_new: int, rows: list[int] | None = None) -> None:
+        """Next forward feeds `num_new` tokens to every live row ([n, T] input), or to `rows` only ([len(rows), T]:
+        a prefill, or the draft model's rows that draft this step). A contiguous range is read as a view; other
+        subsets are gathered (a copy: fine for the few rows a draft model catches up)."""
+        rows = list(range(len(self.lengths))) if rows is None else list(rows)
+        self._bound = rows
+        self._contiguous = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
         self._num_new = num_new
-        if single_row is None:
-            lengths = torch.tensor(self.lengths, device=self.device)  # [n]
-            self._write_pos = lengths[:, None] + torch.arange(num_new, device=self.device)  # [n, T]
-        if self.kv_length() > self.capacity:
-            raise RuntimeError(f"KV cache too small: need {self.kv_length()} positions, have {self.capacity}")
+        self._row_index = torch.tensor(rows, device=self.device)  # [b]
+        lengths = torch.tensor([self.lengths[r] for r in rows], device=self.device)  # [b]
+        self._write_pos = lengths[:, None] + torch.arange(num_new, device=self.device)  # [b, T]
+        self._kv_len = int(lengths.max()) + num_new if rows else num_new
+        if self._kv_len > self.capacity:
+            raise RuntimeError(f"KV cache too small: need {self._kv_len} positions, have {self.capacity}")
+
+    def bound_lengths(self) -> list[int]:
+        return [self.lengths[r] for r in self._bound]
 
     def kv_length(self) -> int:
         """Keys each bound row attends over: the longest bound row's cached positions + the new tokens."""
-        if self._single is not None:
-            return self.lengths[self._single] + self._num_new
-        return max(self.lengths) + self._num_new
+        return self._kv_len
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """key_states/value_states: [b, kv_heads, T, head_dim]; returns this layer's [b, kv_heads, kv_len, head_dim]."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        kv_len = self.kv_length()
-        if self._single is not None:
-            row, start = self._single, self.lengths[self._single]
+        kv_len = self._kv_len
+        if len(self._bound) == 1:  # a prefill: one row, a plain slice write
+            row, start = self._bound[0], self.lengths[self._bound[0]]
             keys[row, :, start : start + self._num_new] = key_states[0]
             values[row, :, start : start + self._num_new] = value_states[0]
             return keys[row : row + 1, :, :kv_len], values[row : row + 1, :, :kv_len]
-        n = self._rows
-        row_index = torch.arange(n, device=self.device)[:, None].expand_as(self._write_pos)  # [n, T]
-        # Advanced indexing on dims 0 and 2 puts them first: the target is [n, T, kv_heads, head_dim].
+        row_index = self._row_index[:, None].expand_as(self._write_pos)  # [b, T]
+        # Advanced indexing on dims 0 and 2 puts them first: the target is [b, T, kv_heads, head_dim].
         keys[row_index, :, self._write_pos] = key_states.transpose(1, 2)
         values[row_index, :, self._write_pos] = value_states.transpose(1, 2)
-        return keys[:n, :, :kv_len], values[:n, :, :kv_len]
+        if self._contiguous:
+            first, last = self._bound[0], self._bound[-1] + 1
+            return keys[first:last, :, :kv_len], values[first:last, :, :kv_len]
+        return (keys.index_select(0, self._row_index)[:, :, :kv_len],
+                values.index_select(0, self._row_index)[:, :, :kv_len])
 
     # ----------------------------------------------------------------------------------------------- HF Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Read by models only to build default positions/masks; the engine passes both explicitly.
-        if self._single is not None:
-            return self.lengths[self._single]
-        return max(self.lengths, default=0)
+        return self._kv_len - self._num_new
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.kv_length(), 0
@@ -180,7 +188,7 @@ class SlotKVCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return self._rows
+        return len(self._bound)
 
     def __len__(self) -> int:
         return self.num_layers

@@ -9,11 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .drafters.base import Drafter, NoDrafter
 from .drafters.copyspec import CopySpecDrafter
-from .drafters.draft_model import DraftModelDrafter
+from .drafters.draft_model import DraftModelDrafter, DraftModelPool
 from .drafters.fallback import FallbackDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import UnknownMethodError
-from .model_runner import ModelRunner
 
 
 class MethodOptions(BaseModel):
@@ -34,7 +33,9 @@ class MethodOptions(BaseModel):
                                                         "branches of one tree (1 = a single chain)")
 
 
-DrafterFactory = Callable[[MethodOptions, "ModelRunner | None"], Drafter]
+# The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
+# drafter of one decoder shares it, so the draft model steps all their rows in one forward.
+DrafterFactory = Callable[[MethodOptions, "DraftModelPool | None"], Drafter]
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,12 @@ def get_method(name: str) -> MethodSpec:
 
 
 @register("ar", "plain autoregressive decoding with a KV cache (the baseline)")
-def _ar(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+def _ar(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return NoDrafter()
 
 
 @register("pld", "prompt lookup: match the last 3..1 tokens in the history, draft the K that followed")
-def _pld(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+def _pld(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive,
                                options.candidates)
 
@@ -92,22 +93,22 @@ def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:
                            options.candidates)
 
 
-def _draft_model_drafter(options: MethodOptions, draft_model: ModelRunner | None) -> DraftModelDrafter:
+def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | None) -> DraftModelDrafter:
     if draft_model is None:
         raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
     return DraftModelDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
 
 
 @register("copyspec", "CopySpec: copy m tokens after the first earlier occurrence of the last γ tokens")
-def _copyspec(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+def _copyspec(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return _copyspec_drafter(options)
 
 
 @register("draft", "speculative decoding with a same-vocabulary draft model (δ tokens per step)", True)
-def _draft(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+def _draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return _draft_model_drafter(options, draft_model)
 
 
 @register("copyspec+draft", "CopySpec when the index matches, else the draft model (CopySpec §3.3)", True)
-def _copyspec_draft(options: MethodOptions, draft_model: ModelRunner | None) -> Drafter:
+def _copyspec_draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return FallbackDrafter([_copyspec_drafter(options), _draft_model_drafter(options, draft_model)])

@@ -142,9 +142,9 @@ class ModelRunner:
         positions: torch.Tensor,
         visible: torch.Tensor,
         logit_index: torch.Tensor,
-        single_row: int | None = None,
+        rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """One forward over the cache's live rows (or one row, for prefill); keys/values land at each row's length.
+        """One forward over the cache's live rows (or `rows`); keys/values land at each row's length.
 
         input_ids  [b, T]     new tokens of each row, padded to the longest row's T
         positions  [b, T]     their positions (chain: length + t; a tree node: length + depth)
@@ -153,9 +153,8 @@ class ModelRunner:
         -> [N, vocab] float32 logits. The rows' lengths are NOT advanced: the caller commits what it accepts.
         """
         b, num_new = input_ids.shape
-        cache.bind(num_new, single_row)
-        lengths = (torch.tensor([cache.lengths[single_row]]) if single_row is not None
-                   else torch.tensor(cache.lengths))  # [b]
+        cache.bind(num_new, rows)
+        lengths = torch.tensor(cache.bound_lengths())  # [b]
         mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
                                self.dtype)
         out = self.base_model(

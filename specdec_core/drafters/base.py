@@ -74,6 +74,17 @@ class RequestContext:
     generator: torch.Generator | None = None
 
 
+class DraftPool(ABC):
+    """Drafts for many rows together (a draft model steps all its rows in one batched forward). While the loop
+    collects a step's proposals (`collecting`), the pool's drafters return drafts that `flush()` fills in place."""
+
+    collecting: bool = False
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Fill every draft requested since the last flush."""
+
+
 class Drafter(ABC):
     """propose() returns at most max_tokens tokens to follow `tokens`; observe() learns from the verification.
 
@@ -84,6 +95,8 @@ class Drafter(ABC):
     uses_context: bool = False
     #: may return trees (Draft.parents); the verifier then walks the tree
     proposes_trees: bool = False
+    #: drafts through a shared pool that the loop flushes once per step (None: propose() drafts at once)
+    pool: DraftPool | None = None
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         """Called once per request after prefill, with the prompt plus the first generated token."""
@@ -94,7 +107,10 @@ class Drafter(ABC):
         """Draft up to max_tokens continuation tokens; an empty draft when there is nothing worth proposing."""
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        """`tokens` now ends with draft.tokens[:num_accepted] + one target token. Default: nothing to learn."""
+        """`tokens` now ends with the accepted draft tokens + one target token. Default: nothing to learn."""
+
+    def finish(self) -> None:
+        """The request is over (done, failed or cancelled): free what the drafter holds. Default: nothing."""
 
 
 class NoDrafter(Drafter):

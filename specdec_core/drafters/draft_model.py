@@ -1,20 +1,30 @@
-"""Draft-model drafter: a same-vocabulary model proposes δ tokens autoregressively with its own KV cache.
+"""Draft-model drafter: a same-vocabulary model proposes δ tokens autoregressively, for all its rows at once.
 
-The drafter's cache follows the accepted sequence lazily: at each proposal it keeps the longest prefix it shares
-with the accepted tokens (rejected draft tokens are cropped away) and feeds only what is new. That also covers
+Every row's drafter belongs to one `DraftModelPool`, which owns the draft model's `SlotKVCache` (one slot per row).
+Inside the batched loop the pool collects the step's requests (`propose` returns a draft to be filled) and
+`flush()` drafts them together: one batched catch-up forward over what each row's cache lacks, then one batched
+forward per draft position. Outside a loop (`collecting` off) a propose drafts its own row at once.
+
+A row's draft cache follows the accepted sequence lazily: it keeps the longest prefix it shares with the accepted
+tokens (rejected draft tokens are rolled back by a length change) and feeds only what is new. That also covers
 steps where another drafter (CopySpec in `copyspec+draft`) drafted and this one sat idle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from ..model_runner import ModelRunner
-from ..sampling import logits_to_probs, sample
-from .base import Draft, Drafter, RequestContext
+from ..sampling import logits_to_probs
+from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
+
+SOURCE = "draft_model"
+LONG_BACKLOG = 16  # catch-up tokens past which a row is fed alone
+CAPACITY_SLACK = 64  # positions past the accepted sequence for drafted tokens (δ <= max_draft_tokens <= this)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
@@ -25,58 +35,165 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
     return i
 
 
-class DraftModelDrafter(Drafter):
+@dataclass
+class _Pending:
+    drafter: "DraftModelDrafter"
+    tokens: Sequence[int]
+    budget: int
+    draft: Draft  # filled in place by flush()
+    probs: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token, when sampling
 
-    def __init__(self, runner: ModelRunner, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16):
+
+class DraftModelPool(DraftPool):
+    """The draft model's rows: a slot cache, and each row's record of which tokens its slot holds."""
+
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=max_tokens)
-        self.cache = None
-        self.cached: list[int] = []  # tokens whose keys/values the draft cache holds
-        self._synced = 0  # cached[:_synced] is known to equal the accepted sequence
+        self.cache = runner.new_slot_cache()
+        self.owners: list[DraftModelDrafter] = []  # owners[i] holds cache row i
+        self.collecting = False
+        self._pending: list[_Pending] = []
+
+    # ------------------------------------------------------------------------------------------- rows
+    def attach(self, drafter: "DraftModelDrafter") -> None:
+        """Give a drafter an empty slot (its request starts); a drafter restarted on a new request gets a new one."""
+        self.release(drafter)
+        self.cache.fit(len(self.owners) + 1, max(self.cache.capacity, 1))
+        self.cache.add_row()
+        self.owners.append(drafter)  # cache row i <-> owners[i], both packed the same way
+        drafter.cached = []
+        drafter.synced = 0
+
+    def release(self, drafter: "DraftModelDrafter") -> None:
+        if drafter not in self.owners:
+            return
+        row = self.owners.index(drafter)
+        self.cache.remove_row(row)
+        last = self.owners.pop()
+        if row < len(self.owners):
+            self.owners[row] = last
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.cache.capacity:
+            self.cache.fit(len(self.owners), needed)
+
+    # ------------------------------------------------------------------------------------------- drafting
+    def request(self, drafter: "DraftModelDrafter", tokens: Sequence[int], budget: int) -> Draft:
+        draft = Draft(tokens=[], source=SOURCE)
+        self._pending.append(_Pending(drafter, tokens, budget, draft))
+        if not self.collecting:
+            self.flush()
+        return draft
+
+    def flush(self) -> None:
+        """Draft every collected request: one catch-up forward, then one forward per draft position."""
+        pending, self._pending = [p for p in self._pending if p.budget > 0], []
+        if not pending:
+            return
+        rows = [self.owners.index(p.drafter) for p in pending]
+        logits = self._catch_up(pending, rows)  # [b, vocab]
+        active = list(range(len(pending)))
+        while active:
+            fed_rows, fed_tokens = [], []
+            for i in active:
+                p = pending[i]
+                token = self._choose(p, logits[i])
+                p.draft.tokens.append(token)
+                if len(p.draft.tokens) < p.budget:
+                    fed_rows.append(i)
+                    fed_tokens.append(token)
+            active = fed_rows
+            if not active:
+                break
+            # Feed each still-drafting row its newest token: one [b, 1] forward.
+            cache_rows = [rows[i] for i in active]
+            step = self._forward(cache_rows, [[t] for t in fed_tokens])
+            for j, i in enumerate(active):
+                pending[i].drafter.cached.append(fed_tokens[j])
+            logits = torch.zeros(len(pending), step.shape[-1])
+            logits[active] = step
+        for p in pending:
+            if p.probs:
+                p.draft.probs = torch.stack(p.probs)  # [k, vocab] when sampling
+
+    def _catch_up(self, pending: list[_Pending], rows: list[int]) -> torch.Tensor:
+        """Roll each row's slot back to what it shares with the accepted tokens and feed the rest (>= 1 token,
+        the last accepted one, whose logits give the first draft token). -> [b, vocab]
+
+        Rows with a long backlog (a new request's prompt) are fed alone, like a prefill: batched with rows that
+        lack one token, they would pad every row to the backlog's length."""
+        new_tokens = []
+        for p, row in zip(pending, rows):
+            d = p.drafter
+            keep = min(common_prefix_length(d.cached, p.tokens, d.synced), len(p.tokens) - 1)
+            self.cache.set_length(row, keep)
+            new_tokens.append(list(p.tokens[keep:]))
+            d.cached = list(p.tokens)
+            d.synced = len(p.tokens)
+        longest_keep = max(self.cache.lengths[r] for r in rows)
+        self._ensure_capacity(longest_keep + max(len(t) for t in new_tokens) + CAPACITY_SLACK)
+        logits: list[torch.Tensor | None] = [None] * len(rows)
+        short = [i for i, t in enumerate(new_tokens) if len(t) <= LONG_BACKLOG]
+        for i in (i for i, t in enumerate(new_tokens) if len(t) > LONG_BACKLOG):
+            logits[i] = self._forward([rows[i]], [new_tokens[i]])[0]
+        if short:
+            batch = self._forward([rows[i] for i in short], [new_tokens[i] for i in short])
+            for j, i in enumerate(short):
+                logits[i] = batch[j]
+        return torch.stack(logits)
+
+    def _forward(self, rows: list[int], new_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed each row its new tokens (padded to one width), commit them; -> [b, vocab] after each row's last."""
+        width = max(len(t) for t in new_tokens)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        visible = torch.zeros(len(rows), width, width, dtype=torch.bool)
+        chain = torch.ones(width, width, dtype=torch.bool).tril()
+        lengths = torch.tensor([self.cache.lengths[r] for r in rows])
+        for b, tokens in enumerate(new_tokens):
+            input_ids[b, : len(tokens)] = torch.tensor(tokens)
+            visible[b, : len(tokens), : len(tokens)] = chain[: len(tokens), : len(tokens)]
+        positions = lengths[:, None] + torch.arange(width)  # [b, T]
+        index = torch.tensor([(b, len(t) - 1) for b, t in enumerate(new_tokens)])
+        logits = self.runner.forward_slots(self.cache, input_ids, positions, visible, index, rows=rows)
+        for row, tokens in zip(rows, new_tokens):
+            self.cache.set_length(row, self.cache.lengths[row] + len(tokens))
+        return logits
+
+    @staticmethod
+    def _choose(p: _Pending, logits: torch.Tensor) -> int:
+        request = p.drafter.request
+        if request.sampling.greedy:
+            return int(torch.argmax(logits).item())
+        q = logits_to_probs(logits, request.sampling)  # [vocab]
+        p.probs.append(q)
+        return int(torch.multinomial(q, 1, generator=request.generator).item())
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = 4, adaptive: bool = False,
+                 max_tokens: int = 16):
+        self.pool = draft_model if isinstance(draft_model, DraftModelPool) else DraftModelPool(draft_model)
+        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK))
+        self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds
+        self.synced = 0  # cached[:synced] is known to equal the accepted sequence
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        self.cache = self.runner.new_cache()
-        self.cached = []
-        self._synced = 0
-
-    def _catch_up(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Bring the cache to tokens[:-1] + feed tokens[-1]; return the draft logits for the next position."""
-        keep = common_prefix_length(self.cached, tokens, self._synced)
-        keep = min(keep, len(tokens) - 1)  # the last token must be fed to get fresh logits
-        self.runner.crop(self.cache, keep)
-        new = list(tokens[keep:])
-        out = self.runner.forward(self.cache, new, num_logits=1)
-        self.cached = list(tokens)
-        self._synced = len(tokens)
-        return out.logits[0]  # [vocab]
+        self.pool.attach(self)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         budget = min(self.length.current, max_tokens)
         if budget <= 0:
-            return Draft(tokens=[], source="draft_model")
-        params = self.request.sampling
-        logits = self._catch_up(tokens)
-        drafted: list[int] = []
-        probs: list[torch.Tensor] = []
-        while True:
-            if params.greedy:
-                token = int(torch.argmax(logits).item())
-            else:
-                q = logits_to_probs(logits, params)  # [vocab]
-                token = sample(q, self.request.generator)
-                probs.append(q)
-            drafted.append(token)
-            if len(drafted) == budget:
-                break
-            logits = self.runner.forward(self.cache, [token], num_logits=1).logits[0]
-            self.cached.append(token)
-        return Draft(
-            tokens=drafted,
-            source="draft_model",
-            probs=torch.stack(probs) if probs else None,  # [k, vocab] when sampling
-        )
+            return Draft(tokens=[], source=SOURCE)
+        return self.pool.request(self, tokens, budget)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == "draft_model":
+        if draft.source == SOURCE:
             self.length.update(len(draft), num_accepted)
+
+    def finish(self) -> None:
+        self.pool.release(self)
+
+    @property
+    def cache_length(self) -> int:
+        return self.pool.cache.lengths[self.pool.owners.index(self)]

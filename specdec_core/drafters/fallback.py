@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Draft, Drafter, RequestContext, empty_draft
+from .base import Draft, Drafter, RequestContext
 
 
 class FallbackDrafter(Drafter):
@@ -13,6 +13,7 @@ class FallbackDrafter(Drafter):
             raise ValueError("FallbackDrafter needs at least one drafter")
         self.drafters = drafters
         self.proposes_trees = any(d.proposes_trees for d in drafters)
+        self.pool = next((d.pool for d in drafters if d.pool is not None), None)
         self.uses_context = any(d.uses_context for d in drafters)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
@@ -21,12 +22,17 @@ class FallbackDrafter(Drafter):
             drafter.start(tokens, request)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        for drafter in self.drafters:
+        for drafter in self.drafters[:-1]:
             draft = drafter.propose(tokens, max_tokens)
             if draft.tokens:
                 return draft
-        return empty_draft()
+        # The last one's draft as it comes: a pooled draft model's is still empty here and filled by the pool.
+        return self.drafters[-1].propose(tokens, max_tokens)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         for drafter in self.drafters:
             drafter.observe(tokens, draft, num_accepted)
+
+    def finish(self) -> None:
+        for drafter in self.drafters:
+            drafter.finish()
