@@ -80,11 +80,11 @@ class Engine:
         options: MethodOptions | None = None,
         batch_size: int = 8,
         token_budget: int | None = None,
-        decoder: BatchDecoder | None = None,
+        speculation_budget: bool = True,
     ) -> Iterator[tuple[object, dict]]:
         """Decode every item with `method`, `batch_size` rows at a time; yields (key, result dict) as rows finish.
-        A failing row yields a dict with only `error` set (the others go on)."""
-        decoder = decoder or self.decoder(batch_size, token_budget)
+        A failing row yields a dict with only `method` and `error` set (the others go on)."""
+        decoder = self.decoder(batch_size, token_budget, speculation_budget)
         for item in items:
             decoder.submit(self.request(item, method, options, decoder))
         yield from self.results(decoder, method)

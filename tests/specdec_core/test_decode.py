@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from specdec_core.decode import DecodeParams, decode, prefill, speculative_step
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest, decode
+from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter, RequestContext
-from specdec_core.drafters.draft_model import DraftModelDrafter
+from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.errors import BadRequestError
 from specdec_core.sampling import SamplingParams
 
@@ -27,35 +28,53 @@ class JunkDrafter(Drafter):
 
 
 def test_kv_rollback_matches_fresh_forward(engine):
+    """Real model, batch of two: after rejected junk drafts each row's next logits equal a fresh forward."""
     target = engine.target
-    ids = engine.prompt_ids(messages=PROMPT)
-    params = DecodeParams(max_new_tokens=64)
-    state = prefill(target, ids, params)
-    drafter = JunkDrafter(target)
+    decoder = BatchDecoder(target, max_batch=2)
+    decoder.budget.enabled = False  # verify every junk token
+    decoder.submit(DecodeRequest(0, engine.prompt_ids(messages=PROMPT), DecodeParams(max_new_tokens=64),
+                                 JunkDrafter(target)))
+    decoder.submit(DecodeRequest(1, engine.prompt_ids(prompt="Count from one to ten."),
+                                 DecodeParams(max_new_tokens=64), NoDrafter()))
+    decoder.admit()
     for _ in range(3):
-        speculative_step(target, drafter, state, params)
-    assert state.metrics.accepted_tokens == 3 and state.metrics.drafted_tokens == 15
-    assert state.cache.get_seq_length() == len(state.tokens) - 1
-    # Next logits from the rolled-back cache == a fresh forward over the accepted sequence.
-    rolled = target.forward(state.cache, [state.tokens[-1]], 1).logits[0]
-    fresh = target.forward(target.new_cache(), state.tokens, 1).logits[0]
-    assert torch.allclose(rolled, fresh, atol=1e-4), (rolled - fresh).abs().max()
-    assert rolled.argmax() == fresh.argmax()
+        decoder.step()
+    junk_row = decoder.rows[0].state
+    assert junk_row.metrics.accepted_tokens == 3 and junk_row.metrics.drafted_tokens == 15
+    pending = torch.tensor([[row.state.tokens[-1]] for row in decoder.rows])
+    lengths = torch.tensor(decoder.cache.lengths)
+    assert lengths.tolist() == [len(row.state.tokens) - 1 for row in decoder.rows]
+    rolled = target.forward_slots(decoder.cache, pending, lengths[:, None], torch.ones(2, 1, 1, dtype=torch.bool),
+                                  torch.tensor([[0, 0], [1, 0]]))
+    for b, row in enumerate(decoder.rows):
+        fresh = target.forward(target.new_cache(), row.state.tokens, 1).logits[0]
+        assert torch.allclose(rolled[b], fresh, atol=1e-4), (rolled[b] - fresh).abs().max()
+        assert rolled[b].argmax() == fresh.argmax()
 
 
 def test_draft_model_cache_follows_accepted_tokens_after_rejections(engine):
+    """The pooled draft model drafts what a fresh drafter would, after rejections rolled its slot back."""
     ids = engine.prompt_ids(messages=PROMPT)
-    params = DecodeParams(max_new_tokens=40)
-    state = prefill(engine.target, ids, params)
-    request = RequestContext(prompt_len=len(ids), sampling=params.sampling, generator=state.generator)
-    drafter = DraftModelDrafter(engine.draft_model, num_tokens=4)
-    drafter.start(state.tokens, request)
+    pool = DraftModelPool(engine.draft_model)
+    decoder = BatchDecoder(engine.target, max_batch=1)
+    decoder.budget.enabled = False
+    drafter = DraftModelDrafter(pool, num_tokens=4)
+    decoder.submit(DecodeRequest(0, ids, DecodeParams(max_new_tokens=40), drafter))
+    decoder.admit()
     for _ in range(4):
-        speculative_step(engine.target, drafter, state, params)
+        decoder.step()
+    state = decoder.rows[0].state
+    assert state.metrics.drafted_tokens == 16
+    first = drafter.propose(state.tokens, 4).tokens
+    assert drafter.cache_length == len(state.tokens) + 3  # history + 3 fed draft tokens
+    # The target accepts the first drafted token and rejects the second, emitting another token instead.
+    replacement = 1234 if first[1] != 1234 else 1235
+    accepted = list(state.tokens) + [first[0], replacement]
+    request = RequestContext(prompt_len=len(ids), sampling=DecodeParams().sampling, generator=state.generator)
     fresh = DraftModelDrafter(engine.draft_model, num_tokens=4)
-    fresh.start(state.tokens, request)
-    assert drafter.propose(state.tokens, 4).tokens == fresh.propose(state.tokens, 4).tokens
-    assert drafter.cache.get_seq_length() == len(state.tokens) + 3  # history + 3 fed draft tokens
+    fresh.start(accepted, request)
+    assert drafter.propose(accepted, 4).tokens == fresh.propose(accepted, 4).tokens
+    assert drafter.cache_length == len(accepted) + 3
 
 
 def test_metrics_follow_their_definitions(engine):

@@ -1,53 +1,110 @@
-"""Lossless: greedy outputs of every speculative method equal plain AR's token for token (real model, fp32)."""
+"""Lossless: in fp32, every row's greedy output equals that request's own single-request `ar` output, token for
+token — for every method, alone and in batches (1, 3, 8 rows), with prompts of very different lengths in one batch,
+rows finishing early (smaller max_new_tokens), rows admitted late (more requests than slots) and a row failing
+mid-batch. Real default model."""
 
 import pytest
 
 from specdec_core.decode import DecodeParams
+from specdec_core.drafters.base import Drafter
+from specdec_core.engine import BatchItem
 from specdec_core.methods import MethodOptions
 from tests.prompts import LOSSLESS_CASES
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 128
+EARLY = {"summary_paper": 40, "no_repetition_facts": 24}  # rows that finish while others still run
+
+# (method, options, batch size, speculation budget on). Most runs verify every proposed draft (budget off), so
+# verification is exercised on every step; the budget-on runs check that sizing drafts never changes outputs.
 VARIANTS = {
-    "pld": ("pld", MethodOptions()),
-    "copyspec": ("copyspec", MethodOptions()),
-    "draft": ("draft", MethodOptions()),
-    "copyspec+draft": ("copyspec+draft", MethodOptions()),
-    "pld-adaptive": ("pld", MethodOptions(adaptive=True)),
-    "copyspec-adaptive": ("copyspec", MethodOptions(adaptive=True)),
-    "copyspec-gamma5-m32": ("copyspec", MethodOptions(gamma=5, copy_tokens=32)),
-    "draft-adaptive": ("draft", MethodOptions(adaptive=True)),
-    "copyspec+draft-adaptive": ("copyspec+draft", MethodOptions(adaptive=True)),
+    "pld-b3": ("pld", MethodOptions(), 3, False),
+    "copyspec-b1": ("copyspec", MethodOptions(), 1, False),
+    "copyspec-b3": ("copyspec", MethodOptions(), 3, False),
+    "copyspec-b8-budget": ("copyspec", MethodOptions(), 8, True),
+    "copyspec-candidates3-b3": ("copyspec", MethodOptions(candidates=3), 3, False),
+    "copyspec-candidates3-b8": ("copyspec", MethodOptions(candidates=3), 8, False),
+    "pld-candidates3-b8": ("pld", MethodOptions(candidates=3), 8, False),
+    "draft-b3": ("draft", MethodOptions(), 3, False),
+    "copyspec+draft-b8": ("copyspec+draft", MethodOptions(), 8, False),
+    "pld-adaptive-b8": ("pld", MethodOptions(adaptive=True), 8, False),
+    "copyspec-adaptive-b3-budget": ("copyspec", MethodOptions(adaptive=True), 3, True),
+    "copyspec-gamma5-m32-b8": ("copyspec", MethodOptions(gamma=5, copy_tokens=32), 8, False),
+    "draft-adaptive-b1": ("draft", MethodOptions(adaptive=True), 1, False),
+    "copyspec+draft-adaptive-b3": ("copyspec+draft", MethodOptions(adaptive=True), 3, False),
 }
+
+
+def items(engine):
+    return [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=EARLY.get(name, MAX_NEW)))
+            for name, messages in LOSSLESS_CASES.items()]
 
 
 @pytest.fixture(scope="module")
 def reference(engine):
-    """AR greedy ids for every case, computed once."""
-    out = {}
-    for name, messages in LOSSLESS_CASES.items():
-        ids = engine.prompt_ids(messages=messages)
-        out[name] = (ids, engine.generate_ids(ids, "ar", DecodeParams(max_new_tokens=MAX_NEW)))
-    return out
+    """Single-request ar greedy ids for every case (batch size 1, one request at a time)."""
+    return {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in items(engine)}
 
 
-def test_cases_are_long_enough(reference):
-    lengths = {name: r["new_tokens"] for name, (_, r) in reference.items()}
-    assert all(n >= MAX_NEW for n in lengths.values()), lengths
-    for _, r in reference.values():
+def test_cases_are_long_and_varied(reference, engine):
+    lengths = [len(item.prompt_ids) for item in items(engine)]
+    assert max(lengths) > 4 * min(lengths), lengths  # very different prompt lengths share a batch
+    for name, r in reference.items():
+        assert r["new_tokens"] == EARLY.get(name, MAX_NEW), (name, r["new_tokens"])
         assert r["mean_accepted_length"] == 1.0 and r["target_forwards"] == r["new_tokens"]
+
+
+def test_batched_ar_equals_single_request_ar(engine, reference):
+    for batch_size in (3, 8):
+        got = dict(engine.decode_batch(items(engine), "ar", batch_size=batch_size))
+        for name, ar in reference.items():
+            assert got[name]["output_token_ids"] == ar["output_token_ids"], (batch_size, name)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_output_equals_ar(engine, reference, variant):
-    method, options = VARIANTS[variant]
+    method, options, batch_size, budget = VARIANTS[variant]
+    got = dict(engine.decode_batch(items(engine), method, options, batch_size=batch_size,
+                                   speculation_budget=budget))
     drafted = 0
-    for name, (ids, ar) in reference.items():
-        got = engine.generate_ids(ids, method, DecodeParams(max_new_tokens=MAX_NEW), options)
-        assert got["output_token_ids"] == ar["output_token_ids"], f"{variant} differs from ar on {name}"
-        assert got["output_text"] == ar["output_text"]
-        assert got["finish_reason"] == ar["finish_reason"]
-        drafted += got["drafted_tokens"]
-        assert got["target_forwards"] <= ar["target_forwards"]
+    for name, ar in reference.items():
+        row = got[name]
+        assert row["error"] is None, row["error"]
+        assert row["output_token_ids"] == ar["output_token_ids"], f"{variant} differs from ar on {name}"
+        assert row["output_text"] == ar["output_text"]
+        assert row["finish_reason"] == ar["finish_reason"]
+        assert row["target_forwards"] <= ar["target_forwards"]
+        drafted += row["drafted_tokens"]
     assert drafted > 0, "the method never drafted, so the test proved nothing"
+
+
+class FailsOnThirdStep(Drafter):
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, tokens, max_tokens):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("drafter broke")
+        return self.fallback.propose(tokens, max_tokens)
+
+
+def test_a_row_failing_mid_batch_errors_alone(engine, reference):
+    """One row's drafter raises on its third step: that row is an error, every other row is still exact."""
+    from specdec_core.drafters.copyspec import CopySpecDrafter
+
+    decoder = engine.decoder(batch_size=3, speculation_budget=False)
+    broken = "code_rename"
+    for item in items(engine):
+        request = engine.request(item, "copyspec", MethodOptions(), decoder)
+        if item.key == broken:
+            request.drafter = FailsOnThirdStep()
+            request.drafter.fallback = CopySpecDrafter()
+        decoder.submit(request)
+    results = dict(engine.results(decoder, "copyspec"))
+    assert results[broken]["error"] == "RuntimeError: drafter broke"
+    for name, ar in reference.items():
+        if name != broken:
+            assert results[name]["output_token_ids"] == ar["output_token_ids"], name
+    assert decoder.cache.lengths == []

@@ -1,10 +1,14 @@
-"""Verifiers: greedy exactness, and χ² tests that the sampling verifiers reproduce the target distribution."""
+"""Verifiers: greedy exactness (chains, trees, batches), and χ² tests that the sampling verifiers reproduce the
+target distribution (Leviathan, one-hot, trees, per row of a batch)."""
 
 import pytest
 import torch
 
+from specdec_core.drafters.base import Draft
 from specdec_core.sampling import SamplingParams, logits_to_probs, make_generator
-from specdec_core.verification import verify, verify_greedy, verify_speculative_sampling
+from specdec_core.verification import (
+    verify, verify_greedy, verify_rows, verify_speculative_sampling, verify_tree_greedy, verify_tree_sampling,
+)
 
 
 def test_greedy_accepts_argmax_prefix_then_recovers():
@@ -112,3 +116,77 @@ def test_sampling_params_reject_bad_values():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_out_of_vocabulary_probability_draft_is_replaced_from_the_residual():
+    """A draft token the target cannot emit is rejected; the replacement follows max(p - q, 0), not p."""
+    p = TARGET[0]  # target vocab 6
+    q = torch.tensor([0.4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.6])  # the drafter's vocab is wider; x = 7 is outside
+    residual = torch.clamp(p - q[:6], min=0.0)
+    residual = residual / residual.sum()
+    generator = make_generator(11)
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        result = verify_speculative_sampling([7], torch.stack([p, p]), generator, q[None])
+        assert result.num_accepted == 0
+        counts[result.next_token] += 1
+    assert chi2_p_value(counts, residual) > 1e-3, counts
+    assert counts[0] < 0.2 * 20000  # p - q is 0.1 at token 0: drawing from p would give ~0.5
+
+
+def test_tree_greedy_walks_the_matching_branch():
+    # Draft tree of draft_tree.py's docstring: [5, 6, 7] and [5, 8] share 5.
+    tokens, parents = [5, 6, 7, 8], [-1, 0, 1, 0]
+    # Node argmax: root -> 5, after 5 -> 8 (second branch), after 5 6 -> 7, after 5 6 7 -> 1, after 5 8 -> 2.
+    result = verify_tree_greedy(parents, tokens, [5, 8, 7, 1, 2])
+    assert (result.num_accepted, result.next_token, result.path) == (2, 2, (0, 3))
+    result = verify_tree_greedy(parents, tokens, [5, 6, 7, 1, 2])
+    assert (result.num_accepted, result.next_token, result.path) == (3, 1, (0, 1, 2))
+    result = verify_tree_greedy(parents, tokens, [9, 6, 7, 1, 2])
+    assert (result.num_accepted, result.next_token, result.path) == (0, 9, ())
+
+
+def test_tree_sampling_reproduces_target_distribution():
+    """Multi-candidate one-hot branches: the first token follows p(root), the second p(after it)."""
+    # Root candidates 0, 2, 4; below candidate 0 one more candidate, 3. Node probs: root, after 0, after 0 3,
+    # after 2, after 4.
+    tokens, parents = [0, 2, 4, 3], [-1, -1, -1, 0]
+    node_probs = torch.stack([TARGET[0], TARGET[1], TARGET[3], TARGET[2], TARGET[2]])
+    generator = make_generator(21)
+    first = torch.zeros(6)
+    second_after_0 = torch.zeros(6)
+    for _ in range(20000):
+        result = verify_tree_sampling(parents, tokens, node_probs, generator)
+        out = [tokens[i] for i in result.path] + [result.next_token]
+        first[out[0]] += 1
+        if out[0] == 0:
+            second_after_0[out[1]] += 1
+    assert chi2_p_value(first, TARGET[0]) > 1e-3, first
+    assert chi2_p_value(second_after_0, TARGET[1]) > 1e-3, second_after_0
+
+
+def test_batched_verifier_is_exact_per_row_and_seeded_rows_ignore_their_neighbours():
+    """verify_rows over a batch: each row's emitted tokens follow its own target rows, and a seeded row draws
+    the same tokens alone as beside other rows."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.log(torch.cat([TARGET[0:2], TARGET[2:3], TARGET[1:4]]).clamp_min(1e-30))  # rows of 2, 1, 3
+    drafts = [Draft([0], "copy"), Draft([], "none"), Draft([2, 4], "copy")]
+    generators = [make_generator(s) for s in (1, 2, 3)]
+    first = torch.zeros(3, 6)
+    for _ in range(20000):
+        for row, result in enumerate(verify_rows(drafts, logits, [params] * 3, generators)):
+            token = drafts[row].tokens[0] if result.num_accepted else result.next_token
+            first[row, token] += 1
+    assert chi2_p_value(first[0], TARGET[0]) > 1e-3, first[0]
+    assert chi2_p_value(first[1], TARGET[2]) > 1e-3, first[1]
+    assert chi2_p_value(first[2], TARGET[1]) > 1e-3, first[2]
+    together = verify_rows(drafts, logits, [params] * 3, [make_generator(s) for s in (1, 2, 3)])
+    alone = verify_rows(drafts[2:], logits[3:], [params], [make_generator(3)])
+    assert together[2] == alone[0]
+
+
+def test_batched_greedy_rows_share_one_argmax():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]])  # argmax 1 2 0 2
+    drafts = [Draft([1, 0], "copy"), Draft([], "none")]
+    results = verify_rows(drafts, logits, [SamplingParams()] * 2, [make_generator(0)] * 2)
+    assert [(r.num_accepted, r.next_token) for r in results] == [(1, 2), (0, 2)]

@@ -1,0 +1,149 @@
+"""The engine-owned slot cache on tiny random models: batched rows equal the model's own greedy `generate`,
+rollback is a length change, rows move when others retire, sliding-window layers (Gemma3) are masked right."""
+
+import pytest
+import torch
+
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.base import Draft, Drafter, NoDrafter
+from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.kv_cache import SlotKVCache
+from specdec_core.model_runner import UnsupportedArchitectureError, attention_masks, check_servable
+from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
+
+LENGTHS = [5, 23, 11, 40, 17]
+
+
+def decode_all(runner, prompts, new_tokens, batch_size, make_drafter=NoDrafter, max_new=None):
+    decoder = BatchDecoder(runner, max_batch=batch_size)
+    for key, prompt in enumerate(prompts):
+        limit = (max_new or {}).get(key, new_tokens)
+        decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=limit), make_drafter()))
+    results = dict((request.key, result) for request, result in decoder.run())
+    return [results[k] for k in range(len(prompts))], decoder
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+def test_mask_follows_the_worked_example():
+    """attention_masks' docstring: lengths [3, 1], T = 2, chain."""
+    from transformers import LlamaConfig
+
+    lengths = torch.tensor([3, 1])
+    positions = lengths[:, None] + torch.arange(2)
+    visible = torch.ones(2, 2, dtype=torch.bool).tril()[None].expand(2, 2, 2)
+    mask = attention_masks(LlamaConfig(), lengths, positions, visible, kv_len=5, dtype=torch.float32)
+    allowed = (mask[:, 0] == 0).int().tolist()  # [b, T, L]
+    assert allowed[0] == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert allowed[1] == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_batched_ar_equals_hf_greedy_per_row(llama, batch_size):
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate(LENGTHS)]
+    results, _ = decode_all(llama, prompts, 12, batch_size)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(llama, prompt, 12)
+
+
+def test_copy_drafts_late_admission_and_early_finish_stay_exact(llama):
+    """5 requests through 2 slots (3 admitted late), two rows stop early, copy drafts of every length."""
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate(LENGTHS)]
+    limits = {1: 3, 3: 6}
+    results, decoder = decode_all(llama, prompts, 14, 2, lambda: CopySpecDrafter(gamma=2, copy_tokens=6), limits)
+    for key, (prompt, result) in enumerate(zip(prompts, results)):
+        assert result.token_ids == hf_greedy(llama, prompt, limits.get(key, 14))
+    assert decoder.stats.drafted_tokens > 0 and decoder.stats.peak_rows == 2
+    assert decoder.cache.lengths == []  # every slot freed
+
+
+def test_tree_drafts_stay_exact(llama):
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate(LENGTHS)]
+    results, decoder = decode_all(llama, prompts, 14, 3, lambda: CopySpecDrafter(gamma=1, copy_tokens=5,
+                                                                                   candidates=3))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(llama, prompt, 14)
+    assert decoder.stats.drafted_tokens > 0
+
+
+class JunkDrafter(Drafter):
+    """Proposes the target's next token, then junk: every step accepts exactly 1 and rejects the rest."""
+
+    def __init__(self, runner, junk):
+        self.runner, self.junk = runner, junk
+
+    def propose(self, tokens, max_tokens):
+        right = int(self.runner.forward(self.runner.new_cache(), list(tokens), 1).logits[0].argmax())
+        return Draft(tokens=([right] + self.junk)[:max_tokens], source="junk")
+
+
+def test_rollback_leaves_each_row_as_a_fresh_forward_would(llama):
+    """After mixed accept/reject steps, each row's next logits from the slot cache equal a fresh forward."""
+    decoder = BatchDecoder(llama, max_batch=3)
+    decoder.budget.enabled = False  # verify every junk token: rejections are the point
+    junk = [[7, 8, 9], [], [5]]
+    for key, n in enumerate([9, 30, 15]):
+        drafter = JunkDrafter(llama, junk[key]) if junk[key] else NoDrafter()
+        decoder.submit(DecodeRequest(key, repetitive_prompt(key, n), DecodeParams(max_new_tokens=40), drafter))
+    decoder.admit()
+    for _ in range(4):
+        decoder.step()
+    for index, row in enumerate(decoder.rows):
+        assert decoder.cache.lengths[index] == len(row.state.tokens) - 1
+    assert decoder.rows[0].state.metrics.accepted_tokens == 4 and decoder.rows[0].state.metrics.drafted_tokens == 16
+    # One more forward of each row's pending token, nothing committed.
+    pending = torch.tensor([[row.state.tokens[-1]] for row in decoder.rows])
+    lengths = torch.tensor(decoder.cache.lengths)
+    logits = llama.forward_slots(decoder.cache, pending, lengths[:, None], torch.ones(3, 1, 1, dtype=torch.bool),
+                                 torch.tensor([[b, 0] for b in range(3)]))
+    for b, row in enumerate(decoder.rows):
+        fresh = llama.forward(llama.new_cache(), row.state.tokens, 1).logits[0]
+        assert torch.allclose(logits[b], fresh, atol=1e-4), (logits[b] - fresh).abs().max()
+
+
+def test_retiring_a_row_moves_the_last_row_into_its_slot():
+    cache = SlotKVCache(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    cache.fit(3, 8)
+    for row, value in enumerate([1.0, 2.0, 3.0]):
+        cache.add_row()
+        cache.keys[0][row, :, :4] = value
+        cache.set_length(row, 4)
+    assert cache.remove_row(0) == 2
+    assert cache.lengths == [4, 4] and float(cache.keys[0][0, 0, 0, 0]) == 3.0
+    assert cache.remove_row(1) is None and cache.lengths == [4]
+
+
+def test_cache_memory_follows_live_rows_and_budget_refuses_a_row_that_cannot_fit(llama):
+    decoder = BatchDecoder(llama, max_batch=4, cache_budget_bytes=20_000)
+    decoder.submit(DecodeRequest("big", list(range(1, 60)), DecodeParams(max_new_tokens=8), NoDrafter()))
+    decoder.submit(DecodeRequest("ok", [1, 2, 3], DecodeParams(max_new_tokens=4), NoDrafter()))
+    decoder.cache_budget_bytes = decoder.cache.bytes_for(1, 256)  # one row of one quantum fits, no more
+    results = {request.key: result for request, result in decoder.run()}
+    assert isinstance(results["big"], str) is False and len(results["big"].token_ids) == 8
+    assert len(results["ok"].token_ids) == 4
+    assert decoder.stats.peak_rows == 1  # the second row waited for the first to retire
+    decoder.cache_budget_bytes = 1000
+    decoder.submit(DecodeRequest("huge", list(range(1, 60)), DecodeParams(max_new_tokens=8), NoDrafter()))
+    [(request, result)] = list(decoder.run())
+    assert isinstance(result, str) and result.startswith("KVCacheBudgetError")
+
+
+def test_gemma3_sliding_window_rows_equal_hf_greedy():
+    """Prompts longer than the window (8) in one batch with copy drafts: every row equals Gemma3's own generate."""
+    gemma = tiny_gemma3()
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate([20, 33, 12])]
+    results, decoder = decode_all(gemma, prompts, 16, 3, lambda: CopySpecDrafter(gamma=2, copy_tokens=4))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(gemma, prompt, 16)
+
+
+def test_an_architecture_the_cache_cannot_serve_is_one_clear_error():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(layer_types=["full_attention", "linear_attention"], num_hidden_layers=2)
+    with pytest.raises(UnsupportedArchitectureError, match="cannot serve"):
+        check_servable(config)

@@ -1,0 +1,71 @@
+"""The speculation budget picks the step width with the most expected tokens per unit of measured cost."""
+
+from specdec_core.speculation_budget import (
+    AcceptanceEstimate, SpeculationBudget, StepCostModel, batch_bucket, expected_tokens,
+)
+
+
+def chain(k):
+    return list(range(1, k + 1))
+
+
+def budget(cost, **kwargs):
+    return SpeculationBudget(cost=StepCostModel(fixed=cost), **kwargs)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
+    assert batch_bucket(1) == 1 and batch_bucket(5) == 8 and batch_bucket(16) == 16
+
+
+def test_cheap_wide_steps_and_good_acceptance_verify_whole_drafts():
+    flat = budget(lambda rows, width: 1.0 + 0.01 * width)
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
+    assert flat.choose_width([chain(8)] * 4, high) == 9
+
+
+def test_expensive_width_or_poor_acceptance_falls_back_to_plain_decoding():
+    steep = budget(lambda rows, width: float(width))  # cost grows with every token: drafts never pay
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
+    assert steep.choose_width([chain(8)] * 4, high) == 1
+    flat = budget(lambda rows, width: 1.0 + 0.1 * (width - 1))
+    low = [AcceptanceEstimate(accepted=0, rejections=50)] * 4
+    assert flat.choose_width([chain(8)] * 4, low) == 1
+
+
+def test_no_drafts_and_token_budget():
+    flat = budget(lambda rows, width: 1.0)
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
+    assert flat.choose_width([[], [], [], []], high) == 1
+    capped = budget(lambda rows, width: 1.0, token_budget=12)
+    assert capped.choose_width([chain(8)] * 4, high) == 3  # 4 rows x 3 tokens <= 12
+    off = budget(lambda rows, width: float(width), enabled=False)
+    assert off.choose_width([chain(5), chain(2)], high) == 6
+
+
+def test_a_new_row_starts_from_the_pooled_acceptance():
+    b = budget(lambda rows, width: 1.0 + 0.2 * (width - 1))
+    for _ in range(50):
+        b.observe(AcceptanceEstimate(), drafted=4, accepted=0)  # the decoder's rows never accept
+    assert b.choose_width([chain(4)], [AcceptanceEstimate()]) == 1
+    good = budget(lambda rows, width: 1.0 + 0.2 * (width - 1))
+    for _ in range(50):
+        good.observe(AcceptanceEstimate(), drafted=4, accepted=4)
+    assert good.choose_width([chain(4)], [AcceptanceEstimate()]) == 5
+
+
+def test_calibration_measures_once_per_bucket():
+    calls = []
+
+    def measure(width):
+        calls.append(width)
+        return 1.0 + 0.05 * width
+
+    model = StepCostModel()
+    assert model.ratio(3, 9, measure) == (1.0 + 0.45) / (1.0 + 0.05)
+    count = len(calls)
+    model.ratio(4, 5, measure)  # same bucket (4): no new measurement
+    assert len(calls) == count
+    model.ratio(5, 5, measure)  # bucket 8
+    assert len(calls) > count

@@ -1,0 +1,65 @@
+"""Tiny random-weight models for the mechanics of the owned cache and the batched loop (fast, no download):
+a Llama (SmolLM2's architecture) and a Gemma3 with sliding-window layers."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_core.model_runner import ModelRunner
+
+VOCAB = 96
+
+
+class DigitsTokenizer:
+    """Enough of a tokenizer for the loop: ids <-> space-separated numbers; no EOS (outputs run to length)."""
+
+    eos_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+    def get_vocab(self):
+        return {str(i): i for i in range(VOCAB)}
+
+
+def tiny_llama(seed: int = 0) -> ModelRunner:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    return ModelRunner(model, DigitsTokenizer(), "tiny-llama", "cpu", torch.float32)
+
+
+def tiny_gemma3(seed: int = 0, window: int = 8) -> ModelRunner:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, sliding_window=window, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    return ModelRunner(model, DigitsTokenizer(), "tiny-gemma3", "cpu", torch.float32)
+
+
+def hf_greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
+    """The model's own `generate` (greedy, batch 1): the reference every batched row must equal."""
+    with torch.inference_mode():
+        out = runner.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                    pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def repetitive_prompt(seed: int, length: int) -> list[int]:
+    """Random ids with a repeated block, so copy drafters find matches."""
+    generator = torch.Generator().manual_seed(seed)
+    block = torch.randint(1, VOCAB, (max(4, length // 3),), generator=generator).tolist()
+    ids = (block * 4)[:length]
+    return ids
