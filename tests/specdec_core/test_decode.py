@@ -136,3 +136,17 @@ def test_seeded_sampling_is_reproducible(engine, method):
         params=DecodeParams(max_new_tokens=48, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8)),
     )
     assert other["output_token_ids"] != first["output_token_ids"]
+
+
+@pytest.mark.parametrize("method", ["ar", "copyspec"])
+def test_seeded_row_samples_the_same_alone_and_inside_a_batch(engine, method):
+    """Each row samples with its own generator: its neighbours in the batch do not change what it draws."""
+    from specdec_core.engine import BatchItem
+
+    sampled = DecodeParams(max_new_tokens=32, sampling=SamplingParams(temperature=0.8, seed=3))
+    target = BatchItem("seeded", engine.prompt_ids(messages=PROMPT), sampled)
+    others = [BatchItem(i, engine.prompt_ids(prompt=text), DecodeParams(max_new_tokens=40, sampling=SamplingParams(
+        temperature=1.0, seed=i))) for i, text in enumerate(["Name three colours.", "Describe a cat " * 20])]
+    alone = dict(engine.decode_batch([target], method, batch_size=1))["seeded"]
+    together = dict(engine.decode_batch([others[0], target, others[1]], method, batch_size=3))["seeded"]
+    assert alone["output_token_ids"] == together["output_token_ids"]
