@@ -46,7 +46,7 @@ def mixed_input(tmp_path_factory):
 def first_run(mixed_input, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
-                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a")
+                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a", "--batch-size", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,6 +102,29 @@ def test_schema_is_the_contract_and_duckdb_reads_it(first_run):
     runs = con.execute("SELECT run_id, rows_in, rows_out, errors FROM read_parquet(?, hive_partitioning = true)",
                        [str(out / "runs" / "**" / "*.parquet")]).fetchall()
     assert runs == [("run-a", 7, 16, 8)]
+
+
+def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(first_run):
+    out, _ = first_run
+    con = duckdb.connect()
+    stats = con.execute("SELECT unnest(method_stats, recursive := true) FROM read_parquet(?, hive_partitioning = "
+                        "true)", [str(out / "runs" / "**" / "*.parquet")]).to_arrow_table().to_pylist()
+    by_method = {s["method"]: s for s in stats}
+    assert set(by_method) == {"ar", "copyspec"}
+    rows = generations(out).to_pylist()
+    for method, s in by_method.items():
+        ok = [r for r in rows if r["method"] == method and r["error"] is None]
+        assert s["requests"] == 8 and s["errors"] == 4 and s["new_tokens"] == sum(r["new_tokens"] for r in ok)
+        assert s["job_tokens_per_s"] == pytest.approx(s["new_tokens"] / s["decode_wall_s"])
+        assert 1 <= s["mean_occupancy"] <= 4 and s["peak_kv_bytes"] > 0 and s["actors"] == 1
+        assert {r["batch_size"] for r in ok} == {4}
+    assert by_method["copyspec"]["drafted_tokens"] >= by_method["copyspec"]["accepted_tokens"]
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "report.py"), "--output", str(out), "--no-plots",
+                           "--report-dir", str(out / "report")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    report = (out / "report" / "report.md").read_text()
+    first_section = report.split("## ")[1]
+    assert first_section.startswith("Job throughput by method") and "| run-a | copyspec |" in first_section
 
 
 def test_resume_skips_pairs_already_done(first_run, mixed_input):
