@@ -21,18 +21,8 @@ def find_prompt_lookup_draft(tokens: np.ndarray, max_ngram: int, min_ngram: int,
 
     tokens: [T] int64. Returns [] when no suffix n-gram reappears or num_tokens <= 0.
     """
-    length = len(tokens)
-    if num_tokens <= 0:
-        return []
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - n :]  # [n]
-        # Windows over tokens[:-1], so every match has at least one token after it and the suffix never matches itself.
-        windows = sliding_window_view(tokens[:-1], n)  # [T - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start : start + num_tokens].tolist()
-    return []
+    found = find_prompt_lookup_candidates(tokens, max_ngram, min_ngram, num_tokens, count=1)
+    return found[0] if found else []
 
 
 def find_prompt_lookup_candidates(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int,
@@ -44,6 +34,7 @@ def find_prompt_lookup_candidates(tokens: np.ndarray, max_ngram: int, min_ngram:
         return []
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = tokens[length - n :]  # [n]
+        # Windows over tokens[:-1], so every match has at least one token after it and the suffix never matches itself.
         windows = sliding_window_view(tokens[:-1], n)  # [T - n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         out: list[list[int]] = []
