@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
 from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
-# Measured on 2-core CPUs (benchmarks/batch_bench.py): batched `ar` keeps gaining up to 16 rows and flattens after;
-# larger batches only add KV-cache memory. GPUs want far more rows (pass --batch-size).
-DEFAULT_BATCH_SIZE = 16
 
 
 class DecodeConfig(BaseModel):

@@ -18,8 +18,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int = 256):
-    from contract.decode_config import DEFAULT_BATCH_SIZE
-    from specdec_core.cli import OneLineParser
+    from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+    from specdec_core.cli import OneLineParser, add_batch_options
     from specdec_core.methods import METHODS
 
     parser = OneLineParser(prog=prog, description=description,
@@ -40,15 +40,7 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (lossless)")
-    parser.add_argument("--candidates", type=int, default=1,
-                        help="copyspec/pld: earlier continuations offered at once as a draft tree (lossless)")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help="sequences decoded at once per actor (continuous batching)")
-    parser.add_argument("--token-budget", type=int, default=None,
-                        help="most tokens one batched forward may verify (rows x width); default: no cap")
-    parser.add_argument("--no-speculation-budget", dest="speculation_budget", action="store_false",
-                        help="verify every draft as proposed instead of sizing drafts by acceptance and step cost")
+    add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")
     parser.add_argument("--num-actors", type=int, default=1, help="decode actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)
     parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from .batch_decode import DEFAULT_BATCH_SIZE
 from .errors import SpecbatchError
 
 EPILOG = """examples:
@@ -63,17 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
     parser.add_argument("--draft-tokens", type=int, default=4, help="draft model: tokens per step δ")
-    parser.add_argument("--adaptive", action="store_true", help="adaptive draft length (still lossless)")
+    add_batch_options(parser, batch_size_default=None, batch_size_help=(
+        f"sequences decoded at once (default: {DEFAULT_BATCH_SIZE} with --prompts-file, else 1)"))
+    parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
+    return parser
+
+
+def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
+    """The drafting and batching options the CLI and every job share (one definition, one help text)."""
+    parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (still lossless)")
     parser.add_argument("--candidates", type=int, default=1,
                         help="copyspec/pld: earlier continuations drafted at once as a tree (lossless)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="sequences decoded at once (default: 16 with --prompts-file, else 1)")
+    parser.add_argument("--batch-size", type=int, default=batch_size_default, help=batch_size_help)
     parser.add_argument("--token-budget", type=int, default=None,
                         help="most tokens one batched forward may verify (rows x width); default: no cap")
     parser.add_argument("--no-speculation-budget", dest="speculation_budget", action="store_false",
                         help="verify every draft as proposed instead of sizing drafts by acceptance and step cost")
-    parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
-    return parser
 
 
 def _options(args):
@@ -199,7 +205,8 @@ def run_batch(engine, lines: list[dict], args, params, options) -> int:
             batch.append(BatchItem(index, ids, row_params))
         except Exception as exc:  # one bad line is one error line
             results[index] = {"method": args.method, "error": f"{type(exc).__name__}: {_one_line(exc)}"}
-    results.update(engine.decode_batch(batch, args.method, options, batch_size=args.batch_size or 16,
+    batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    results.update(engine.decode_batch(batch, args.method, options, batch_size=batch_size,
                                        token_budget=args.token_budget,
                                        speculation_budget=args.speculation_budget))
     failed = 0
@@ -213,7 +220,7 @@ def run_batch(engine, lines: list[dict], args, params, options) -> int:
             print(result["error"] if result.get("error") else result["output_text"])
             if not result.get("error"):
                 print(_summary(result), file=sys.stderr)
-    print(f"[{args.method}] {len(lines)} requests, {failed} errors, batch size {args.batch_size or 16}",
+    print(f"[{args.method}] {len(lines)} requests, {failed} errors, batch size {batch_size}",
           file=sys.stderr)
     return 0
 

@@ -54,8 +54,11 @@ class AcceptanceEstimate:
 
 
 def expected_tokens(rate: float, draft_len: int) -> float:
-    """1 + a + ... + a^k: expected tokens a step emits for a row drafting k tokens (the target's own included)."""
-    return sum(rate**i for i in range(draft_len + 1))
+    """1 + a + ... + a^k: expected tokens a step emits for a row drafting k tokens (the target's own included).
+    Closed form: this runs for every row and candidate width of every step."""
+    if rate >= 1.0:
+        return float(draft_len + 1)
+    return (1.0 - rate ** (draft_len + 1)) / (1.0 - rate)
 
 
 @dataclass
