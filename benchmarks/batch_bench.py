@@ -1,11 +1,16 @@
 """Batched decoding vs HF `generate` greedy, side by side in one run (no Ray): job throughput per batch size.
 
-  python benchmarks/batch_bench.py --workload code_edit --requests 32 --batch-sizes 1 4 8 16 32 \
-      --methods ar copyspec pld copyspec:candidates=3 copyspec:adaptive
+  python benchmarks/batch_bench.py --workload code_edit summarization --requests 32 --batch-sizes 1 4 8 16 32 \
+      --methods ar copyspec pld copyspec:candidates=3 copyspec:adaptive --spec-batch-sizes 1 16
 
-Prints one line per (system, batch size): new tokens, wall s, tok/s, ratio to HF at the same batch size and to the
-best HF batch size, and how many outputs equal HF's (exact in fp32; bf16 near-ties may flip). Records the CPU flags
-and the dtype. Single-turn prompts only (multi-turn rows use their first turn).
+Per workload, one line per (system, batch size): new tokens, wall s, tok/s, the ratio to HF at the same batch size,
+to the best HF batch size and to our `ar` at the same batch size, and how many outputs equal HF's (exact in fp32;
+bf16 near-ties may flip). HF and `ar` run at every --batch-sizes; the other methods at --spec-batch-sizes (default:
+the same). Records the CPU flags (or GPU name), the dtype and the process's peak memory.
+
+Workloads: summarization, code_edit, open_questions (MT-Bench first turns: little to copy) and multi_turn, which
+times the second turn only (MT-Redundant: revise your first answer), its history holding one shared first answer
+decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -21,19 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+WORKLOADS = ("summarization", "code_edit", "open_questions", "multi_turn")
 
-def cpu_flags() -> str:
+
+def hardware(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"GPU {torch.cuda.get_device_name()}"
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
-        return "?"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags)
+        return "CPU flags ?"
+    found = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags)
+    return f"CPU flags: {found}, threads {torch.get_num_threads()}"
 
 
 def parse_method(text: str):
+    """'copyspec:candidates=3,adaptive@16,32' -> ('copyspec', MethodOptions(candidates=3, adaptive=True)); the
+    batch sizes after '@' are read by `method_sizes`."""
     from specdec_core.methods import MethodOptions
 
-    name, _, extra = text.partition(":")
+    name, _, extra = text.split("@")[0].partition(":")
     options = {}
     for part in filter(None, extra.split(",")):
         key, _, value = part.partition("=")
@@ -41,72 +56,154 @@ def parse_method(text: str):
     return name, MethodOptions(**options)
 
 
+def method_sizes(text: str, default: list[int]) -> list[int]:
+    _, at, sizes = text.partition("@")
+    return [int(size) for size in sizes.split(",")] if at else default
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def workload_items(engine, workload: str, requests: int, max_new_tokens: int, batch_size: int) -> list:
+    """BatchItems for a workload; multi_turn: turn-2 prompts whose history holds a batched-ar first answer."""
+    from operators.read_requests import workload_rows
+    from specdec_core.decode import DecodeParams
+    from specdec_core.engine import BatchItem
+
+    rows = workload_rows(workload, requests)[:requests]
+    params = DecodeParams(max_new_tokens=max_new_tokens)
+    items = [BatchItem(row["id"], engine.prompt_ids(messages=row.get("messages")
+                                                    or [{"role": "user", "content": row["prompt"]}]), params)
+             for row in rows]
+    if workload != "multi_turn":
+        return items
+    first = dict(engine.decode_batch(items, "ar", batch_size=batch_size))
+    second = []
+    for row in rows:
+        messages = row["messages"] + [{"role": "assistant", "content": first[row["id"]]["output_text"]},
+                                      {"role": "user", "content": row["next_turns"][0]}]
+        second.append(BatchItem(row["id"], engine.prompt_ids(messages=messages), params))
+    return second
+
+
+def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
+    from pipelines.hf_batch_peer import generate_batch
+
+    ordered = sorted(items, key=lambda i: len(i.prompt_ids))  # less padding, as a careful HF user does
+    synchronize(engine.target.device)
+    started, outputs = time.perf_counter(), {}
+    for start in range(0, len(ordered), size):
+        chunk = ordered[start: start + size]
+        got = generate_batch(engine.target, [i.prompt_ids for i in chunk], [max_new_tokens] * len(chunk))
+        outputs.update({i.key: ids for i, ids in zip(chunk, got)})
+    synchronize(engine.target.device)
+    wall = time.perf_counter() - started
+    return {"system": "hf_generate", "batch_size": size, "new_tokens": sum(len(v) for v in outputs.values()),
+            "wall_s": wall}, outputs
+
+
+def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None) -> dict:
+    method, options = parse_method(method_text)
+    decoder = engine.decoder(size)
+    for item in items:
+        decoder.submit(engine.request(item, method, options, decoder))
+    synchronize(engine.target.device)
+    started = time.perf_counter()
+    got = dict(engine.results(decoder, method))
+    synchronize(engine.target.device)
+    wall = time.perf_counter() - started
+    ok = [r for r in got.values() if not r.get("error")]
+    stats = decoder.stats
+    result = {"system": method_text.split("@")[0], "batch_size": size, "new_tokens": sum(r["new_tokens"] for r in ok),
+              "wall_s": wall, "errors": len(got) - len(ok), "mean_occupancy": stats.mean_occupancy,
+              "drafted": stats.drafted_tokens, "verified": stats.verified_tokens, "accepted": stats.accepted_tokens,
+              "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20}
+    if hf_outputs is not None:
+        result["same_as_hf"] = sum(got[i.key].get("output_token_ids") == hf_outputs[i.key] for i in items)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    hf = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "hf_generate"}
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "ar"}  # plain "ar" only
+    best_hf = max(hf.values(), default=None)
+    lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | accepted/"
+             "verified | occupancy | = HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
+    for r in results:
+        tps = r["tokens_per_s"]
+        acc = f"{r['accepted']}/{r['verified']}" if r.get("verified") else ""
+        occ = f"{r['mean_occupancy']:.1f}" if r.get("mean_occupancy") else ""
+        lines.append(f"| {r['system']} | {r['batch_size']} | {r['new_tokens']} | {tps:.1f} | "
+                     f"{ratio(tps, hf.get(r['batch_size']))} | {ratio(tps, best_hf)} | "
+                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {occ} | {r.get('same_as_hf', '')} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--requests", type=int, default=32, help="requests per workload")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="HF and ar")
+    parser.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
+                        help="the other methods (default: --batch-sizes)")
+    parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld", "copyspec:candidates=3",
+                                                         "copyspec:adaptive"],
+                        help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
+                             "sizes)")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
+    parser.add_argument("--json", default=None, help="also write every result here")
+    return parser
+
+
 def main() -> int:
     import torch
 
-    from operators.read_requests import workload_rows
-    from pipelines.hf_batch_peer import generate_batch
-    from specdec_core.decode import DecodeParams
-    from specdec_core.engine import BatchItem, Engine, EngineConfig
+    from specdec_core.engine import Engine, EngineConfig
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="code_edit")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld", "copyspec:candidates=3",
-                                                         "copyspec:adaptive"])
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--json", default=None, help="also write the results here")
-    args = parser.parse_args()
-
+    args = build_parser().parse_args()
+    for text in args.methods:
+        parse_method(text)  # a bad method option fails before the model loads
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
-    rows = workload_rows(args.workload, args.requests)[: args.requests]
-    items = []
-    for row in rows:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        items.append(BatchItem(row["id"], engine.prompt_ids(messages=messages),
-                               DecodeParams(max_new_tokens=args.max_new_tokens)))
-    print(f"# {args.workload}: {len(items)} requests, {args.max_new_tokens} new tokens, model {args.model}, dtype "
-          f"{engine.target.dtype_name}, CPU flags: {cpu_flags()}, threads {torch.get_num_threads()}")
-    results = []
-    hf_outputs: dict[int, dict] = {}
-    for size in args.batch_sizes:
-        ordered = sorted(items, key=lambda i: len(i.prompt_ids))  # less padding, as a careful HF user does
-        started, outputs = time.perf_counter(), {}
-        for start in range(0, len(ordered), size):
-            chunk = ordered[start : start + size]
-            got = generate_batch(engine.target, [i.prompt_ids for i in chunk], [args.max_new_tokens] * len(chunk))
-            outputs.update({i.key: ids for i, ids in zip(chunk, got)})
-        wall = time.perf_counter() - started
-        tokens = sum(len(v) for v in outputs.values())
-        hf_outputs[size] = outputs
-        results.append({"system": "hf_generate", "batch_size": size, "new_tokens": tokens, "wall_s": wall})
-        print(json.dumps(results[-1]), flush=True)
-    for method_text in args.methods:
-        method, options = parse_method(method_text)
-        for size in args.batch_sizes:
-            started = time.perf_counter()
-            got = dict(engine.decode_batch(items, method, options, batch_size=size))
-            wall = time.perf_counter() - started
-            ok = [r for r in got.values() if not r.get("error")]
-            same = sum(got[i.key].get("output_token_ids") == hf_outputs[size][i.key] for i in items)
-            results.append({"system": method_text, "batch_size": size, "new_tokens": sum(r["new_tokens"] for r in ok),
-                            "wall_s": wall, "same_as_hf": same, "errors": len(got) - len(ok)})
-            print(json.dumps(results[-1]), flush=True)
-    hf = {r["batch_size"]: r["new_tokens"] / r["wall_s"] for r in results if r["system"] == "hf_generate"}
-    best_hf = max(hf.values())
-    print("\n| system | batch | tok/s | x HF same batch | x best HF |\n|---|---|---|---|---|")
-    for r in results:
-        tps = r["new_tokens"] / r["wall_s"]
-        r["tokens_per_s"] = tps
-        print(f"| {r['system']} | {r['batch_size']} | {tps:.1f} | {tps / hf[r['batch_size']]:.2f} | "
-              f"{tps / best_hf:.2f} |")
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    device = engine.target.device
+    header = (f"{args.model}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
+              f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run")
+    print(f"# {header}", flush=True)
+    report = {"header": header, "workloads": {}}
+    for workload in args.workload:
+        items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes))
+        results, hf_outputs = [], {}
+        if not args.no_hf:
+            for size in args.batch_sizes:
+                result, hf_outputs[size] = run_hf(engine, items, size, args.max_new_tokens)
+                results.append(result)
+                print(json.dumps({"workload": workload, **result}), flush=True)
+        for method_text in args.methods:
+            default = args.batch_sizes if method_text == "ar" else (args.spec_batch_sizes or args.batch_sizes)
+            for size in method_sizes(method_text, default):
+                results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size)))
+                print(json.dumps({"workload": workload, **results[-1]}), flush=True)
+        for r in results:
+            r["tokens_per_s"] = r["new_tokens"] / r["wall_s"]
+        report["workloads"][workload] = results
+        print(f"\n## {workload} ({len(items)} requests{', turn 2' if workload == 'multi_turn' else ''})\n\n"
+              f"{table(results)}\n", flush=True)
+    if device.startswith("cuda"):
+        report["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak process memory {report['peak_rss_mib']:.0f} MiB"
+          + (f", peak GPU memory {report['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in report else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"flags": cpu_flags(), "dtype": engine.target.dtype_name,
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

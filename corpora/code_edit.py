@@ -18,7 +18,11 @@ from .packages import package_file
 # Modules whose source ships with every CPython; functions are picked deterministically from them.
 STDLIB_MODULES = ("textwrap", "shlex", "argparse", "difflib", "csv", "tarfile", "zipfile", "ftplib", "smtplib",
                   "imaplib", "mailbox", "calendar", "pydoc", "configparser", "gettext", "locale", "ast", "dis",
-                  "inspect", "tokenize", "optparse", "http.cookiejar", "urllib.parse", "pprint", "pickletools")
+                  "inspect", "tokenize", "optparse", "http.cookiejar", "urllib.parse", "pprint", "pickletools",
+                  # Appended later (more requests per workload); earlier picks keep their order.
+                  "shutil", "subprocess", "dataclasses", "functools", "traceback", "platform", "sysconfig",
+                  "doctest", "trace", "mimetypes", "email.utils", "email._header_value_parser", "uuid", "base64",
+                  "quopri", "http.client", "json.encoder", "logging", "random", "statistics", "typing", "glob")
 
 
 def _candidate_identifier(source: str) -> str | None:
@@ -66,26 +70,32 @@ def rename_row(row_id: str, source: str) -> dict | None:
 
 
 def stdlib_rename_tasks(count: int = 10, min_lines: int = 60, max_lines: int = 150) -> list[dict]:
-    """Renames in 60-150-line standard-library functions, one function per module, picked deterministically."""
+    """Renames in 60-150-line standard-library functions, picked deterministically: the first suitable function of
+    every module, then the second of every module, ... (round robin keeps the set varied and the first picks stable
+    whatever `count` is)."""
+    per_module = [_module_rename_rows(name, min_lines, max_lines) for name in STDLIB_MODULES]
     tasks = []
-    for module_name in STDLIB_MODULES:
-        module = importlib.import_module(module_name)
-        for name, obj in sorted(vars(module).items()):
-            if not inspect.isfunction(obj) or obj.__module__ != module_name:
-                continue
-            try:
-                source = textwrap.dedent(inspect.getsource(obj))
-            except (OSError, TypeError):
-                continue
-            if not min_lines <= source.count("\n") <= max_lines:
-                continue
-            row = rename_row(f"stdlib-{module_name}.{name}", source)
-            if row is not None:
-                tasks.append(row)
-                break  # one function per module keeps the set varied
-        if len(tasks) == count:
-            break
-    return tasks
+    for rank in range(max((len(rows) for rows in per_module), default=0)):
+        tasks.extend(rows[rank] for rows in per_module if rank < len(rows))
+    return tasks[:count]
+
+
+def _module_rename_rows(module_name: str, min_lines: int, max_lines: int) -> list[dict]:
+    module = importlib.import_module(module_name)
+    rows = []
+    for name, obj in sorted(vars(module).items()):
+        if not inspect.isfunction(obj) or obj.__module__ != module_name:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(obj))
+        except (OSError, TypeError):
+            continue
+        if not min_lines <= source.count("\n") <= max_lines:
+            continue
+        row = rename_row(f"stdlib-{module_name}.{name}", source)
+        if row is not None:
+            rows.append(row)
+    return rows
 
 
 # Edits without a single computable answer: the reference stays empty.

@@ -35,3 +35,10 @@ def mtbench_rows(limit: int | None = None) -> list[dict]:
         if limit is not None and len(rows) >= limit:
             break
     return rows
+
+
+def open_question_rows(limit: int | None = None) -> list[dict]:
+    """MT-Bench first turns alone: open questions whose answers have little to copy from the prompt (the set where
+    speculation must not cost anything)."""
+    return [{"id": row["id"], "task": "open_question", "category": row["category"], "messages": row["messages"],
+             "reference": None} for row in mtbench_rows(limit)]

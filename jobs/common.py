@@ -26,7 +26,7 @@ def build_parser(prog: str, description: str, default_input: str | None, default
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--input", default=default_input, required=default_input is None,
                         help="JSONL, Parquet file/dir, hf:DIR (datasets.save_to_disk) or workload:NAME "
-                             "(sample, summarization, rag, code_edit, humaneval, multi_turn)")
+                             "(sample, summarization, rag, code_edit, humaneval, multi_turn, open_questions)")
     parser.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
     parser.add_argument("--method", action="append", dest="methods",
                         help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")

@@ -13,7 +13,7 @@ from specdec_core.errors import SpecbatchError
 
 from .requests_schema import normalize_row, requests_table
 
-WORKLOADS = ("sample", "summarization", "rag", "code_edit", "humaneval", "multi_turn")
+WORKLOADS = ("sample", "summarization", "rag", "code_edit", "humaneval", "multi_turn", "open_questions")
 
 
 def workload_rows(name: str, limit: int | None) -> list[dict]:
@@ -26,6 +26,7 @@ def workload_rows(name: str, limit: int | None) -> list[dict]:
         "code_edit": lambda: code_edit.stdlib_rename_tasks(limit or 10),
         "humaneval": lambda: code_edit.humaneval_rows(limit),
         "multi_turn": lambda: mtbench.mtbench_rows(limit),
+        "open_questions": lambda: mtbench.open_question_rows(limit),
     }
     if name not in loaders:
         raise SpecbatchError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}")

@@ -251,8 +251,10 @@ class BatchDecoder:
         positions = lengths[:, None] + torch.arange(width)
         visible = torch.ones(width, width, dtype=torch.bool).tril()[None].expand(rows, width, width)
         index = torch.tensor([(b, t) for b in range(rows) for t in range(width)])
+        self.target.synchronize()
         started = time.perf_counter()
         self.target.forward_slots(self.cache, input_ids, positions, visible, index)
+        self.target.synchronize()  # a GPU returns before the work is done
         return time.perf_counter() - started
 
     def _commit(self, rows: list[Row], logits: torch.Tensor) -> None:

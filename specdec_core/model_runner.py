@@ -77,6 +77,12 @@ class ModelRunner:
         model.eval()
         if device == "cpu":
             tune_for_cpu(model)
+        elif device.startswith("cuda"):
+            # cuDNN's attention builds an execution plan for every new shape, and a batched decode meets a new
+            # key length at almost every step. Measured on an H100 (SmolLM2, 64 summaries, batch 64, bf16): batched
+            # ar ran at 340 tok/s on a first pass and 1,188 on a repeat over the same prompts (plans cached); with
+            # cuDNN attention off, 1,099 and 1,085. PyTorch then picks its flash / memory-efficient kernels.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         return cls(model, tokenizer, name, device, torch_dtype)
 
     @property
@@ -176,6 +182,11 @@ class ModelRunner:
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing a GPU forward needs it; a no-op on CPU)."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
 
     @property
     def base_model(self):

@@ -7,7 +7,7 @@ import pytest
 from corpora.aclsum import rag_rows, summarization_rows
 from corpora.code_edit import humaneval_rows, rename_identifier, stdlib_rename_tasks
 from corpora.mt_redundant import SECOND_TURNS
-from corpora.mtbench import mtbench_rows
+from corpora.mtbench import mtbench_rows, open_question_rows
 
 
 def assert_input_contract(rows):
@@ -35,6 +35,14 @@ def test_stdlib_rename_tasks_are_varied_and_checkable():
         assert 60 <= code.count("\n") <= 151
         assert task["reference"] == "```python\n" + rename_identifier(code.removesuffix("```"), old, new) + "```"
         assert new in task["reference"]
+
+
+def test_stdlib_rename_tasks_reach_a_benchmark_size_and_keep_their_first_picks():
+    many = stdlib_rename_tasks(64)
+    assert len(many) == 64
+    assert_input_contract(many)
+    assert [t["id"] for t in many[:10]] == [t["id"] for t in stdlib_rename_tasks(10)]  # round robin: stable prefix
+    assert len({t["id"].split(".")[0] for t in many[:32]}) >= 20  # one function per module first
 
 
 def test_humaneval_rows_cover_all_problems_and_edit_kinds():
@@ -71,6 +79,14 @@ def test_mtbench_rows_have_a_redundant_second_turn():
     # One second turn written per question: all 80 differ, and each asks to repeat or revise the first answer.
     assert len({row["next_turns"][0] for row in rows}) == 80
     assert all(t.startswith(("Repeat", "Revise", "Rewrite", "Keep", "Restate")) for t in SECOND_TURNS.values())
+
+
+def test_open_questions_are_first_turns_without_a_next_turn():
+    rows = open_question_rows(40)
+    assert len(rows) == 40
+    assert_input_contract(rows)
+    firsts = {r["id"]: r["messages"] for r in mtbench_rows(40)}
+    assert all(r["messages"] == firsts[r["id"]] and "next_turns" not in r for r in rows)
 
 
 @pytest.mark.parametrize("limit", [0, 1, 3])

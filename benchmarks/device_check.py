@@ -1,0 +1,57 @@
+"""The owned cache and the batched loop on an accelerator: tiny random Llama and Gemma3 (sliding window) in fp32 on
+`--device` (default cuda); every row of batched ar / copyspec / copyspec trees must equal the model's own greedy
+`generate` on that device. CI has no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
+
+  python benchmarks/device_check.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    import torch
+
+    from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+    from specdec_core.decode import DecodeParams
+    from specdec_core.drafters.base import NoDrafter
+    from specdec_core.drafters.copyspec import CopySpecDrafter
+    from specdec_core.model_runner import ModelRunner
+    from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    device = parser.parse_args().device
+    drafters = {"ar": NoDrafter, "copyspec": lambda: CopySpecDrafter(gamma=2, copy_tokens=6),
+                "copyspec --candidates 3": lambda: CopySpecDrafter(gamma=2, copy_tokens=6, candidates=3)}
+    failures = 0
+    for cpu_runner in (tiny_llama(), tiny_gemma3()):
+        runner = ModelRunner(cpu_runner.model.to(device), cpu_runner.tokenizer, cpu_runner.name, device, torch.float32)
+        prompts = [repetitive_prompt(seed, n) for seed, n in enumerate([5, 23, 11, 40, 17])]
+        expected = []
+        for prompt in prompts:
+            with torch.inference_mode():
+                out = runner.model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=14,
+                                            min_new_tokens=14, pad_token_id=0,
+                                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device))
+            expected.append(out[0, len(prompt):].tolist())
+        for name, make in drafters.items():
+            decoder = BatchDecoder(runner, max_batch=3)
+            for key, prompt in enumerate(prompts):
+                decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=14), make()))
+            got = {request.key: result for request, result in decoder.run()}
+            same = sum(not isinstance(got[k], str) and got[k].token_ids == expected[k] for k in range(len(prompts)))
+            failures += same != len(prompts)
+            print(f"{runner.name} {name} on {device}: {same}/{len(prompts)} rows equal HF greedy "
+                  f"(drafted {decoder.stats.drafted_tokens}, accepted {decoder.stats.accepted_tokens})"
+                  + ("" if same == len(prompts) else f"; errors: {[g for g in got.values() if isinstance(g, str)]}"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
