@@ -30,7 +30,8 @@ def _counts(text: str) -> list[int]:
 
 def build_parser():
     from pipelines.benchmark import DEFAULT_WORKLOADS
-    from specdec_core.cli import OneLineParser
+    from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+    from specdec_core.cli import OneLineParser, add_batch_options
 
     parser = OneLineParser(prog="benchmark.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,7 +43,7 @@ def build_parser():
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths")
+    add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")
     parser.add_argument("--actors", type=_counts, default=[1, 2], help="decode-actor counts, e.g. 1,2")
     parser.add_argument("--hf-batch-sizes", type=_counts, default=[1, 4, 16], help="e.g. 1,4,16 ('' skips the peer)")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
@@ -82,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     values = {k: v for k, v in dict(output=args.output, workloads=args.workloads, per_workload=args.per_workload,
                                     methods=args.methods, model=args.model, dtype=args.dtype,
                                     max_new_tokens=args.max_new_tokens, actors=args.actors,
-                                    hf_batch_sizes=args.hf_batch_sizes).items() if v is not None}
+                                    hf_batch_sizes=args.hf_batch_sizes, batch_size=args.batch_size,
+                                    token_budget=args.token_budget,
+                                    speculation_budget=args.speculation_budget).items() if v is not None}
     try:
-        config = BenchmarkConfig(**values, method_options=MethodOptions(adaptive=args.adaptive))
+        config = BenchmarkConfig(**values, method_options=MethodOptions(adaptive=args.adaptive,
+                                                                        candidates=args.candidates))
         from specdec_core.model_registry import check_model_available
 
         check_model_available(config.model)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
 from specdec_core.methods import MethodOptions, check_method_names
 
 DEFAULT_WORKLOADS = ["summarization", "code_edit", "rag", "multi_turn"]
@@ -29,6 +30,9 @@ class BenchmarkConfig(BaseModel):
     method_options: MethodOptions = Field(default_factory=MethodOptions)
     actors: list[int] = Field(default_factory=lambda: [1, 2], description="decode-actor counts to time the job with")
     hf_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16], description="[] skips the HF peer")
+    batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, description="sequences each decode actor decodes at once")
+    token_budget: int | None = Field(None, ge=1, description="most tokens one batched forward verifies")
+    speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")
 
     @field_validator("methods")
     @classmethod
@@ -74,7 +78,9 @@ def run_pipeline(config: BenchmarkConfig, requests: Path, actors: int, run_id: s
 
     generation = GenerationConfig(input=str(requests), output=config.output, job="benchmark", methods=config.methods,
                                   model=config.model, dtype=config.dtype, max_new_tokens=config.max_new_tokens,
-                                  method_options=config.method_options, num_actors=actors, run_id=run_id)
+                                  method_options=config.method_options, num_actors=actors, run_id=run_id,
+                                  batch_size=config.batch_size, token_budget=config.token_budget,
+                                  speculation_budget=config.speculation_budget)
     summary = run_generation(generation)
     new_tokens = _run_new_tokens(config.output, run_id)
     return {"run_id": run_id, "actors": actors, "wall_s": summary["wall_s"], "new_tokens": new_tokens,

@@ -108,6 +108,10 @@ class BatchDecoder:
         started = time.perf_counter()
         for request in requests:
             self.submit(request)
+        # Shortest prompts first: rows in flight then have similar lengths, and every row attends over the longest
+        # live row's keys (padded slots), so mixed lengths waste attention. HF users get the same from sorting
+        # their batches by length. Later turns, submitted while running, queue behind.
+        self.waiting = deque(sorted(self.waiting, key=lambda request: len(request.prompt_ids)))
         while self.waiting or self.rows or self.finished:
             self.admit()
             if self.rows:
@@ -181,7 +185,7 @@ class BatchDecoder:
         if not rows:
             return
         width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows],
-                                         self._measure_width)
+                                         self._measure_width, context=max(self.cache.lengths))
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
             row.draft = row.draft.truncated(width - 1)

@@ -15,10 +15,11 @@ def test_benchmark_reports_speedups_throughput_and_the_hf_peer(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--output", str(tmp_path), "--workload", "sample",
          "--per-workload", "2", "--max-new-tokens", "8", "--method", "ar", "--method", "copyspec", "--actors", "1",
-         "--hf-batch-sizes", "1,2", "--dtype", "float32"],
+         "--hf-batch-sizes", "1,2", "--dtype", "float32", "--batch-size", "2", "--candidates", "2"],
         capture_output=True, text=True, timeout=540, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "benchmark" / "benchmark.json").read_text())
+    assert result["config"]["batch_size"] == 2 and result["config"]["method_options"]["candidates"] == 2
     (run,) = result["pipeline_runs"]
     assert run["actors"] == 1 and run["errors"] == 0 and run["new_tokens"] > 0
     # 2 sample rows (a code edit and a summary) x 2 methods, at most 8 new tokens each.

@@ -1,7 +1,7 @@
 """The speculation budget picks the step width with the most expected tokens per unit of measured cost."""
 
 from specdec_core.speculation_budget import (
-    AcceptanceEstimate, SpeculationBudget, StepCostModel, batch_bucket, expected_tokens,
+    AcceptanceEstimate, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, expected_tokens,
 )
 
 
@@ -69,3 +69,12 @@ def test_calibration_measures_once_per_bucket():
     assert len(calls) == count
     model.ratio(5, 5, measure)  # bucket 8
     assert len(calls) > count
+    count = len(calls)
+    model.ratio(5, 5, measure, context=200)  # batch bucket 8, context bucket 256: measured already
+    assert len(calls) == count
+    model.ratio(5, 5, measure, context=1000)  # a longer context: its own table
+    assert len(calls) > count and set(model.ratios) == {(4, 256), (8, 256), (8, 1024)}
+
+
+def test_context_buckets_grow_by_four():
+    assert [context_bucket(n) for n in (0, 256, 257, 1024, 1025, 5000)] == [256, 256, 1024, 1024, 4096, 16384]
