@@ -1,12 +1,12 @@
 """Batched decoding vs HF `generate` greedy, side by side in one run (no Ray): job throughput per batch size.
 
   python benchmarks/batch_bench.py --workload code_edit summarization --requests 32 --batch-sizes 1 4 8 16 32 \
-      --methods ar copyspec pld copyspec:candidates=3 copyspec:adaptive --spec-batch-sizes 1 16
+      --methods ar copyspec@1,16 pld@16 copyspec:candidates=3 copyspec:adaptive@16
 
 Per workload, one line per (system, batch size): new tokens, wall s, tok/s, the ratio to HF at the same batch size,
 to the best HF batch size and to our `ar` at the same batch size, and how many outputs equal HF's (exact in fp32;
-bf16 near-ties may flip). HF and `ar` run at every --batch-sizes; the other methods at --spec-batch-sizes (default:
-the same). Records the CPU flags (or GPU name), the dtype and the process's peak memory.
+bf16 near-ties may flip). HF runs at every --batch-sizes, and so does each method unless it names its own
+(`pld@16,32`). Records the CPU flags (or GPU name), the dtype and the process's peak memory.
 
 Workloads: summarization, code_edit, open_questions (MT-Bench first turns: little to copy) and multi_turn, which
 times the second turn only (MT-Redundant: revise your first answer), its history holding one shared first answer
@@ -149,9 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--requests", type=int, default=32, help="requests per workload")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32], help="HF and ar")
-    parser.add_argument("--spec-batch-sizes", type=int, nargs="+", default=None,
-                        help="the other methods (default: --batch-sizes)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16, 32],
+                        help="HF, and methods without @SIZES")
     parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld", "copyspec:candidates=3",
                                                          "copyspec:adaptive"],
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
@@ -188,8 +187,7 @@ def main() -> int:
                 results.append(result)
                 print(json.dumps({"workload": workload, **result}), flush=True)
         for method_text in args.methods:
-            default = args.batch_sizes if method_text == "ar" else (args.spec_batch_sizes or args.batch_sizes)
-            for size in method_sizes(method_text, default):
+            for size in method_sizes(method_text, args.batch_sizes):
                 results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size)))
                 print(json.dumps({"workload": workload, **results[-1]}), flush=True)
         for r in results:
