@@ -107,7 +107,12 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
 
 
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None) -> dict:
+    from specdec_core.speculation_budget import StepCostModel
+
     method, options = parse_method(method_text)
+    # Every run measures its own step costs, as a fresh actor would (a job's later passes reuse them): the
+    # calibration forwards count in this run's wall time, and no method inherits another's tables.
+    engine.step_costs = StepCostModel()
     decoder = engine.decoder(size)
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
