@@ -30,6 +30,8 @@ class DecodeConfig(BaseModel):
     token_budget: int | None = Field(None, ge=1, description="most tokens one batched forward verifies (rows x "
                                                                 "width, padding included); default: no cap")
     speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")
+    decode_keys: dict[str, str] = Field(default_factory=dict, description="method -> the run's decode key (the "
+                                                                            "output rows' `decode_key`)")
 
     @field_validator("methods")
     @classmethod

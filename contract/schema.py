@@ -51,6 +51,9 @@ GENERATIONS_SCHEMA = pa.schema([
     ("pass_mean_occupancy", pa.float64()),
     ("pass_peak_kv_bytes", pa.int64()),
     ("batch_size", pa.int64()),
+    # Hash of what determines this row's output besides the request: method, model, drafter, dtype asked for,
+    # sampling and decoding parameters, prompt options. --resume skips a pair only when its key is unchanged.
+    ("decode_key", pa.string()),
 ])
 
 METHOD_STATS = pa.struct([

@@ -45,9 +45,15 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--cpus-per-actor", type=float, default=None)
     parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
     parser.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
-    parser.add_argument("--resume", action="store_true", help="skip (request, method) pairs already in --output")
+    parser.add_argument("--rows-per-call", type=int, default=None,
+                        help="rows handed to a decode actor per call, also the rows a crash can lose (default: 4 x "
+                             "--batch-size, at least 32)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run: --run-id's, or the latest run in --output without "
+                             "_SUCCESS; pairs it already wrote with the same model, dtype, sampling and decoding "
+                             "options are skipped")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
-    parser.add_argument("--run-id", default=None)
+    parser.add_argument("--run-id", default=None, help="letters, digits, '.', '_', '-' (default: time + random)")
     return parser
 
 
@@ -65,13 +71,20 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         speculation_budget=args.speculation_budget,
         default_task=default_task,
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
-        limit=args.limit, resume=args.resume,
+        limit=args.limit, resume=args.resume, rows_per_call=args.rows_per_call,
     )
     for job_option in ("instruction", "max_context_chars"):  # options only some jobs have
         if getattr(args, job_option, None) is not None:
             values[job_option] = getattr(args, job_option)
     if args.run_id:
         values["run_id"] = args.run_id
+    elif args.resume:
+        from pipelines.outputs import latest_unfinished_run
+        from specdec_core.errors import SpecbatchError
+
+        values["run_id"] = latest_unfinished_run(args.output)
+        if values["run_id"] is None:
+            raise SpecbatchError(f"--resume: no unfinished run in {args.output} (name one with --run-id)")
     return GenerationConfig(**values)
 
 
@@ -79,7 +92,13 @@ def preflight(config) -> None:
     from operators.read_requests import check_input_path
     from specdec_core.model_registry import check_model_available
 
+    from pipelines.outputs import run_dir
+    from specdec_core.errors import SpecbatchError
+
     check_input_path(config.input)
+    if run_dir(config.output, config.run_id).exists() and not config.resume:
+        raise SpecbatchError(f"run id {config.run_id!r} already has output in {config.output}: pass --resume to "
+                             "continue it, or choose another --run-id")
     check_model_available(config.model)
     if config.drafter:
         check_model_available(config.drafter)
@@ -105,8 +124,14 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
         return report_validation_error(job, exc)
     from pipelines.generate import init_ray, run_generation
 
+    from pipelines.generate import RunExistsError
+    from pipelines.outputs import RunLockedError
+
     init_ray(args.address)
-    summary = run_generation(config)
+    try:
+        summary = run_generation(config)
+    except (RunExistsError, RunLockedError) as exc:
+        return report_validation_error(job, exc)
     print_method_summary(config.output, config.run_id)
     print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
                      | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from .requests_schema import requests_table
+from .skip_done import todo_methods
 from .task_prompts import compose_prompt
 
 
@@ -15,7 +16,8 @@ class BuildPrompts:
     """Ray Data callable class: requests (pandas) -> requests (Arrow) with prompt_ids / prompt_tokens filled."""
 
     def __init__(self, model: str, task_template: str | None = None, max_positions: int | None = None,
-                 instruction: str | None = None, max_context_chars: int = 6000, default_task: str | None = None):
+                 instruction: str | None = None, max_context_chars: int = 6000, default_task: str | None = None,
+                 done: frozenset[str] = frozenset(), methods: list[str] | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         from specdec_core.model_registry import resolve_model_path
@@ -28,6 +30,8 @@ class BuildPrompts:
         self.instruction = instruction
         self.max_context_chars = max_context_chars
         self.default_task = default_task
+        self.done = done  # --resume: "request_id\tmethod" pairs the run already has (operators/skip_done.py)
+        self.methods = methods
 
     def prompt_text(self, row: dict) -> str:
         """The final user prompt of a row without messages: its prompt in the task template, or one composed from
@@ -49,6 +53,10 @@ class BuildPrompts:
         rows = []
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+            if self.done:
+                row["todo_methods"] = todo_methods(row, self.done, self.methods)
+                if not row["todo_methods"]:
+                    continue
             row["prompt_ids"] = None
             row["task"] = row.get("task") or self.default_task
             if not row.get("input_error"):

@@ -19,7 +19,7 @@ from .score_outputs import output_annotations
 
 
 class DecodeRequests:
-    def __init__(self, config: dict, torch_threads: int, done: frozenset = frozenset()):
+    def __init__(self, config: dict, torch_threads: int):
         import torch
 
         from contract.decode_config import DecodeConfig
@@ -30,7 +30,6 @@ class DecodeRequests:
         self.config = DecodeConfig.model_validate(config)
         cfg = self.config
         self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype))
-        self.done = done  # "request_id\tmethod" pairs already in the output (--resume)
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
 
@@ -54,7 +53,7 @@ class DecodeRequests:
             "device": self.engine.target.device, "temperature": cfg.temperature, "seed": cfg.seed,
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
-            "turn": turn, "batch_size": cfg.batch_size,
+            "turn": turn, "batch_size": cfg.batch_size, "decode_key": cfg.decode_keys.get(method),
         }
 
     def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
@@ -121,7 +120,8 @@ class DecodeRequests:
             rows.append(row)
         out = []
         for method in self.config.methods:
-            todo = [row for row in rows if f"{_final_request_id(row)}\t{method}" not in self.done]
+            # --resume: the reader stage listed the methods each request still needs (operators/skip_done.py).
+            todo = [row for row in rows if row.get("todo_methods") is None or method in list(row["todo_methods"])]
             if todo:
                 out.extend(self._decode_method(todo, method))
         return generations_table(out)
@@ -136,12 +136,6 @@ CONTRACT_RESULT_KEYS = (
 
 def _contract_fields(result: dict) -> dict:
     return {key: result[key] for key in CONTRACT_RESULT_KEYS}
-
-
-def _final_request_id(row: dict) -> str:
-    """The request id of a row's last output row: a multi-turn request is done when its last turn is."""
-    later_turns = json.loads(row["next_turns"]) if row.get("next_turns") else []
-    return f"{row['id']}#t{len(later_turns) + 1}" if later_turns else row["id"]
 
 
 FAULT_ENV = "SPECBATCH_TEST_KILL_ACTOR_ONCE"

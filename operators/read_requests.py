@@ -75,8 +75,9 @@ def check_input_path(source: str) -> None:
         raise SpecbatchError(f"input not found: {path}")
 
 
-def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25):
-    """-> ray.data.Dataset in the requests schema (prompt ids not yet filled).
+def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25, rows_per_block: int | None = None):
+    """-> ray.data.Dataset in the requests schema (prompt ids not yet filled), in blocks of at most
+    `rows_per_block` rows when given (the pipeline passes its rows per decode call: see generate.py).
 
     Every task here asks for task_cpus (a fraction): with decode actors holding most CPUs of a small machine, a
     task that wants a whole CPU would wait forever.
@@ -102,4 +103,15 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
             dataset = dataset.flat_map(parse_jsonl_file, num_cpus=task_cpus)
     if limit is not None:
         dataset = dataset.limit(limit)
-    return dataset.map_batches(normalize_batch, batch_format="pandas", batch_size=256, num_cpus=task_cpus)
+    normalized = dataset.map_batches(normalize_batch, batch_format="pandas", batch_size=256, num_cpus=task_cpus)
+    if rows_per_block is None:
+        return normalized
+    # Streaming repartition (no barrier). Its tasks would ask for a whole CPU, which a 2-CPU cluster whose decode
+    # actor holds 1.5 never frees (measured: the job hangs), and `repartition` takes no resource arguments, so the
+    # logical operator gets the light stages' fraction of a CPU.
+    blocks = normalized.repartition(target_num_rows_per_block=rows_per_block)
+    remote_args = getattr(getattr(getattr(blocks, "_logical_plan", None), "dag", None), "ray_remote_args", None)
+    if not isinstance(remote_args, dict):  # another Ray than the pinned one: keep input blocks whole, never hang
+        return normalized
+    remote_args["num_cpus"] = task_cpus
+    return blocks

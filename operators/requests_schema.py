@@ -26,6 +26,7 @@ REQUESTS_SCHEMA = pa.schema([
     ("input_error", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())),
     ("prompt_tokens", pa.int64()),
+    ("todo_methods", pa.list_(pa.string())),  # --resume: the methods this request still needs (null: all)
 ])
 
 

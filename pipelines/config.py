@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import uuid
 from datetime import datetime, timezone
+from typing import ClassVar
 
 from pydantic import Field, field_validator
 
 from contract.decode_config import DecodeConfig
+
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def new_run_id() -> str:
@@ -28,8 +35,20 @@ class GenerationConfig(DecodeConfig):
     cpus_per_actor: float | None = Field(None, gt=0, description="default: a fair share that leaves CPU for reads")
     num_gpus_per_actor: float = Field(0.0, ge=0)
     limit: int | None = Field(None, ge=1)
+    rows_per_call: int | None = Field(None, ge=1, description="rows per decode-actor call (default: 4 x batch "
+                                                                "size, at least 32)")
     resume: bool = False
     run_id: str = Field(default_factory=new_run_id)
+
+    @field_validator("run_id")
+    @classmethod
+    def _safe_run_id(cls, run_id: str) -> str:
+        # The run id names directories under the output that are moved and removed: a path in it ("../..", "/x")
+        # would make publish and cleanup act outside the output directory.
+        if not RUN_ID_PATTERN.fullmatch(run_id) or set(run_id) == {"."}:
+            raise ValueError(f"run id {run_id!r} must use only letters, digits, '.', '_' and '-' (and not be "
+                             "'.' or '..')")
+        return run_id
 
     @field_validator("task_template")
     @classmethod
@@ -38,14 +57,26 @@ class GenerationConfig(DecodeConfig):
             raise ValueError("task_template must contain {prompt}")
         return template
 
+    # Fields that change a row's output (with the request itself and the method): the resume key. Batch size,
+    # token budget and actors change speed only (lossless methods give the same tokens at any batch size).
+    OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = ("job", "model", "drafter", "drafter_dtype", "dtype", "device", "max_new_tokens", "temperature",
+                     "top_p", "top_k", "seed", "method_options", "task_template", "default_task", "instruction",
+                     "max_context_chars")
+
+    def key_by_method(self) -> dict[str, str]:
+        """method -> hash of the method and OUTPUT_FIELDS (stored on every output row as `decode_key`)."""
+        values = self.model_dump(include=set(self.OUTPUT_FIELDS), mode="json")
+        return {method: hashlib.sha256(json.dumps({**values, "method": method}, sort_keys=True).encode())
+                .hexdigest()[:16] for method in self.methods}
+
     def decode_config(self) -> dict:
         """The fields a decode actor gets (as a plain dict: Ray ships it to the actor)."""
-        return self.model_dump(include=set(DecodeConfig.model_fields))
+        return {**self.model_dump(include=set(DecodeConfig.model_fields)), "decode_keys": self.key_by_method()}
 
     def ray_batch_rows(self) -> int:
         """Rows per decode-actor call: enough that slots refill from the same call while long rows finish (the
         tail of a call decodes with fewer rows), and few enough that a killed actor redoes little."""
-        return max(4 * self.batch_size, 32)
+        return self.rows_per_call or max(4 * self.batch_size, 32)
 
     def actor_cpus(self, cluster_cpus: float) -> float:
         """CPUs per actor. On a small machine a full CPU per actor starves the read tasks (measured deadlock with

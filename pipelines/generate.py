@@ -12,8 +12,10 @@ import time
 from datetime import datetime, timezone
 
 from .config import GenerationConfig
-from .outputs import count_rows, done_pairs, method_stats, publish, staging_dir, write_run_row
-from contract.schema import PARTITION_COLUMNS
+from .outputs import (
+    RunLock, clean_temporary_files, count_rows, done_pairs, mark_finished, method_stats, run_dir,
+    write_run_row,
+)
 
 LIGHT_TASK_CPUS = 0.25
 
@@ -33,7 +35,8 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
 
 
 def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset()):
-    """-> a lazy ray.data.Dataset of output rows (contract schema)."""
+    """-> a lazy ray.data.Dataset of output rows (contract schema); `done` ("request_id\tmethod") pairs are
+    dropped right after reading (--resume)."""
     import ray
     import ray.data
 
@@ -43,14 +46,17 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
 
     cluster_cpus = float(ray.cluster_resources().get("CPU", 1))
     actor_cpus = config.actor_cpus(cluster_cpus)
-    requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS)
+    # Blocks of one decode call's rows: a block flows through the stages as one unit (Ray Data merges a task's
+    # outputs into one block), so its rows are written when that call finishes and a crash loses at most the calls
+    # in flight. A whole JSONL file or Parquet row group in one block would be decoded and written all or nothing.
+    requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS, rows_per_block=config.ray_batch_rows())
     prompts = requests.map_batches(
         BuildPrompts,
         fn_constructor_kwargs={"model": config.model, "task_template": config.task_template,
                                "instruction": config.instruction, "max_context_chars": config.max_context_chars,
-                               "default_task": config.default_task},
+                               "default_task": config.default_task, "done": done, "methods": config.methods},
         batch_format="pandas",
-        batch_size=64,
+        batch_size=config.ray_batch_rows(),
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=LIGHT_TASK_CPUS,
     )
@@ -59,7 +65,6 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
         fn_constructor_kwargs={
             "config": config.decode_config(),
             "torch_threads": max(1, round(actor_cpus)),
-            "done": done,
         },
         batch_format="pandas",
         batch_size=config.ray_batch_rows(),
@@ -71,32 +76,48 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
     )
 
 
+class RunExistsError(RuntimeError):
+    pass
+
+
 def run_generation(config: GenerationConfig) -> dict:
-    """Run the whole job; returns the run's summary (also written as one row of OUTPUT/runs/)."""
+    """Run the whole job; returns the run's summary (also written as one row of OUTPUT/runs/).
+
+    Output blocks appear under generations/run_id=RUN/ as they finish (parquet_sink.py); the run ends with
+    `_SUCCESS` and its runs/ row. With `resume`, the run's pairs already written with the same decode key are
+    skipped. Without it, a run id that already has output is refused: a reused id never mixes two runs' rows.
+    """
+    from .parquet_sink import RunPartitionSink
+
     started_at = datetime.now(timezone.utc)
     started = time.perf_counter()
-    done = done_pairs(config.output) if config.resume else frozenset()
-    stage = staging_dir(config.output, config.run_id)
-    outputs = build_pipeline(config, done)
-    # Write into staging; only a finished run is moved under generations/, so readers never see partial files.
-    outputs.write_parquet(str(stage), partition_cols=PARTITION_COLUMNS, ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
-    publish(config.output, config.run_id)
-    rows_out, errors = count_rows(config.output, config.run_id)
-    wall = time.perf_counter() - started
-    summary = {
-        "run_id": config.run_id,
-        "job": config.job,
-        "config": config.model_dump(),
-        "versions": _versions(),
-        "hardware": _hardware(),
-        "started_at": started_at,
-        "ended_at": datetime.now(timezone.utc),
-        "rows_in": _count_input(config),
-        "rows_out": rows_out,
-        "errors": errors,
-        "method_stats": method_stats(config.output, config.run_id),
-    }
-    write_run_row(config.output, summary)
+    with RunLock(config.output, config.run_id):
+        exists = run_dir(config.output, config.run_id).exists()
+        if exists and not config.resume:
+            raise RunExistsError(f"run id {config.run_id!r} already has output in {config.output}: pass --resume to "
+                                 "continue it, or choose another --run-id")
+        clean_temporary_files(config.output, config.run_id)
+        done = done_pairs(config.output, config.run_id, config.key_by_method()) if config.resume else frozenset()
+        outputs = build_pipeline(config, done)
+        outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
+                               ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+        rows_out, errors = count_rows(config.output, config.run_id)
+        wall = time.perf_counter() - started
+        summary = {
+            "run_id": config.run_id,
+            "job": config.job,
+            "config": config.model_dump(),
+            "versions": _versions(),
+            "hardware": _hardware(),
+            "started_at": started_at,
+            "ended_at": datetime.now(timezone.utc),
+            "rows_in": _count_input(config),
+            "rows_out": rows_out,
+            "errors": errors,
+            "method_stats": method_stats(config.output, config.run_id),
+        }
+        write_run_row(config.output, summary)
+        mark_finished(config.output, config.run_id)
     summary["wall_s"] = wall
     summary["skipped_pairs"] = len(done)
     return summary

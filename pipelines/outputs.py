@@ -1,9 +1,12 @@
-"""Output directory handling: staging then publish (no partial file ever looks finished), runs rows, resume state."""
+"""Output directory handling: a run's directory (blocks appear as they finish, `_SUCCESS` when the run ends), the
+run lock, resume state and runs rows. Nothing here touches a path outside the output directory: run ids are checked
+(`GenerationConfig`) before any of these run."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import socket
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,8 +24,104 @@ def runs_dir(output: str | Path) -> Path:
     return Path(output) / "runs"
 
 
-def staging_dir(output: str | Path, run_id: str) -> Path:
-    return Path(output) / "_staging" / run_id
+def run_dir(output: str | Path, run_id: str) -> Path:
+    return generations_dir(output) / f"run_id={run_id}"
+
+
+SUCCESS_MARKER = "_SUCCESS"
+
+
+def run_finished(output: str | Path, run_id: str) -> bool:
+    return (run_dir(output, run_id) / SUCCESS_MARKER).exists()
+
+
+def mark_finished(output: str | Path, run_id: str) -> None:
+    (run_dir(output, run_id) / SUCCESS_MARKER).write_text("")
+
+
+def latest_unfinished_run(output: str | Path) -> str | None:
+    """The run id of the most recently written run directory without `_SUCCESS` (what a bare --resume continues)."""
+    root = generations_dir(output)
+    if not root.exists():
+        return None
+    runs = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("run_id=")
+            and not (d / SUCCESS_MARKER).exists()]
+    return max(runs, key=lambda d: d.stat().st_mtime).name.removeprefix("run_id=") if runs else None
+
+
+def clean_temporary_files(output: str | Path, run_id: str) -> int:
+    """Remove the half-written block files a killed run left in its directory (hidden `.part-*.tmp` names)."""
+    from .parquet_sink import TEMPORARY_PREFIX
+
+    removed = 0
+    for stale in run_dir(output, run_id).rglob(f"{TEMPORARY_PREFIX}*.tmp"):
+        stale.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+class RunLockedError(RuntimeError):
+    pass
+
+
+class RunLock:
+    """OUTPUT/_locks/RUN_ID.lock, created exclusively: a second job writing the same run id at the same time is
+    refused. A lock left by a process that no longer runs on this host is taken over."""
+
+    def __init__(self, output: str | Path, run_id: str):
+        self.path = Path(output) / "_locks" / f"{run_id}.lock"
+        self.run_id = run_id
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                if not self._stale():
+                    raise RunLockedError(f"run {self.run_id!r} is being written by another job ({self._owner()}); "
+                                         f"if that job is dead on another host, remove {self.path}")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(owner)
+            self.held = True
+            return self
+        raise RunLockedError(f"could not take the lock {self.path}")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def _owner(self) -> str:
+        try:
+            return self.path.read_text()
+        except OSError:
+            return "unknown owner"
+
+    def _stale(self) -> bool:
+        try:
+            owner = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False  # being written right now, or not ours to judge: not stale
+        if owner.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return False
+        return False
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def read_generations(output: str | Path) -> pa.Table:
@@ -35,24 +134,17 @@ def read_generations(output: str | Path) -> pa.Table:
     return dataset.to_table()
 
 
-def done_pairs(output: str | Path) -> frozenset[str]:
-    """'request_id<TAB>method' of rows already published without error (what --resume skips)."""
-    table = read_generations(output).select(["request_id", "method", "error"]).to_pylist()
-    return frozenset(f"{r['request_id']}\t{r['method']}" for r in table if r["error"] is None)
-
-
-def publish(output: str | Path, run_id: str) -> int:
-    """Move a finished run's Parquet files from staging into generations/ (renames: atomic per file)."""
-    stage = staging_dir(output, run_id)
-    moved = 0
-    for source in sorted(stage.rglob("*.parquet")):
-        relative = source.relative_to(stage)
-        target = generations_dir(output) / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        source.rename(target)
-        moved += 1
-    shutil.rmtree(stage, ignore_errors=True)
-    return moved
+def done_pairs(output: str | Path, run_id: str, decode_keys: dict[str, str]) -> frozenset[str]:
+    """'request_id<TAB>method' of the run's rows (error rows too: each pair is written once) decoded with the same
+    decode key as now (model, dtype, sampling, decoding parameters, prompt options): what --resume skips. A pair
+    decoded with another key (say another --max-new-tokens) is not done."""
+    path = run_dir(output, run_id)
+    if not path.exists() or not any(path.rglob("*.parquet")):
+        return frozenset()
+    table = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
+        columns=["request_id", "method", "decode_key"]).to_pylist()
+    return frozenset(f"{r['request_id']}\t{r['method']}" for r in table
+                     if r["decode_key"] is not None and decode_keys.get(r["method"]) == r["decode_key"])
 
 
 def count_rows(output: str | Path, run_id: str) -> tuple[int, int]:

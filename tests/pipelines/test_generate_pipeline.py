@@ -127,17 +127,54 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
     assert first_section.startswith("Job throughput by method") and "| run-a | copyspec |" in first_section
 
 
-def test_resume_skips_pairs_already_done(first_run, mixed_input):
+def test_a_reused_run_id_is_refused_and_resume_of_a_finished_run_redoes_nothing(first_run, mixed_input):
     out, _ = first_run
-    proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "pld",
-                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-b", "--resume")
+    args = ["--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
+            "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a"]
+    proc = run_job(*args, timeout=100)
+    assert proc.returncode == 2 and "already has output" in proc.stderr and "--resume" in proc.stderr
+    before = sorted(p.name for p in (out / "generations").rglob("*.parquet"))
+    proc = run_job(*args, "--batch-size", "2", "--resume")  # batch size does not change outputs: nothing to redo
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [r for r in generations(out).to_pylist() if r["run_id"] == "run-b"]
-    methods = {(r["request_id"], r["method"]) for r in rows}
-    # ar succeeded for the 4 good request rows in run-a: only its error rows are redone, pld runs everywhere.
-    assert {m for (_, m) in methods} == {"ar", "pld"}
-    assert not any(m == "ar" and r in ("good-1", "good-2") for r, m in methods)
-    assert ("bad-empty", "ar") in methods and ("good-1", "pld") in methods
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 16
+    assert sorted(p.name for p in (out / "generations").rglob("*.parquet")) == before
+    assert (out / "generations" / "run_id=run-a" / "_SUCCESS").exists()
+
+
+def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(tmp_path):
+    """SIGKILL the job after its first blocks are written; --resume finishes the same run: every pair once, no
+    temporary file left, one runs row. Then a changed --max-new-tokens redoes every pair (new decode key)."""
+    import os
+    import signal
+    import time
+
+    rows = [json.dumps({"id": f"r{i}", "prompt": f"Write the number {i} in words, then count to ten."}).encode()
+            for i in range(12)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    args = ["--input", str(source), "--output", str(out), "--method", "ar", "--max-new-tokens", "16",
+            "--dtype", "float32", "--batch-size", "2", "--run-id", "nightly", "--rows-per-call", "2"]
+    job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run = out / "generations" / "run_id=nightly"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and job.poll() is None and len(list(run.rglob("*.parquet"))) < 2:
+        time.sleep(0.2)
+    assert job.poll() is None, "the job finished before it could be killed: the test proved nothing"
+    os.killpg(job.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+    job.wait()
+    written = len(pads.dataset(str(run), format="parquet").to_table())
+    assert 2 <= written < 12 and not (run / "_SUCCESS").exists()
+    proc = run_job(*args[:-4], "--resume")  # no --run-id: the latest unfinished run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["run_id"] == "nightly"
+    pairs = [(r["request_id"], r["method"]) for r in generations(out).to_pylist()]
+    assert sorted(pairs) == sorted((f"r{i}", "ar") for i in range(12))
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")] and (run / "_SUCCESS").exists()
+    proc = run_job(*[a if a != "16" else "8" for a in args], "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 0
+    assert sum(r["new_tokens"] <= 8 for r in generations(out).to_pylist()) >= 12
 
 
 @pytest.mark.timeout(120)
@@ -147,6 +184,9 @@ def test_resume_skips_pairs_already_done(first_run, mixed_input):
     (["--input", "/no/such/file.jsonl"], "input not found"),
     (["--method", "draft"], "drafter"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--run-id", "../x"], "run id"),
+    (["--run-id", "/tmp/abs"], "run id"),
+    (["--resume"], "no unfinished run"),
 ])
 def test_bad_arguments_fail_fast_with_one_line(args, fragment, tmp_path):
     proc = run_job("--output", str(tmp_path), *args, timeout=100)
