@@ -10,7 +10,8 @@ step emits num_accepted + 1 tokens.
 
 Lossless: greedy verification reproduces the target's argmax sequence exactly; the sampling verifiers reproduce the
 target distribution p exactly (Leviathan et al. 2023, Thm. 1), whatever the draft distribution q. Drafts without
-probabilities (copying, lookup) are one-hot q: accept x with probability p(x), else resample from p with x removed.
+probabilities (copying, lookup) are one-hot q: the target's own draw at each position is compared with the draft
+(accepts x with probability p(x); a rejection emits a draw from p with x removed), one draw per emitted token.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def verify_speculative_sampling(
     target_probs: [k + 1, vocab] p(. | prefix, x_1..x_i) for i = 0..k.
     draft_probs:  [k, vocab] q(. | ...) the drafter sampled x_i from, or None for one-hot drafts (q = delta_x).
     """
+    if draft_probs is None:
+        return _verify_one_hot_chain(draft_tokens, target_probs, generator)
     vocab = target_probs.shape[-1]
     for i, x in enumerate(draft_tokens):
         p = target_probs[i]  # [vocab]
@@ -84,6 +87,21 @@ def verify_speculative_sampling(
         total = float(residual.sum())
         # total == 0 only when p == q (then rejection has probability 0): fall back to p for float safety.
         return VerifyResult(i, sample(residual / total if total > 0 else p, generator))
+    return VerifyResult(len(draft_tokens), sample(target_probs[len(draft_tokens)], generator))
+
+
+def _verify_one_hot_chain(draft_tokens: list[int], target_probs: torch.Tensor,
+                          generator: torch.Generator) -> VerifyResult:
+    """One-hot drafts (copying, lookup): draw the target's token at each position and accept the draft token while
+    the draws equal it. P(accept x) = p(x), and a rejected position emits a draw from p given that it is not x, i.e.
+    the residual max(0, p - delta_x) renormalised: the same law as the accept-with-p(x)-then-resample rule. Unlike
+    that rule it takes exactly one draw per emitted token, so a seeded row's stream of draws lines up with its
+    positions whatever width the batch verified it at: the row samples the same tokens alone, inside any batch,
+    and as `ar` does (measured before: a row's output changed with its batch once the step width did)."""
+    for i, x in enumerate(draft_tokens):
+        drawn = sample(target_probs[i], generator)
+        if drawn != x:
+            return VerifyResult(i, drawn)
     return VerifyResult(len(draft_tokens), sample(target_probs[len(draft_tokens)], generator))
 
 
@@ -131,31 +149,21 @@ def verify_tree_sampling(parents: list[int], draft_tokens: list[int], node_probs
                          generator: torch.Generator) -> VerifyResult:
     """Multi-candidate speculative sampling for one-hot (copied) branches, exact in distribution.
 
-    At a node with distinct candidate children x_1..x_m: accept x_j with probability r(x_j) / sum(r), where r is p
-    with the candidates already rejected at this node zeroed (SpecInfer's multi-draft rule with one-hot q): by
-    induction each token comes out with probability p(x) — x_1 with p(x_1); x_2 with (1 - p(x_1)) * p(x_2) /
-    (1 - p(x_1)) = p(x_2); and when every candidate is rejected the token is drawn from the residual r.
+    At each node draw the target's token from p(. | node's path) and move into the child carrying it; a draw no
+    child carries is emitted and ends the step. Each token x comes out with probability p(x), as the multi-draft
+    rule of SpecInfer (accept x_j with r(x_j) / sum(r), r = p with rejected candidates zeroed) gives for one-hot
+    branches; one draw per emitted token keeps a seeded row's draws aligned with its positions (see
+    `_verify_one_hot_chain`).
     """
     children = children_of(parents)
-    vocab = node_probs.shape[-1]
     node, path = 0, []
     while True:
-        residual = node_probs[node].clone()  # [vocab]
-        moved = False
-        for child in children.get(node, ()):
-            x = draft_tokens[child - 1]
-            if x >= vocab:
-                continue  # the target cannot emit it: rejected, nothing to remove from r
-            total = float(residual.sum())
-            if total > 0 and _uniform(generator) * total < float(residual[x]):
-                path.append(child - 1)
-                node, moved = child, True
-                break
-            residual[x] = 0.0
-        if not moved:
-            total = float(residual.sum())
-            return VerifyResult(len(path), sample(residual / total if total > 0 else node_probs[node], generator),
-                                tuple(path))
+        drawn = sample(node_probs[node], generator)
+        match = next((c for c in children.get(node, ()) if draft_tokens[c - 1] == drawn), None)
+        if match is None:
+            return VerifyResult(len(path), drawn, tuple(path))
+        path.append(match - 1)
+        node = match
 
 
 # ----------------------------------------------------------------------------------------------------- a batch

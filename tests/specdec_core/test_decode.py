@@ -150,3 +150,13 @@ def test_seeded_row_samples_the_same_alone_and_inside_a_batch(engine, method):
     alone = dict(engine.decode_batch([target], method, batch_size=1))["seeded"]
     together = dict(engine.decode_batch([others[0], target, others[1]], method, batch_size=3))["seeded"]
     assert alone["output_token_ids"] == together["output_token_ids"]
+
+
+def test_one_hot_speculative_sampling_draws_what_ar_draws(engine):
+    """One draw per emitted token (verification.py): with the same seed, copyspec samples ar's very tokens (fp32),
+    although it verifies several tokens per step; the draws stay aligned with positions."""
+    params = DecodeParams(max_new_tokens=40, sampling=SamplingParams(temperature=0.8, seed=11))
+    ar = engine.generate(messages=PROMPT, method="ar", params=params)
+    copy = engine.generate(messages=PROMPT, method="copyspec", params=params)
+    assert copy["accepted_tokens"] > 0, "nothing was drafted and accepted: the test proved nothing"
+    assert copy["output_token_ids"] == ar["output_token_ids"]
