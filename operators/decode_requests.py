@@ -39,7 +39,9 @@ class DecodeRequests:
 
         cfg = self.config
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-        return DecodeParams(max_new_tokens=max_new_tokens or cfg.max_new_tokens, sampling=sampling)
+        # The job's --max-new-tokens is a cap the operator sets (time, memory): a row may ask for fewer, never more.
+        limit = min(int(max_new_tokens), cfg.max_new_tokens) if max_new_tokens else cfg.max_new_tokens
+        return DecodeParams(max_new_tokens=limit, sampling=sampling)
 
     def _base(self, row: dict, method: str, turn: int | None) -> dict:
         from specdec_core.methods import METHODS

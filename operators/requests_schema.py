@@ -70,6 +70,23 @@ def _as_messages(value) -> tuple[str | None, str | None]:
     return json.dumps(cleaned), None
 
 
+MAX_TOKEN_COUNT = 2**31 - 1  # any sane limit; past int64 Arrow would fail the whole block
+
+
+def _as_token_count(value) -> tuple[int | None, str | None]:
+    """A positive whole number, or an error: 3.7, true, "12", Infinity, 1e400 and 2^63 are refused, not coerced
+    (int(3.7) == 3 and int(True) == 1 would silently change the request)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "is_integer"):
+        return None, f"max_new_tokens must be a whole number, got {value!r}"
+    if isinstance(value, float) or hasattr(value, "is_integer"):  # floats, numpy floats
+        if value != value or value in (float("inf"), float("-inf")) or not float(value).is_integer():
+            return None, f"max_new_tokens must be a whole number, got {value!r}"
+    count = int(value)
+    if not 1 <= count <= MAX_TOKEN_COUNT:
+        return None, f"max_new_tokens must be between 1 and {MAX_TOKEN_COUNT}, got {count}"
+    return count, None
+
+
 def normalize_row(raw: dict) -> dict:
     """One input row -> the requests schema (without prompt ids); problems go to input_error, never raise."""
     errors = []
@@ -90,12 +107,8 @@ def normalize_row(raw: dict) -> dict:
             errors.append("column 'next_turns' must be a list of strings")
     max_new = raw.get("max_new_tokens")
     if max_new is not None and max_new == max_new:  # NaN from pandas means absent
-        try:
-            row["max_new_tokens"] = int(max_new)
-            if row["max_new_tokens"] < 1:
-                errors.append("max_new_tokens must be >= 1")
-        except (TypeError, ValueError):
-            errors.append("max_new_tokens must be an integer")
+        row["max_new_tokens"], error = _as_token_count(max_new)
+        errors.append(error)
     if all(row.get(name) is None for name in ("prompt", "messages", "document", "question")) and not any(errors):
         errors.append("missing column: the row needs 'prompt', 'messages', 'document' or 'question'")
     if raw.get("input_error"):

@@ -24,6 +24,7 @@ def rows_of(out: Path) -> dict:
 
 def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
     sample = [json.loads(line) for line in (ROOT / "samples" / "edit_documents.jsonl").read_text().splitlines()]
+    assert sample[0]["max_new_tokens"] > 40
     rows = [sample[0], {"id": "empty-document", "document": "  ", "instruction": "Edit."},
             {"id": "run-instruction", "document": "Alpha beta gamma.\n", "max_new_tokens": 8}]
     source = tmp_path / "docs.jsonl"
@@ -35,6 +36,8 @@ def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
     out = rows_of(tmp_path / "out")
     assert len(out) == 6
     assert "empty document" in out[("empty-document", "ar")]["error"]
+    # The row asks for more than --max-new-tokens 40: the job's cap wins (it used to decode the row's own 96+).
+    assert out[("edit-rename", "ar")]["new_tokens"] == 40
     # The row without an instruction of its own takes --instruction (without it, it would be an error row).
     assert out[("run-instruction", "copyspec")]["error"] is None
     assert out[("run-instruction", "copyspec")]["new_tokens"] == 8

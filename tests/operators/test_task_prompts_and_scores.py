@@ -56,3 +56,21 @@ def test_annotations_score_references_and_diff_documents():
     assert notes == {"quality_metric": "exact_match", "quality": 1.0, "diff": ""}
     assert output_annotations({"task": "summarization"}, "text") == {"quality_metric": None, "quality": None,
                                                                      "diff": None}
+
+
+def test_max_new_tokens_must_be_a_positive_whole_number():
+    """Refused, not coerced: 3.7 would become 3 and true 1; Infinity, 1e400 and 2^63 would fail the whole block."""
+    import json
+
+    import numpy as np
+
+    from operators.requests_schema import requests_table
+
+    for bad in (3.7, True, "12", float("inf"), json.loads("1e400"), 2**63, 0, -4, None.__class__):
+        row = normalize_row({"id": "x", "prompt": "hi", "max_new_tokens": bad})
+        assert "max_new_tokens" in (row["input_error"] or ""), bad
+        assert row.get("max_new_tokens") is None
+        requests_table([row])  # the block still builds
+    for good, expected in ((12, 12), (12.0, 12), (np.int64(7), 7), (np.float64(5.0), 5)):
+        row = normalize_row({"id": "x", "prompt": "hi", "max_new_tokens": good})
+        assert row["input_error"] is None and row["max_new_tokens"] == expected
