@@ -87,11 +87,31 @@ def _as_token_count(value) -> tuple[int | None, str | None]:
     return count, None
 
 
+def _has_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
 def normalize_row(raw: dict) -> dict:
     """One input row -> the requests schema (without prompt ids); problems go to input_error, never raise."""
     errors = []
     row_id = raw.get("id")
     row = {"id": str(row_id) if row_id not in (None, "") else row_hash_id(raw)}
+    if _has_lone_surrogate(raw):
+        # JSON may escape half a UTF-16 pair ("\ud800"): that is not text, like invalid UTF-8 it is refused (Arrow
+        # cannot even store it, so one such row would fail its whole block).
+        if _has_lone_surrogate(row["id"]):
+            row["id"] = row_hash_id(raw)
+        return {"id": row["id"], "input_error": "the row holds invalid text (a lone UTF-16 surrogate)"}
     for name in ("task", "prompt", "context", "reference", "document", "instruction", "question"):
         row[name], error = _as_text(raw.get(name), name)
         errors.append(error)

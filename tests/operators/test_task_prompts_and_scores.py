@@ -74,3 +74,16 @@ def test_max_new_tokens_must_be_a_positive_whole_number():
     for good, expected in ((12, 12), (12.0, 12), (np.int64(7), 7), (np.float64(5.0), 5)):
         row = normalize_row({"id": "x", "prompt": "hi", "max_new_tokens": good})
         assert row["input_error"] is None and row["max_new_tokens"] == expected
+
+
+def test_a_lone_surrogate_is_an_error_row_not_a_failed_block():
+    import json
+
+    from operators.requests_schema import requests_table
+
+    for raw in ('{"id": "s", "prompt": "caf\\ud800"}', '{"id": "s", "messages": [{"role": "user", "content": "\\udfff"}]}',
+                '{"id": "\\ud800", "prompt": "fine"}'):
+        row = normalize_row(json.loads(raw))
+        assert "lone UTF-16 surrogate" in row["input_error"], raw
+        requests_table([row])  # Arrow stores the row (its id included)
+    assert normalize_row({"id": "ok", "prompt": "café 😀"})["input_error"] is None
