@@ -9,6 +9,17 @@ def chain(k):
     return list(range(1, k + 1))
 
 
+def recording_measure():
+    """-> (the widths measured, a measure function costing 1 + 0.05 per token of width)."""
+    calls = []
+
+    def measure(width):
+        calls.append(width)
+        return 1.0 + 0.05 * width
+
+    return calls, measure
+
+
 def budget(cost, **kwargs):
     return SpeculationBudget(cost=StepCostModel(fixed=cost), **kwargs)
 
@@ -94,12 +105,7 @@ def test_incremental_gain_equals_the_geometric_sums():
 
 
 def test_a_bigger_batch_or_shorter_context_table_is_reused_not_recalibrated():
-    calls = []
-
-    def measure(width):
-        calls.append(width)
-        return 1.0 + 0.05 * width
-
+    calls, measure = recording_measure()
     model = StepCostModel()
     model.ratio(16, 5, measure, context=100)  # calibrates (16, 256)
     count = len(calls)
@@ -111,12 +117,7 @@ def test_a_bigger_batch_or_shorter_context_table_is_reused_not_recalibrated():
 
 
 def test_calibration_measures_once_per_bucket():
-    calls = []
-
-    def measure(width):
-        calls.append(width)
-        return 1.0 + 0.05 * width
-
+    calls, measure = recording_measure()
     model = StepCostModel()
     assert model.ratio(3, 9, measure) == (1.0 + 0.45) / (1.0 + 0.05)
     count = len(calls)
