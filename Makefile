@@ -5,7 +5,6 @@ STAMP := $(VENV)/.specbatch-installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
-export RAY_AUTH_MODE := disabled
 
 .PHONY: install demo test bench pipeline-bench
 

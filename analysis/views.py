@@ -8,6 +8,9 @@ else (no reading other files, no COPY ... TO).
 
 from __future__ import annotations
 
+import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
@@ -45,9 +48,14 @@ def _create(con: duckdb.DuckDBPyConnection, name: str, directory: Path, schema: 
     con.execute(f"CREATE {kind} {name} AS {body}")
 
 
-def connect(output: str | Path, sandbox: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(output: str | Path, sandbox: bool = False, limits: "QueryLimits | None" = None
+            ) -> duckdb.DuckDBPyConnection:
     output = Path(output)
     con = duckdb.connect()
+    if limits is not None:
+        con.execute(f"SET memory_limit = '{check_size(limits.memory_limit)}'")
+        con.execute(f"SET threads = {int(limits.threads)}")
+        con.execute("SET temp_directory = ''")  # no spilling: nothing written, and memory_limit is a hard cap
     kind = "TABLE" if sandbox else "VIEW"
     _create(con, "generations", output / "generations", GENERATIONS_SCHEMA, kind)
     _create(con, "runs", output / "runs", RUNS_SCHEMA, kind)
@@ -56,6 +64,13 @@ def connect(output: str | Path, sandbox: bool = False) -> duckdb.DuckDBPyConnect
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     return con
+
+
+def check_size(text: str) -> str:
+    """A DuckDB size ("2GB", "512MB") or ValueError: it goes into a SET statement."""
+    if not re.fullmatch(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)", text.strip()):
+        raise ValueError(f"a size such as 512MB or 2GB is expected, got {text!r}")
+    return text.strip()
 
 
 class ReadOnlyQueryError(ValueError):
@@ -74,11 +89,42 @@ def check_read_only(sql: str) -> None:
         raise ReadOnlyQueryError(f"only SELECT queries are allowed, got {statements[0].type.name}")
 
 
-def run_query(output: str | Path, sql: str, parameters: dict | None = None) -> pa.Table:
+class QueryLimitError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one ad-hoc query may use: a cross join must not take the machine down. DuckDB never spills to disk
+    here (the temporary directory is off), so memory_limit is a hard cap."""
+
+    timeout_s: float = 60.0
+    memory_limit: str = "2GB"
+    threads: int = 2
+    max_rows: int = 1_000_000  # rows of the result (it is held in memory, then printed)
+
+
+def run_query(output: str | Path, sql: str, parameters: dict | None = None,
+              limits: QueryLimits = QueryLimits()) -> pa.Table:
     """One read-only query over the sandboxed tables; values come in as named parameters ($name), never as text."""
     check_read_only(sql)
-    con = connect(output, sandbox=True)
+    con = connect(output, sandbox=True, limits=limits)
+    timer = threading.Timer(limits.timeout_s, con.interrupt)
+    timer.start()
     try:
-        return con.sql(sql, params=parameters or {}).to_arrow_table()
+        reader = con.sql(sql, params=parameters or {}).to_arrow_reader(65536)
+        batches, rows = [], 0
+        for batch in reader:
+            rows += batch.num_rows
+            if rows > limits.max_rows:
+                raise QueryLimitError(f"the result has more than {limits.max_rows} rows: add a LIMIT or aggregate")
+            batches.append(batch)
+        return pa.Table.from_batches(batches, schema=reader.schema)
+    except duckdb.InterruptException:
+        raise QueryLimitError(f"the query was stopped after {limits.timeout_s:g} s (--sql-timeout-s)") from None
+    except duckdb.OutOfMemoryException:
+        raise QueryLimitError(f"the query needs more than {limits.memory_limit} of memory "
+                              "(--sql-memory-limit)") from None
     finally:
+        timer.cancel()
         con.close()

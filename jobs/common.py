@@ -13,7 +13,10 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+EXIT_BAD_ARGUMENTS = 2
+EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --max-error-fraction allows
 
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
@@ -52,6 +55,15 @@ def build_parser(prog: str, description: str, default_input: str | None, default
                         help="continue an interrupted run: --run-id's, or the latest run in --output without "
                              "_SUCCESS; pairs it already wrote with the same model, dtype, sampling and decoding "
                              "options are skipped")
+    parser.add_argument("--row-timeout-s", type=float, default=None,
+                        help="a row decoding longer than this gets an error row and frees its slot (default: none)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="a longer prompt is an error row (default: the model's context)")
+    parser.add_argument("--max-context-tokens", type=int, default=1 << 20,
+                        help="a longer `context` (the copy drafters' extra source) is an error row")
+    parser.add_argument("--max-error-fraction", type=float, default=0.05,
+                        help=f"past this share of error rows the job exits with status {EXIT_TOO_MANY_ERRORS}, "
+                             "after writing every row")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
     parser.add_argument("--run-id", default=None, help="letters, digits, '.', '_', '-' (default: time + random)")
     return parser
@@ -71,7 +83,9 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         speculation_budget=args.speculation_budget,
         default_task=default_task,
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
-        limit=args.limit, resume=args.resume, rows_per_call=args.rows_per_call,
+        limit=args.limit, resume=args.resume, rows_per_call=args.rows_per_call, row_timeout_s=args.row_timeout_s,
+        max_prompt_tokens=args.max_prompt_tokens, max_context_tokens=args.max_context_tokens,
+        max_error_fraction=args.max_error_fraction,
     )
     for job_option in ("instruction", "max_context_chars"):  # options only some jobs have
         if getattr(args, job_option, None) is not None:
@@ -135,6 +149,24 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
     print_method_summary(config.output, config.run_id)
     print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
                      | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))
+    return error_exit_status(job, config, summary)
+
+
+def error_exit_status(job: str, config, summary: dict) -> int:
+    """Names the most common errors; EXIT_TOO_MANY_ERRORS when their share is over --max-error-fraction, else 0."""
+    from pipelines.outputs import common_errors
+
+    rows, errors = summary["rows_out"], summary["errors"]
+    if not errors:
+        return 0
+    print(f"{errors} of {rows} output rows are errors; the most common:", file=sys.stderr)
+    for message, count in common_errors(config.output, config.run_id):
+        print(f"  {count:6d} x {message}", file=sys.stderr)
+    if errors / max(rows, 1) > config.max_error_fraction:
+        print(f"{job}.py: error: {errors / max(rows, 1):.1%} of the output rows are errors, over "
+              f"--max-error-fraction {config.max_error_fraction:g} (exit status {EXIT_TOO_MANY_ERRORS})",
+              file=sys.stderr)
+        return EXIT_TOO_MANY_ERRORS
     return 0
 
 
@@ -149,7 +181,7 @@ def report_validation_error(job: str, exc: Exception) -> int:
     else:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     print(f"{job}.py: error: {message}", file=sys.stderr)
-    return 2
+    return EXIT_BAD_ARGUMENTS
 
 
 def print_method_summary(output: str, run_id: str) -> None:

@@ -40,18 +40,22 @@ def build_parser():
     parser.add_argument("--sql", default=None, help="one read-only SELECT over generations / runs / speedups")
     parser.add_argument("--param", action="append", type=_parameter, default=[], metavar="NAME=VALUE",
                         help="a query parameter, used as $NAME in --sql (repeatable)")
+    parser.add_argument("--sql-timeout-s", type=float, default=60.0, help="--sql is stopped after this long")
+    parser.add_argument("--sql-memory-limit", default="2GB", help="most memory --sql may use (DuckDB size: 512MB, 2GB)")
+    parser.add_argument("--sql-threads", type=int, default=2, help="threads --sql may use")
+    parser.add_argument("--sql-max-rows", type=int, default=1_000_000, help="most rows --sql may return")
     parser.add_argument("--format", choices=["markdown", "json", "csv"], default="markdown",
                         help="how --sql results are printed")
     return parser
 
 
-def print_query(output: str, sql: str, parameters: dict, fmt: str) -> None:
+def print_query(output: str, sql: str, parameters: dict, fmt: str, limits) -> None:
     import pyarrow.csv as pacsv
 
     from analysis.reports import markdown_table
     from analysis.views import run_query
 
-    table = run_query(output, sql, parameters)
+    table = run_query(output, sql, parameters, limits)
     if fmt == "json":
         for row in table.to_pylist():
             print(json.dumps(row, default=str))
@@ -65,21 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     import duckdb
 
     from analysis.reports import write_report_files
-    from analysis.views import ReadOnlyQueryError
+    from analysis.views import QueryLimitError, QueryLimits, ReadOnlyQueryError, check_size
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if not Path(args.output).is_dir():
         parser.error(f"output directory not found: {args.output}")
+    if not (args.sql_timeout_s > 0 and args.sql_threads >= 1 and args.sql_max_rows >= 1):
+        parser.error("--sql-timeout-s, --sql-threads and --sql-max-rows must be positive")
+    try:
+        check_size(args.sql_memory_limit)
+    except ValueError as exc:
+        parser.error(f"--sql-memory-limit: {exc}")
+    limits = QueryLimits(args.sql_timeout_s, args.sql_memory_limit, args.sql_threads, args.sql_max_rows)
     try:
         if args.sql:
-            print_query(args.output, args.sql, dict(args.param), args.format)
+            print_query(args.output, args.sql, dict(args.param), args.format, limits)
         else:
             report_dir = Path(args.report_dir) if args.report_dir else Path(args.output) / "report"
             text, written = write_report_files(args.output, args.run_id, report_dir, plots=not args.no_plots)
             print(text)
             print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-    except (ReadOnlyQueryError, duckdb.Error) as exc:
+    except (ReadOnlyQueryError, QueryLimitError, duckdb.Error) as exc:
         print(f"report.py: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0

@@ -15,11 +15,13 @@ import socket
 import uuid
 from datetime import datetime, timezone
 
+from .crash_journal import BATCH_ATTEMPTS, batch_key
 from .score_outputs import output_annotations
 
 
 class DecodeRequests:
-    def __init__(self, config: dict, torch_threads: int):
+    def __init__(self, config: dict, torch_threads: int, journal=None):
+        """journal: the run's CrashJournal actor (crash_journal.py); None decodes without poison-row isolation."""
         import torch
 
         from contract.decode_config import DecodeConfig
@@ -32,6 +34,7 @@ class DecodeRequests:
         self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype))
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
+        self.journal = journal
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.decode import DecodeParams
@@ -58,32 +61,47 @@ class DecodeRequests:
             "turn": turn, "batch_size": cfg.batch_size, "decode_key": cfg.decode_keys.get(method),
         }
 
+    def _error_rows(self, row: dict, method: str, error: str, first_turn: int = 1) -> list[dict]:
+        """Error rows for turns first_turn.. of a row: a turn that fails takes every later turn with it, and each
+        still gets its row (resume counts a multi-turn request done by its last turn)."""
+        turns = 1 + len(json.loads(row["next_turns"]) if row.get("next_turns") else [])
+        if turns == 1:
+            return [{**self._base(row, method, None), "error": error}]
+        return [{**self._base(row, method, turn), "error": error if turn == first_turn else
+                 f"turn {first_turn} failed, so this turn was not decoded: {error}"}
+                for turn in range(first_turn, turns + 1)]
+
     def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
         """One batched decoder pass of `method` over the call's rows (later turns join as earlier ones finish)."""
         from specdec_core.engine import BatchItem
 
         cfg = self.config
-        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget)
+        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget, cfg.row_timeout_s)
         out: list[dict] = []
         turns: dict[int, dict] = {}  # key -> {row, turn, messages, later}
 
-        def submit(key: int, row: dict, turn: int, prompt_ids: list[int], messages: list[dict], later: list[str],
-                   context_ids):
+        def submit(key: int, row: dict, turn: int, prompt_ids: list[int], messages: list[dict], later: list[str]):
+            _maybe_crash_on_row_for_test(row)
             turns[key] = {"row": row, "turn": turn, "messages": messages, "later": later, "prompt_ids": prompt_ids}
+            context = row.get("context_ids")
+            context_ids = None if context is None else [int(t) for t in context]  # numpy int32 -> int
             item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), context_ids)
             decoder.submit(self.engine.request(item, method, cfg.method_options, decoder))
 
         next_key = 0
         for row in rows:
-            later = json.loads(row["next_turns"]) if row.get("next_turns") else []
-            multi = bool(later)
             if row.get("input_error"):
-                out.append({**self._base(row, method, 1 if multi else None), "error": row["input_error"]})
+                out.extend(self._error_rows(row, method, row["input_error"]))
                 continue
-            messages = json.loads(row["messages"]) if row.get("messages") else [
-                {"role": "user", "content": row["prompt"]}]
-            prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
-            submit(next_key, row, 1, prompt_ids, messages, later, row["_context_ids"])
+            try:
+                later = json.loads(row["next_turns"]) if row.get("next_turns") else []
+                messages = json.loads(row["messages"]) if row.get("messages") else [
+                    {"role": "user", "content": row["prompt"]}]
+                prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
+                submit(next_key, row, 1, prompt_ids, messages, later)
+            except Exception as exc:  # one malformed row errors alone
+                out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}"))
+                continue
             next_key += 1
         for key, result in self.engine.results(decoder, method):
             entry = turns.pop(key)
@@ -92,41 +110,81 @@ class DecodeRequests:
             base = self._base(row, method, turn if multi else None)
             if result["error"]:
                 out.append({**base, "prompt_tokens": len(entry["prompt_ids"]), "error": result["error"]})
+                if later:
+                    out.extend(self._error_rows(row, method, result["error"], turn)[1:])
                 continue
-            out.append({**base, **_contract_fields(result), **output_annotations(row, result["output_text"]),
-                        "prompt_tokens": len(entry["prompt_ids"]), "error": None})
+            try:
+                annotations, error = output_annotations(row, result["output_text"]), None
+            except Exception as exc:  # the output stays; the row says why it has no score
+                annotations, error = {}, f"scoring the output failed: {type(exc).__name__}: {exc}"
+            out.append({**base, **_contract_fields(result), **annotations, "prompt_tokens": len(entry["prompt_ids"]),
+                        "error": error})
             if later:
                 messages = entry["messages"] + [{"role": "assistant", "content": result["output_text"]},
                                                 {"role": "user", "content": later[0]}]
                 try:
                     prompt_ids = self.engine.prompt_ids(messages=messages)
+                    submit(next_key, row, turn + 1, prompt_ids, messages, later[1:])
                 except Exception as exc:
-                    out.append({**self._base(row, method, turn + 1), "error": f"{type(exc).__name__}: {exc}"})
+                    out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}", turn + 1))
                     continue
-                submit(next_key, row, turn + 1, prompt_ids, messages, later[1:], row["_context_ids"])
                 next_key += 1
         stats = decoder.stats
         pass_fields = {"decode_pass": f"{self.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
                        "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes}
         return [{**r, **pass_fields} for r in out]
 
+    def _decode_all(self, rows: list[dict]) -> list[dict]:
+        out = []
+        for method in self.config.methods:
+            todo = [row for row in rows if method in _todo(row, self.config.methods)]
+            if todo:
+                out.extend(self._decode_method(todo, method))
+        return out
+
+    def _decode_isolated(self, rows: list[dict], key: str) -> list[dict]:
+        """This batch crashed its workers BATCH_ATTEMPTS times: decode it one (request, method) at a time, and give
+        the unit that crashed a worker error rows instead of a third try (crash_journal.py)."""
+        import ray
+
+        out = []
+        for row in rows:
+            for method in _todo(row, self.config.methods):
+                unit = f"{row['id']}\t{method}"
+                state, done_rows = ray.get(self.journal.begin_unit.remote(key, unit))
+                if state == "done":
+                    out.extend(done_rows)
+                    continue
+                if state == "crashed":
+                    unit_rows = self._error_rows(row, method, (
+                        "decoding crashed the worker: its process died while decoding this row, alone, after its "
+                        f"batch had crashed {BATCH_ATTEMPTS} times (out of memory or a native crash)"))
+                else:
+                    unit_rows = self._decode_method([row], method)
+                ray.get(self.journal.finish_unit.remote(key, unit, unit_rows))
+                out.extend(unit_rows)
+        return out
+
     def __call__(self, batch):
+        import ray
+
         from contract.schema import generations_table
 
         _maybe_die_for_test()
-        rows = []
-        for row in batch.to_dict("records"):
-            row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
-            # The context is tokenized once per request, for every method's drafter.
-            row["_context_ids"] = self.engine.tokenizer(row["context"])["input_ids"] if row.get("context") else None
-            rows.append(row)
-        out = []
-        for method in self.config.methods:
-            # --resume: the reader stage listed the methods each request still needs (operators/skip_done.py).
-            todo = [row for row in rows if row.get("todo_methods") is None or method in list(row["todo_methods"])]
-            if todo:
-                out.extend(self._decode_method(todo, method))
+        rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+                for row in batch.to_dict("records")]
+        if self.journal is None:
+            return generations_table(self._decode_all(rows))
+        key = batch_key(rows, self.config.methods)
+        crashes = ray.get(self.journal.begin_batch.remote(key))
+        out = self._decode_all(rows) if crashes < BATCH_ATTEMPTS else self._decode_isolated(rows, key)
+        ray.get(self.journal.end_batch.remote(key))
         return generations_table(out)
+
+
+def _todo(row: dict, methods: list[str]) -> list[str]:
+    """--resume: the reader stage listed the methods each request still needs (operators/skip_done.py)."""
+    return methods if row.get("todo_methods") is None else [m for m in methods if m in list(row["todo_methods"])]
 
 
 CONTRACT_RESULT_KEYS = (
@@ -149,6 +207,17 @@ def _maybe_die_for_test() -> None:
     marker = os.environ.get(FAULT_ENV)
     if marker and not os.path.exists(marker):
         open(marker, "w").close()
+        os._exit(1)
+
+
+POISON_ENV = "SPECBATCH_TEST_CRASH_ON_ROW"
+
+
+def _maybe_crash_on_row_for_test(row: dict) -> None:
+    """Fault-injection hook for the poison-row test: the row whose id POISON_ENV names kills its worker process
+    every time it is decoded (as a native crash or an out-of-memory kill would)."""
+    poison = os.environ.get(POISON_ENV)
+    if poison and str(row.get("id")) == poison:
         os._exit(1)
 
 

@@ -52,6 +52,56 @@ def parse_jsonl_file(item: dict) -> list[dict]:
     return rows
 
 
+def parquet_files(source: str) -> list[str]:
+    path = Path(source)
+    return [str(path)] if path.is_file() else sorted(str(p) for p in path.rglob("*.parquet"))
+
+
+def parse_parquet_file(item: dict) -> list[dict]:
+    """flat_map UDF: one Parquet file -> one raw row per record, read row group by row group, so a corrupt file or
+    row group becomes one error row (naming it) instead of failing the job, as ray.data.read_parquet would."""
+    import pyarrow.parquet as pq
+
+    path = item["path"]
+    name = Path(path).name
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:
+        return [_raw({"id": name, "input_error": f"Parquet file {name} cannot be read: {_first_line(exc)}"})]
+    rows = []
+    for group in range(parquet.num_row_groups):
+        try:
+            records = parquet.read_row_group(group).to_pylist()
+        except Exception as exc:
+            rows.append(_raw({"id": f"{name}:row-group-{group}", "input_error": (
+                f"row group {group} of Parquet file {name} cannot be read: {_first_line(exc)}")}))
+            continue
+        rows.extend(_raw(_text_from_bytes(record)) for record in records)
+    return rows
+
+
+def _text_from_bytes(record: dict) -> dict:
+    """Binary columns -> text, so the record survives JSON; invalid UTF-8 becomes the row's input_error."""
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:
+                out["input_error"] = f"column {key!r} is not valid UTF-8"
+                value = None
+        out[key] = value
+    return out
+
+
+def _raw(record: dict) -> dict:
+    return {"raw": json.dumps(record, default=str)}
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+
+
 def normalize_batch(batch) -> "object":
     """map_batches UDF (pandas in, Arrow out): raw rows -> the requests schema."""
     records = batch.to_dict("records")
@@ -97,7 +147,9 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
         path = Path(source)
         is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))
         if is_parquet:
-            dataset = ray.data.read_parquet(str(path), num_cpus=task_cpus)
+            files = parquet_files(str(path))
+            dataset = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, min(len(files), 64)))
+            dataset = dataset.flat_map(parse_parquet_file, num_cpus=task_cpus)
         else:
             dataset = ray.data.read_binary_files(str(path), include_paths=True, num_cpus=task_cpus)
             dataset = dataset.flat_map(parse_jsonl_file, num_cpus=task_cpus)

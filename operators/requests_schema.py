@@ -26,6 +26,7 @@ REQUESTS_SCHEMA = pa.schema([
     ("input_error", pa.string()),
     ("prompt_ids", pa.list_(pa.int32())),
     ("prompt_tokens", pa.int64()),
+    ("context_ids", pa.list_(pa.int32())),  # the context in the model's tokens: copy drafters' extra source
     ("todo_methods", pa.list_(pa.string())),  # --resume: the methods this request still needs (null: all)
 ])
 
@@ -67,9 +68,15 @@ def _as_messages(value) -> tuple[str | None, str | None]:
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         return None, "column 'messages' must be a list of {role, content}"
     cleaned = [{"role": m.get("role"), "content": m.get("content")} for m in value]
+    for number, message in enumerate(cleaned, start=1):
+        if message["role"] not in CHAT_ROLES:
+            return None, (f"message {number} has role {message['role']!r}; roles are {', '.join(CHAT_ROLES)}")
+        if not isinstance(message["content"], str):
+            return None, f"message {number} needs its content as a string"
     return json.dumps(cleaned), None
 
 
+CHAT_ROLES = ("system", "user", "assistant")
 MAX_TOKEN_COUNT = 2**31 - 1  # any sane limit; past int64 Arrow would fail the whole block
 
 

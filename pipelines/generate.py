@@ -6,6 +6,7 @@ decode actors can hold the rest without starving them (a 2-CPU cluster deadlocks
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -21,26 +22,75 @@ LIGHT_TASK_CPUS = 0.25
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Embedded local Ray unless an address is given or we run under `ray job submit` (RAY_ADDRESS is set)."""
+    """Embedded local Ray unless an address is given or we run under `ray job submit` (RAY_ADDRESS is set).
+
+    Actor output (tracebacks, restarts) reaches the job's log; Ray's own logs only from warnings up, and Ray Data's
+    per-second progress lines are off (progress.py draws the job's one bar).
+    """
+    import logging
+
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=False)
+        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True, logging_level=logging.WARNING)
     else:
+        use_private_token()
+        logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)  # "token auth is on": it is ours
         # address="local": a plain ray.init() would silently attach to any `ray start` cluster on this machine.
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        with loopback_node_address():
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
 
 
-def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset()):
+@contextlib.contextmanager
+def loopback_node_address():
+    """The embedded cluster serves this process only, so it listens on 127.0.0.1 alone. Ray's servers bind loopback
+    when the node address is 127.0.0.1, but ray.init swaps a loopback `_node_ip_address` for the machine's outside
+    address (services.resolve_ip_for_localhost); for this call it is kept as given. Checked by
+    tests/pipelines/test_cluster_safety.py, which lists the cluster's listening sockets."""
+    from ray._private import services
+
+    original = getattr(services, "resolve_ip_for_localhost", None)
+    if original is None:  # another Ray than the pinned one: it decides, and the test says so
+        yield
+        return
+    services.resolve_ip_for_localhost = lambda host: host
+    try:
+        yield
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+def use_private_token() -> None:
+    """Token authentication for the embedded cluster without writing a token file: Ray would otherwise create
+    ~/.ray/auth_token, outside the job's output. A random token lives in this process's environment, which Ray's
+    processes inherit. A user's own RAY_AUTH_MODE / token is left as it is."""
+    import secrets
+
+    from pathlib import Path
+
+    own = [os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")]
+    if not any(own) and not (Path.home() / ".ray" / "auth_token").exists():
+        # RAY_AUTH_MODE stays unset: ray.init then turns token mode on for a new local cluster (and refreshes its
+        # cached config, which setting the mode here, after `import ray`, would not) and finds this token.
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(), journal=None):
     """-> a lazy ray.data.Dataset of output rows (contract schema); `done` ("request_id\tmethod") pairs are
-    dropped right after reading (--resume)."""
+    dropped right after reading (--resume); `journal` (a CrashJournal actor) isolates rows that crash workers."""
     import ray
     import ray.data
 
     from operators.build_prompts import BuildPrompts
+    from operators.crash_journal import max_task_retries
     from operators.decode_requests import DecodeRequests
     from operators.read_requests import read_requests
 
@@ -53,6 +103,8 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
     prompts = requests.map_batches(
         BuildPrompts,
         fn_constructor_kwargs={"model": config.model, "task_template": config.task_template,
+                               "max_prompt_tokens": config.max_prompt_tokens,
+                               "max_context_tokens": config.max_context_tokens,
                                "instruction": config.instruction, "max_context_chars": config.max_context_chars,
                                "default_task": config.default_task, "done": done, "methods": config.methods},
         batch_format="pandas",
@@ -65,14 +117,19 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset())
         fn_constructor_kwargs={
             "config": config.decode_config(),
             "torch_threads": max(1, round(actor_cpus)),
+            "journal": journal,
         },
         batch_format="pandas",
         batch_size=config.ray_batch_rows(),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
         num_cpus=actor_cpus,
         num_gpus=config.num_gpus_per_actor or None,
-        # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is replaced and
-        # its batch is redone, and since rows only reach the writer from finished batches none is written twice.
+        # A dead actor is restarted and its call retried (rows reach the writer only from finished calls, so none
+        # is written twice). Ray Data's default retries a call forever; with the journal each crash is progress,
+        # so a call needs at most this many retries (crash_journal.py). Restarts stay unbounded: every restart
+        # follows a crash the journal counted.
+        max_restarts=-1,
+        max_task_retries=max_task_retries(config.ray_batch_rows(), len(config.methods)) if journal else -1,
     )
 
 
@@ -87,7 +144,12 @@ def run_generation(config: GenerationConfig) -> dict:
     `_SUCCESS` and its runs/ row. With `resume`, the run's pairs already written with the same decode key are
     skipped. Without it, a run id that already has output is refused: a reused id never mixes two runs' rows.
     """
+    import ray
+
+    from operators.crash_journal import CrashJournal
+
     from .parquet_sink import RunPartitionSink
+    from .progress import RunProgress
 
     started_at = datetime.now(timezone.utc)
     started = time.perf_counter()
@@ -98,9 +160,13 @@ def run_generation(config: GenerationConfig) -> dict:
                                  "continue it, or choose another --run-id")
         clean_temporary_files(config.output, config.run_id)
         done = done_pairs(config.output, config.run_id, config.key_by_method()) if config.resume else frozenset()
-        outputs = build_pipeline(config, done)
-        outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
-                               ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+        journal = ray.remote(num_cpus=0)(CrashJournal).remote()
+        outputs = build_pipeline(config, done, journal)
+        rows_in = _count_input(config)
+        with RunProgress(run_dir(config.output, config.run_id), total=rows_in * len(config.methods)):
+            outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
+                                   ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+        ray.kill(journal)
         rows_out, errors = count_rows(config.output, config.run_id)
         wall = time.perf_counter() - started
         summary = {
@@ -111,7 +177,7 @@ def run_generation(config: GenerationConfig) -> dict:
             "hardware": _hardware(),
             "started_at": started_at,
             "ended_at": datetime.now(timezone.utc),
-            "rows_in": _count_input(config),
+            "rows_in": rows_in,
             "rows_out": rows_out,
             "errors": errors,
             "method_stats": method_stats(config.output, config.run_id),

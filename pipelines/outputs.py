@@ -157,6 +157,20 @@ def count_rows(output: str | Path, run_id: str) -> tuple[int, int]:
     return table.num_rows, table.num_rows - errors
 
 
+def common_errors(output: str | Path, run_id: str, top: int = 5) -> list[tuple[str, int]]:
+    """The run's most frequent error messages, numbers folded to N so that "prompt has 9000 tokens" and "prompt has
+    9100 tokens" count as one kind: [(message, rows)], most frequent first."""
+    import re
+    from collections import Counter
+
+    path = run_dir(output, run_id)
+    if not path.exists():
+        return []
+    errors = pads.dataset(str(path), format="parquet").to_table(columns=["error"]).column("error").drop_null()
+    kinds = Counter(re.sub(r"\d+(\.\d+)?", "N", message)[:200] for message in errors.to_pylist())
+    return kinds.most_common(top)
+
+
 def write_run_row(output: str | Path, row: dict) -> Path:
     target_dir = runs_dir(output) / f"run_id={row['run_id']}"
     target_dir.mkdir(parents=True, exist_ok=True)

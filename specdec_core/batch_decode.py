@@ -81,9 +81,12 @@ class BatchDecoder:
     """Decodes requests with continuous batching on one target; each request brings its own drafter."""
 
     def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
-                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64):
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
+                 row_timeout_s: float | None = None):
         if max_batch < 1:
             raise ValueError(f"batch size must be >= 1, got {max_batch}")
+        if row_timeout_s is not None and not row_timeout_s > 0:
+            raise ValueError(f"row timeout must be > 0 seconds, got {row_timeout_s}")
         self.target = target
         self.max_batch = max_batch
         self.budget = budget or SpeculationBudget()
@@ -97,6 +100,9 @@ class BatchDecoder:
         self.max_draft = max_draft
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft
+        # A row decoding longer than this since its admission retires with an error and frees its slot (checked
+        # between steps: one forward is never interrupted).
+        self.row_timeout_s = row_timeout_s
 
     # ----------------------------------------------------------------------------------------------- public
     def submit(self, request: DecodeRequest) -> None:
@@ -180,6 +186,9 @@ class BatchDecoder:
 
     # ----------------------------------------------------------------------------------------------- one step
     def step(self) -> None:
+        self._retire_overdue()
+        if not self.rows:
+            return
         self._propose(self.rows)
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
@@ -193,6 +202,18 @@ class BatchDecoder:
         input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
         logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index)  # [N, vocab]
         self._commit(rows, logits)
+
+    def _retire_overdue(self) -> None:
+        if self.row_timeout_s is None:
+            return
+        now = time.perf_counter()
+        overdue = [i for i, row in enumerate(self.rows) if now - row.admitted_at > self.row_timeout_s]
+        for index in overdue:
+            row = self.rows[index]
+            row.error = (f"RowTimeoutError: the row decoded for {now - row.admitted_at:.1f} s, over the row timeout "
+                         f"of {self.row_timeout_s:g} s, after {len(row.state.generated)} new tokens")
+        if overdue:
+            self._retire(overdue)
 
     def _propose(self, rows: list[Row]) -> None:
         """Every row's draft. Drafters that share a pool (a draft model) are collected, then drafted together."""

@@ -59,10 +59,10 @@ class Engine:
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
         return build_prompt_ids(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
 
-    def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True
-                ) -> BatchDecoder:
+    def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True,
+                row_timeout_s: float | None = None) -> BatchDecoder:
         budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
-        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget)
+        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s)
         # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
         decoder.draft_pool = DraftModelPool(self.draft_model) if self.draft_model is not None else None
         return decoder

@@ -148,3 +148,23 @@ def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
     for bad in (["--sql", "DELETE FROM runs"], ["--param", "no-equals-sign"], ["--output", str(output / "nope")]):
         proc = report_cli("--output", str(output), *bad) if bad[0] != "--output" else report_cli(*bad)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output):
+    """A cross join cannot take the machine down: each limit stops it with one clear line and exit status 2."""
+    from analysis.views import QueryLimitError, QueryLimits
+
+    cross = "SELECT count(*) FROM range(100000000) a CROSS JOIN range(100000000) b CROSS JOIN generations"
+    with pytest.raises(QueryLimitError, match="stopped after 1 s"):
+        run_query(output, cross, limits=QueryLimits(timeout_s=1, threads=1))
+    with pytest.raises(QueryLimitError, match="more than 64MB of memory"):
+        run_query(output, "SELECT a.range x, b.range y FROM range(20000) a, range(20000) b ORDER BY x DESC, y",
+                  limits=QueryLimits(memory_limit="64MB", threads=1, max_rows=10**12))
+    with pytest.raises(QueryLimitError, match="more than 10 rows"):
+        run_query(output, "SELECT * FROM range(11)", limits=QueryLimits(max_rows=10))
+    assert run_query(output, "SELECT * FROM range(10)", limits=QueryLimits(max_rows=10)).num_rows == 10
+    proc = subprocess.run([sys.executable, "jobs/report.py", "--output", str(output), "--sql", cross,
+                           "--sql-timeout-s", "1", "--sql-threads", "1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "report.py: error: the query was stopped after 1 s (--sql-timeout-s)"], proc.stderr

@@ -132,6 +132,30 @@ def test_cache_memory_follows_live_rows_and_budget_refuses_a_row_that_cannot_fit
     assert isinstance(result, str) and result.startswith("KVCacheBudgetError")
 
 
+class StallingDrafter(Drafter):
+    """Sleeps in every proposal: a row stuck this way must time out without holding its neighbours back."""
+
+    def propose(self, tokens, max_tokens):
+        import time
+
+        time.sleep(0.05)
+        return Draft(tokens=[], source="stall")
+
+
+def test_a_row_past_its_timeout_retires_with_an_error_and_frees_its_slot(llama):
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate(LENGTHS[:3])]
+    decoder = BatchDecoder(llama, max_batch=2, row_timeout_s=1.5)
+    decoder.submit(DecodeRequest("stuck", prompts[0], DecodeParams(max_new_tokens=400), StallingDrafter()))
+    for key in (1, 2):
+        decoder.submit(DecodeRequest(key, prompts[key], DecodeParams(max_new_tokens=6), NoDrafter()))
+    results = {request.key: result for request, result in decoder.run()}
+    assert isinstance(results["stuck"], str) and results["stuck"].startswith("RowTimeoutError"), results["stuck"]
+    for key in (1, 2):  # the row admitted after "stuck" timed out got its slot and the right tokens
+        assert results[key].token_ids == hf_greedy(llama, prompts[key], 6)
+    with pytest.raises(ValueError, match="row timeout"):
+        BatchDecoder(llama, row_timeout_s=0)
+
+
 def test_gemma3_sliding_window_rows_equal_hf_greedy():
     """Prompts longer than the window (8) in one batch with copy drafts: every row equals Gemma3's own generate."""
     gemma = tiny_gemma3()

@@ -1,0 +1,76 @@
+"""The job's one progress bar: requests done / total, new tokens per second and error rows, read from the Parquet
+files the run has published (parquet_sink.py) by a driver thread. It replaces Ray Data's per-operator progress
+lines, which print every second and flood a nightly job's log."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+
+class RunProgress:
+    """Counts the part files under a run directory as they appear; each file is read once (3 small columns)."""
+
+    def __init__(self, run_dir: str | Path, total: int | None, interval_s: float | None = None):
+        self.run_dir = Path(run_dir)
+        self.total = total
+        # On a terminal the bar redraws often; in a log file each redraw is text, so far fewer.
+        self.interval_s = interval_s or (2.0 if sys.stderr.isatty() else 30.0)
+        self.seen: set[Path] = set()
+        self.requests = self.errors = self.tokens = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = time.perf_counter()
+        self._bar = None
+        self._tokens_before = 0  # --resume: tokens the run already had do not count toward this job's rate
+
+    def poll(self) -> None:
+        for path in sorted(self.run_dir.glob("method=*/part-*.parquet")):
+            if path in self.seen:
+                continue
+            try:
+                table = pq.read_table(path, columns=["turn", "error", "new_tokens"])
+            except Exception:  # replaced while we read it: the next poll sees the final file
+                continue
+            self.seen.add(path)
+            first_turns = pc.or_kleene(pc.is_null(table["turn"]), pc.equal(table["turn"], 1))
+            self.requests += pc.sum(first_turns.cast("int64")).as_py() or 0
+            self.errors += table.num_rows - table["error"].null_count
+            self.tokens += pc.sum(table["new_tokens"]).as_py() or 0
+
+    def _update_bar(self) -> None:
+        elapsed = max(time.perf_counter() - self._started, 1e-9)
+        self._bar.n = self.requests
+        rate = (self.tokens - self._tokens_before) / elapsed
+        self._bar.set_postfix_str(f"{rate:.1f} new tok/s, {self.errors} error rows", refresh=False)
+        self._bar.refresh()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+            self._update_bar()
+
+    def __enter__(self) -> "RunProgress":
+        from tqdm import tqdm
+
+        self.poll()
+        self._tokens_before = self.tokens
+        self._started = time.perf_counter()
+        self._bar = tqdm(total=self.total, unit="req", desc="requests x methods", file=sys.stderr,
+                         mininterval=0, dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._run, name="specbatch-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.poll()
+        self._update_bar()
+        self._bar.close()
