@@ -29,6 +29,8 @@ class DecodeConfig(BaseModel):
     batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, description="sequences decoded at once per actor")
     token_budget: int | None = Field(None, ge=1, description="most tokens one batched forward verifies (rows x "
                                                                 "width, padding included); default: no cap")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="a longer prompt (any turn's) is an error row "
+                                                                  "(default and cap: the model's context)")
     row_timeout_s: float | None = Field(None, gt=0, description="a row decoding longer than this gets an error row "
                                                                  "and frees its slot; default: no limit")
     speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")

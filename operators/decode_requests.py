@@ -74,6 +74,7 @@ class DecodeRequests:
     def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
         """One batched decoder pass of `method` over the call's rows (later turns join as earlier ones finish)."""
         from specdec_core.engine import BatchItem
+        from specdec_core.errors import BadRequestError
 
         cfg = self.config
         decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget, cfg.row_timeout_s)
@@ -124,6 +125,9 @@ class DecodeRequests:
                                                 {"role": "user", "content": later[0]}]
                 try:
                     prompt_ids = self.engine.prompt_ids(messages=messages)
+                    if cfg.max_prompt_tokens and len(prompt_ids) >= cfg.max_prompt_tokens:
+                        raise BadRequestError(f"prompt has {len(prompt_ids)} tokens, over the limit of "
+                                              f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
                     submit(next_key, row, turn + 1, prompt_ids, messages, later[1:])
                 except Exception as exc:
                     out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}", turn + 1))

@@ -38,8 +38,6 @@ class GenerationConfig(DecodeConfig):
     rows_per_call: int | None = Field(None, ge=1, description="rows per decode-actor call (default: 4 x batch "
                                                                 "size, at least 32)")
     resume: bool = False
-    max_prompt_tokens: int | None = Field(None, ge=1, description="a longer prompt is an error row (default and "
-                                                                  "cap: the model's context)")
     max_context_tokens: int = Field(1 << 20, ge=1, description="a longer `context` is an error row")
     max_error_fraction: float = Field(0.05, ge=0, le=1, description="past this share of error rows the job exits "
                                                                     "with status 3 (after writing everything)")

@@ -87,3 +87,40 @@ def test_a_lone_surrogate_is_an_error_row_not_a_failed_block():
         assert "lone UTF-16 surrogate" in row["input_error"], raw
         requests_table([row])  # Arrow stores the row (its id included)
     assert normalize_row({"id": "ok", "prompt": "café 😀"})["input_error"] is None
+
+
+def test_messages_with_an_unknown_role_or_non_text_content_are_error_rows():
+    ok = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
+    assert normalize_row({"id": "ok", "messages": ok})["input_error"] is None
+    bad_role = normalize_row({"id": "r", "messages": [{"role": "robot", "content": "beep"}]})["input_error"]
+    assert "message 1 has role 'robot'" in bad_role and "system, user, assistant" in bad_role
+    assert "content as a string" in normalize_row({"id": "c", "messages": [{"role": "user", "content": 5}]})[
+        "input_error"]
+
+
+def test_prompt_stage_flags_duplicate_ids_and_prompts_or_contexts_over_their_token_limits():
+    """The prompt stage (tokenizer only): the second row with an id is an error naming it; --max-prompt-tokens and
+    --max-context-tokens turn an over-long row into an error row; the context is tokenized once, here."""
+    import pandas as pd
+
+    from operators.build_prompts import BuildPrompts
+
+    stage = BuildPrompts("smollm2-135m", max_prompt_tokens=120, max_context_tokens=30, max_context_chars=40)
+    rows = [normalize_row(r) for r in [
+        {"id": "a", "prompt": "Say hi."},
+        {"id": "a", "prompt": "Say hi again."},
+        {"id": "long", "prompt": "word " * 150},
+        {"id": "q", "question": "What is it?", "context": "It is a cat. " * 2},
+        {"id": "big-context", "question": "What is it?", "context": "It is a cat. " * 20},
+    ]]
+    out = {(r["id"], i): r for i, r in enumerate(stage(pd.DataFrame(rows)).to_pylist())}
+    assert out[("a", 0)]["input_error"] is None and out[("a", 0)]["prompt_tokens"] > 0
+    assert out[("a", 1)]["input_error"] == "duplicate id 'a': an earlier row of the input has it"
+    assert "over the limit of 120 (--max-prompt-tokens" in out[("long", 2)]["input_error"]
+    assert out[("long", 2)]["prompt_ids"] is None
+    assert out[("q", 3)]["input_error"] is None and out[("q", 3)]["context_ids"] == stage.tokenizer(
+        "It is a cat. " * 2, add_special_tokens=False)["input_ids"]
+    assert "over the limit of 30 (--max-context-tokens)" in out[("big-context", 4)]["input_error"]
+    # the limit is never above the model's own context
+    assert BuildPrompts("smollm2-135m", max_prompt_tokens=10**9).max_prompt_tokens == 8192

@@ -1,8 +1,10 @@
 """The job on a real Ray cluster: `ray start --head`, `ray job submit --working-dir .`, Parquet out, `ray stop`."""
 
 import os
+import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -14,17 +16,61 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 
 @pytest.fixture
-def cluster():
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    start = subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--include-dashboard=true",
-                            "--dashboard-host", "127.0.0.1", "--disable-usage-stats"],
-                           capture_output=True, text=True, timeout=180, env=env)
+def cluster(tmp_path):
+    """A head node of this test's own: `ray start --block` in a new session, stopped by ending its process tree,
+    never `ray stop` (which stops every Ray cluster on the machine). Token authentication stays on, with a token in
+    the environment only, and every server listens on loopback."""
+    import psutil
+
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "ray_start.log", "w")
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
+                             "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        assert start.returncode == 0, start.stderr[-2000:]
+        deadline = time.monotonic() + 180
+        while not _dashboard_up():
+            assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "ray_start.log").read_text()[-2000:]
+            time.sleep(1)
         yield env
     finally:
-        # Stop only what this test started; --force because a job may still hold workers on failure.
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        tree = [head] + _descendants(psutil, head.pid)
+        for proc in tree:
+            _quietly(proc.terminate)
+        _, alive = psutil.wait_procs([p for p in tree if not isinstance(p, subprocess.Popen)], timeout=30)
+        for proc in alive:
+            _quietly(proc.kill)
+        _quietly(lambda: head.wait(timeout=30))
+        log.close()
+
+
+def _dashboard_up() -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8265", timeout=2)
+        return True
+    except urllib.error.HTTPError:  # it answers (401 without the token): it is up
+        return True
+    except OSError:
+        return False
+
+
+def _descendants(psutil, pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _quietly(action) -> None:
+    try:
+        action()
+    except Exception:
+        pass
 
 
 def test_ray_job_submit_writes_the_output(cluster, tmp_path):

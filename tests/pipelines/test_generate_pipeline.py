@@ -25,30 +25,52 @@ def write_jsonl(path: Path, lines: list[bytes]) -> Path:
     return path
 
 
+LONG_TURN = "Please repeat this word list. " + "word " * 1100  # over --max-prompt-tokens 1000 below
+
+
 @pytest.fixture(scope="module")
 def mixed_input(tmp_path_factory):
-    """3 good rows (one multi-turn) and 4 bad ones: empty prompt, missing column, bad UTF-8, bad JSON."""
+    """4 good rows (two multi-turn) and 12 bad ones, each a case a nightly job meets: empty prompt, missing column,
+    bad UTF-8, bad JSON, an unknown chat role, a repeated id, a lone surrogate, max_new_tokens of 1e400 / 3.7 /
+    true, a prompt over --max-prompt-tokens, a context over --max-context-tokens. The second multi-turn row's
+    second turn is over the prompt limit: turns 2 and 3 get error rows of their own."""
     good = [
         {"id": "good-1", "prompt": "Repeat exactly: alpha beta gamma delta."},
         {"id": "good-2", "messages": [{"role": "user", "content": "Count from one to five."}]},
         {"id": "good-3", "messages": [{"role": "user", "content": "Name two colors."}],
          "next_turns": ["Repeat your previous answer."]},
+        {"id": "late-fail", "prompt": "Say hello.", "next_turns": [LONG_TURN, "And again."]},
     ]
     lines = [json.dumps(r).encode() for r in good]
     lines += [json.dumps({"id": "bad-empty", "prompt": "   "}).encode(),
               json.dumps({"id": "bad-missing", "text": "no prompt column"}).encode(),
               b'{"id": "bad-utf8", "prompt": "caf\xe9"}',
-              b'{"id": "bad-json", "prompt": ']
+              b'{"id": "bad-json", "prompt": ',
+              json.dumps({"id": "bad-role", "messages": [{"role": "robot", "content": "beep"}]}).encode(),
+              json.dumps({"id": "good-1", "prompt": "A second row with the first row's id."}).encode(),
+              b'{"id": "bad-surrogate", "prompt": "half a pair: \\ud800"}',
+              b'{"id": "bad-max-huge", "prompt": "Hi.", "max_new_tokens": 1e400}',
+              b'{"id": "bad-max-frac", "prompt": "Hi.", "max_new_tokens": 3.7}',
+              b'{"id": "bad-max-bool", "prompt": "Hi.", "max_new_tokens": true}',
+              json.dumps({"id": "bad-long", "prompt": "word " * 1100}).encode(),
+              json.dumps({"id": "bad-context", "question": "Which animal?", "context": "A cat sat. " * 200}).encode()]
     return write_jsonl(tmp_path_factory.mktemp("input") / "mixed.jsonl", lines)
+
+
+GOOD_IDS = {"good-1", "good-2", "good-3#t1", "good-3#t2", "late-fail#t1"}
+BAD_IDS = {"bad-empty", "bad-missing", "mixed.jsonl:7", "mixed.jsonl:8", "bad-role", "good-1", "bad-surrogate",
+           "bad-max-huge", "bad-max-frac", "bad-max-bool", "bad-long", "bad-context", "late-fail#t2", "late-fail#t3"}
 
 
 @pytest.fixture(scope="module")
 def first_run(mixed_input, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
-                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a", "--batch-size", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(proc.stdout.strip().splitlines()[-1])
+                   "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a", "--batch-size", "4",
+                   "--max-prompt-tokens", "1000", "--max-context-tokens", "500")
+    # Everything is written, then the share of error rows (14 of 19 per method) is over the default 5%.
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    return out, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 def generations(out: Path):
@@ -56,34 +78,46 @@ def generations(out: Path):
 
 
 def test_every_row_once_per_method(first_run):
-    out, summary = first_run
-    table = generations(out)
-    pairs = [(r["request_id"], r["method"]) for r in table.select(["request_id", "method"]).to_pylist()]
-    assert len(pairs) == len(set(pairs)), "duplicated (request, method) rows"
-    # 7 input rows; good-3 has two turns -> 8 request ids, each with both methods.
-    assert summary["rows_in"] == 7 and summary["rows_out"] == 16 == len(pairs)
-    ids = {p[0] for p in pairs}
-    assert ids == {"good-1", "good-2", "good-3#t1", "good-3#t2", "bad-empty", "bad-missing", "mixed.jsonl:6",
-                   "mixed.jsonl:7"}
+    out, summary, _ = first_run
+    pairs = [(r["request_id"], r["method"], r["error"] is None)
+             for r in generations(out).select(["request_id", "method", "error"]).to_pylist()]
+    # 16 input rows; good-3 has two turns and late-fail three -> 19 output rows per method; the repeated id
+    # "good-1" has its decoded row and its duplicate's error row.
+    assert summary["rows_in"] == 16 and summary["rows_out"] == 38 == len(pairs)
+    assert sorted(pairs) == sorted([(i, m, True) for i in GOOD_IDS for m in ("ar", "copyspec")]
+                                   + [(i, m, False) for i in BAD_IDS for m in ("ar", "copyspec")])
 
 
 def test_bad_rows_get_errors_and_good_rows_do_not(first_run):
-    out, summary = first_run
-    rows = {(r["request_id"], r["method"]): r for r in generations(out).to_pylist()}
-    assert summary["errors"] == 8
-    assert "empty prompt" in rows[("bad-empty", "ar")]["error"]
-    assert "missing column" in rows[("bad-missing", "copyspec")]["error"]
-    assert "UTF-8" in rows[("mixed.jsonl:6", "ar")]["error"]
-    assert "JSON" in rows[("mixed.jsonl:7", "ar")]["error"]
-    for key in [("good-1", "ar"), ("good-3#t2", "copyspec")]:
-        assert rows[key]["error"] is None and rows[key]["new_tokens"] > 0
+    out, summary, stderr = first_run
+    rows = {(r["request_id"], r["method"], r["error"] is None): r for r in generations(out).to_pylist()}
+    error = {(request, method): row["error"] for (request, method, ok), row in rows.items() if not ok}
+    assert summary["errors"] == 28
+    assert "empty prompt" in error[("bad-empty", "ar")]
+    assert "missing column" in error[("bad-missing", "copyspec")]
+    assert "UTF-8" in error[("mixed.jsonl:7", "ar")]
+    assert "JSON" in error[("mixed.jsonl:8", "ar")]
+    assert "role 'robot'" in error[("bad-role", "ar")]
+    assert "duplicate id 'good-1'" in error[("good-1", "ar")]
+    assert "surrogate" in error[("bad-surrogate", "copyspec")]
+    for request in ("bad-max-huge", "bad-max-frac", "bad-max-bool"):
+        assert "max_new_tokens must be a whole number" in error[(request, "ar")], request
+    assert "--max-prompt-tokens" in error[("bad-long", "ar")]
+    assert "--max-context-tokens" in error[("bad-context", "ar")]
+    assert "--max-prompt-tokens" in error[("late-fail#t2", "ar")]
+    assert error[("late-fail#t3", "copyspec")].startswith("turn 2 failed, so this turn was not decoded")
+    for key in [("good-1", "ar", True), ("good-3#t2", "copyspec", True), ("late-fail#t1", "ar", True)]:
+        assert rows[key]["new_tokens"] > 0
     # greedy copyspec is lossless: same ids as ar on every good request
-    for request in ("good-1", "good-2", "good-3#t1", "good-3#t2"):
-        assert rows[(request, "ar")]["output_token_ids"] == rows[(request, "copyspec")]["output_token_ids"]
+    for request in GOOD_IDS:
+        assert rows[(request, "ar", True)]["output_token_ids"] == rows[(request, "copyspec", True)]["output_token_ids"]
+    # the job says why it failed: the share over --max-error-fraction, and the most common errors
+    assert "over --max-error-fraction 0.05 (exit status 3)" in stderr
+    assert "the most common:" in stderr and "max_new_tokens must be a whole number" in stderr
 
 
 def test_schema_is_the_contract_and_duckdb_reads_it(first_run):
-    out, _ = first_run
+    out, _, _ = first_run
     files = list((out / "generations").rglob("*.parquet"))
     assert files and not list(out.rglob("*.tmp")) and not (out / "_staging" / "run-a").exists()
     table = generations(out)
@@ -98,14 +132,14 @@ def test_schema_is_the_contract_and_duckdb_reads_it(first_run):
     rows = con.execute(
         "SELECT method, count(*), sum(new_tokens), max(accepted_by_source['target']) FROM read_parquet(?, "
         "hive_partitioning = true) GROUP BY method ORDER BY method", [glob]).fetchall()
-    assert [r[0] for r in rows] == ["ar", "copyspec"] and all(r[1] == 8 for r in rows)
+    assert [r[0] for r in rows] == ["ar", "copyspec"] and all(r[1] == 19 for r in rows)
     runs = con.execute("SELECT run_id, rows_in, rows_out, errors FROM read_parquet(?, hive_partitioning = true)",
                        [str(out / "runs" / "**" / "*.parquet")]).fetchall()
-    assert runs == [("run-a", 7, 16, 8)]
+    assert runs == [("run-a", 16, 38, 28)]
 
 
 def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(first_run):
-    out, _ = first_run
+    out, _, _ = first_run
     con = duckdb.connect()
     stats = con.execute("SELECT unnest(method_stats, recursive := true) FROM read_parquet(?, hive_partitioning = "
                         "true)", [str(out / "runs" / "**" / "*.parquet")]).to_arrow_table().to_pylist()
@@ -114,7 +148,7 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
     rows = generations(out).to_pylist()
     for method, s in by_method.items():
         ok = [r for r in rows if r["method"] == method and r["error"] is None]
-        assert s["requests"] == 8 and s["errors"] == 4 and s["new_tokens"] == sum(r["new_tokens"] for r in ok)
+        assert s["requests"] == 19 and s["errors"] == 14 and s["new_tokens"] == sum(r["new_tokens"] for r in ok)
         assert s["job_tokens_per_s"] == pytest.approx(s["new_tokens"] / s["decode_wall_s"])
         assert 1 <= s["mean_occupancy"] <= 4 and s["peak_kv_bytes"] > 0 and s["actors"] == 1
         assert {r["batch_size"] for r in ok} == {4}
@@ -128,15 +162,16 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
 
 
 def test_a_reused_run_id_is_refused_and_resume_of_a_finished_run_redoes_nothing(first_run, mixed_input):
-    out, _ = first_run
+    out, _, _ = first_run
     args = ["--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
-            "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a"]
+            "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a", "--max-prompt-tokens", "1000",
+            "--max-context-tokens", "500", "--max-error-fraction", "1"]
     proc = run_job(*args, timeout=100)
     assert proc.returncode == 2 and "already has output" in proc.stderr and "--resume" in proc.stderr
     before = sorted(p.name for p in (out / "generations").rglob("*.parquet"))
     proc = run_job(*args, "--batch-size", "2", "--resume")  # batch size does not change outputs: nothing to redo
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 16
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 36  # distinct (request, method)
     assert sorted(p.name for p in (out / "generations").rglob("*.parquet")) == before
     assert (out / "generations" / "run_id=run-a" / "_SUCCESS").exists()
 
@@ -211,3 +246,43 @@ def test_actor_killed_mid_run_is_replaced_and_rows_are_written_exactly_once(tmp_
     assert marker.exists(), "the fault was not injected, so the test proved nothing"
     pairs = [(r["request_id"], r["method"]) for r in generations(tmp_path / "out").to_pylist()]
     assert sorted(pairs) == sorted((f"r{i}", m) for i in range(6) for m in ("ar", "copyspec"))
+
+
+def test_a_row_that_kills_its_worker_every_time_gets_an_error_row_and_the_job_finishes(tmp_path):
+    """Poison row: the test hook kills the decode actor whenever row r2 is decoded. The batch is tried twice, then
+    redone one (request, method) at a time; r2's units get error rows, every other pair is written exactly once."""
+    import os
+
+    from operators.decode_requests import POISON_ENV
+
+    rows = [json.dumps({"id": f"r{i}", "prompt": f"Say the number {i}."}).encode() for i in range(6)]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    proc = run_job("--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar", "--method",
+                   "copyspec", "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6",
+                   "--max-error-fraction", "0.5", env={**os.environ, POISON_ENV: "r2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = generations(tmp_path / "out").to_pylist()
+    assert sorted((r["request_id"], r["method"]) for r in rows) == sorted(
+        (f"r{i}", m) for i in range(6) for m in ("ar", "copyspec"))
+    for row in rows:
+        if row["request_id"] == "r2":
+            assert row["error"].startswith("decoding crashed the worker"), row["error"]
+        else:
+            assert row["error"] is None and row["new_tokens"] > 0, row
+
+
+def test_a_corrupt_parquet_file_is_an_error_row_and_the_other_files_are_decoded(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / "in"
+    source.mkdir()
+    pq.write_table(pa.table({"id": ["p1", "p2"], "prompt": ["Say one.", "Say two."]}), source / "good.parquet")
+    (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
+    proc = run_job("--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar",
+                   "--max-new-tokens", "4", "--dtype", "float32")
+    assert proc.returncode == 3, proc.stderr[-3000:]  # 1 error row of 3: over the default 5%
+    rows = {r["request_id"]: r for r in generations(tmp_path / "out").to_pylist()}
+    assert set(rows) == {"p1", "p2", "corrupt.parquet"}
+    assert "Parquet file corrupt.parquet cannot be read" in rows["corrupt.parquet"]["error"]
+    assert rows["p1"]["error"] is None and rows["p2"]["new_tokens"] > 0

@@ -1,0 +1,45 @@
+"""The embedded Ray cluster a job starts: token authentication on, no token file written, only loopback sockets."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = """
+import json, psutil, ray
+from pipelines.generate import init_ray
+
+init_ray(None, num_cpus=1)
+ray.get(ray.remote(lambda: 1).options(num_cpus=0).remote())  # a worker process listens too
+tree = [psutil.Process()] + psutil.Process().children(recursive=True)
+pids = {p.pid: p.name() for p in tree}
+listening = [(pids[c.pid], c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN and c.pid in pids]
+from ray._private.authentication.authentication_token_setup import AuthenticationMode, get_authentication_mode
+
+print(json.dumps({"listening": listening, "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN}))
+ray.shutdown()
+"""
+
+
+def test_embedded_cluster_uses_token_auth_and_listens_on_loopback_only(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = {name for name, _, _ in facts["listening"]}
+    assert {"gcs_server", "raylet"} <= names, facts  # the probe sees the cluster's servers
+    outside = [entry for entry in facts["listening"] if entry[1] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert outside == [], outside
+    assert facts["token_auth"] is True
+    assert list(home.rglob("*")) == []  # no ~/.ray/auth_token: the token lives in the environment only
