@@ -27,8 +27,11 @@ class DecodeRequests:
         from contract.decode_config import DecodeConfig
         from specdec_core.engine import Engine, EngineConfig
 
+        from transformers.utils import logging as transformers_logging
+
         # Ray sets OMP_NUM_THREADS=1 in actors; use the CPUs this actor was given instead.
         torch.set_num_threads(max(1, torch_threads))
+        transformers_logging.disable_progress_bar()  # actor output goes to the job's log: no weight-loading bars
         self.config = DecodeConfig.model_validate(config)
         cfg = self.config
         self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype))
@@ -142,9 +145,20 @@ class DecodeRequests:
         out = []
         for method in self.config.methods:
             todo = [row for row in rows if method in _todo(row, self.config.methods)]
-            if todo:
+            if not todo:
+                continue
+            try:
                 out.extend(self._decode_method(todo, method))
+            except Exception:  # the batched pass itself failed (e.g. an allocation in a forward): row by row
+                for row in todo:
+                    out.extend(self._decode_alone(row, method))
         return out
+
+    def _decode_alone(self, row: dict, method: str) -> list[dict]:
+        try:
+            return self._decode_method([row], method)
+        except Exception as exc:
+            return self._error_rows(row, method, f"{type(exc).__name__}: {exc}")
 
     def _decode_isolated(self, rows: list[dict], key: str) -> list[dict]:
         """This batch crashed its workers BATCH_ATTEMPTS times: decode it one (request, method) at a time, and give
@@ -164,7 +178,7 @@ class DecodeRequests:
                         "decoding crashed the worker: its process died while decoding this row, alone, after its "
                         f"batch had crashed {BATCH_ATTEMPTS} times (out of memory or a native crash)"))
                 else:
-                    unit_rows = self._decode_method([row], method)
+                    unit_rows = self._decode_alone(row, method)
                 ray.get(self.journal.finish_unit.remote(key, unit, unit_rows))
                 out.extend(unit_rows)
         return out

@@ -62,15 +62,34 @@ class GenerationConfig(DecodeConfig):
 
     # Fields that change a row's output (with the request itself and the method): the resume key. Batch size,
     # token budget and actors change speed only (lossless methods give the same tokens at any batch size).
-    OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = ("job", "model", "drafter", "drafter_dtype", "dtype", "device", "max_new_tokens", "temperature",
-                     "top_p", "top_k", "seed", "method_options", "task_template", "default_task", "instruction",
-                     "max_context_chars")
+    # --max-prompt-tokens, --max-context-tokens and --row-timeout-s only decide which rows fail, so they are not
+    # part of it either: a resume with a larger limit does not redo the rows that succeeded.
+    OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "job", "model", "drafter", "drafter_dtype", "dtype", "device", "max_new_tokens", "temperature", "top_p",
+        "top_k", "seed", "method_options", "task_template", "default_task", "instruction", "max_context_chars")
 
     def key_by_method(self) -> dict[str, str]:
         """method -> hash of the method and OUTPUT_FIELDS (stored on every output row as `decode_key`)."""
         values = self.model_dump(include=set(self.OUTPUT_FIELDS), mode="json")
+        values["device"], values["dtype"] = self.resolved_device_and_dtype()
+        if self.drafter_dtype == "auto":
+            values["drafter_dtype"] = values["dtype"]
         return {method: hashlib.sha256(json.dumps({**values, "method": method}, sort_keys=True).encode())
                 .hexdigest()[:16] for method in self.methods}
+
+    def resolved_device_and_dtype(self) -> tuple[str, str]:
+        """What "auto" becomes in the decode actors, so that a run resumed on a machine where `--dtype auto` means
+        another dtype (bf16 with avx512_bf16, fp32 without) redoes its rows instead of mixing two dtypes. Resolved
+        here, on the driver: actors without GPUs run on the CPU, and on one machine (the embedded cluster) its CPU
+        decides; on a cluster whose nodes differ, pass --dtype explicitly."""
+        from specdec_core.model_runner import cpu_supports_bf16
+
+        device = self.device if self.device != "auto" else ("cuda" if self.num_gpus_per_actor > 0 else "cpu")
+        if self.dtype != "auto":
+            return device, self.dtype
+        if device.startswith("cuda"):
+            return device, "auto"  # bf16 or fp16 by the GPU, which only the actor sees
+        return device, "bfloat16" if cpu_supports_bf16() else "float32"
 
     def decode_config(self) -> dict:
         """The fields a decode actor gets (as a plain dict: Ray ships it to the actor)."""

@@ -61,8 +61,21 @@ def test_decode_key_changes_with_what_changes_outputs_only(tmp_path):
     keys = GenerationConfig(**base).key_by_method()
     assert keys["ar"] != keys["pld"]
     assert GenerationConfig(**base, batch_size=3, num_actors=2).key_by_method() == keys
-    for change in ({"max_new_tokens": 7}, {"model": "gemma3-270m"}, {"temperature": 0.5}, {"dtype": "float32"}):
+    for change in ({"max_new_tokens": 7}, {"model": "gemma3-270m"}, {"temperature": 0.5}):
         assert GenerationConfig(**base, **change).key_by_method()["ar"] != keys["ar"], change
+    assert GenerationConfig(**base, dtype="float32").key_by_method() != GenerationConfig(
+        **base, dtype="bfloat16").key_by_method()
+    assert GenerationConfig(**base, max_prompt_tokens=9, row_timeout_s=2).key_by_method() == keys
+
+
+def test_dtype_auto_is_keyed_by_what_it_resolves_to_so_another_machine_redoes_the_rows(tmp_path, monkeypatch):
+    import specdec_core.model_runner as runner
+
+    base = dict(input="in.jsonl", output=str(tmp_path), methods=["ar"], run_id="r")
+    for has_bf16, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(runner, "cpu_supports_bf16", lambda: has_bf16)
+        assert GenerationConfig(**base).key_by_method() == GenerationConfig(**base, dtype=dtype,
+                                                                            device="cpu").key_by_method()
 
 
 @pytest.mark.parametrize("run_id", ["../x", "/abs", "a/b", "..", ".", "", "x y", "a\\b"])
