@@ -52,14 +52,14 @@ def connect(output: str | Path, sandbox: bool = False, limits: "QueryLimits | No
             ) -> duckdb.DuckDBPyConnection:
     output = Path(output)
     con = duckdb.connect()
-    if limits is not None:
-        con.execute(f"SET memory_limit = '{check_size(limits.memory_limit)}'")
-        con.execute(f"SET threads = {int(limits.threads)}")
-        con.execute("SET temp_directory = ''")  # no spilling: nothing written, and memory_limit is a hard cap
     kind = "TABLE" if sandbox else "VIEW"
     _create(con, "generations", output / "generations", GENERATIONS_SCHEMA, kind)
     _create(con, "runs", output / "runs", RUNS_SCHEMA, kind)
     con.execute(f"CREATE VIEW speedups AS {SPEEDUPS_SQL}")
+    if limits is not None:  # set after the copy: the limits are the query's, the tables are already in memory
+        con.execute(f"SET memory_limit = '{check_size(limits.memory_limit)}'")
+        con.execute(f"SET threads = {int(limits.threads)}")
+        con.execute("SET temp_directory = ''")  # no spilling: nothing written, and memory_limit is a hard cap
     if sandbox:
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -109,7 +109,13 @@ def run_query(output: str | Path, sql: str, parameters: dict | None = None,
     """One read-only query over the sandboxed tables; values come in as named parameters ($name), never as text."""
     check_read_only(sql)
     con = connect(output, sandbox=True, limits=limits)
-    timer = threading.Timer(limits.timeout_s, con.interrupt)
+    stopped = threading.Event()
+
+    def stop() -> None:
+        stopped.set()
+        con.interrupt()
+
+    timer = threading.Timer(limits.timeout_s, stop)
     timer.start()
     try:
         reader = con.sql(sql, params=parameters or {}).to_arrow_reader(65536)
@@ -120,11 +126,14 @@ def run_query(output: str | Path, sql: str, parameters: dict | None = None,
                 raise QueryLimitError(f"the result has more than {limits.max_rows} rows: add a LIMIT or aggregate")
             batches.append(batch)
         return pa.Table.from_batches(batches, schema=reader.schema)
-    except duckdb.InterruptException:
-        raise QueryLimitError(f"the query was stopped after {limits.timeout_s:g} s (--sql-timeout-s)") from None
-    except duckdb.OutOfMemoryException:
-        raise QueryLimitError(f"the query needs more than {limits.memory_limit} of memory "
-                              "(--sql-memory-limit)") from None
+    except (duckdb.Error, pa.ArrowException, OSError) as exc:
+        # Raised by DuckDB, or through the Arrow stream when the query fails while its result is being read.
+        if stopped.is_set():
+            raise QueryLimitError(f"the query was stopped after {limits.timeout_s:g} s (--sql-timeout-s)") from None
+        if isinstance(exc, duckdb.OutOfMemoryException) or "Out of Memory" in str(exc):
+            raise QueryLimitError(f"the query needs more than {limits.memory_limit} of memory "
+                                  "(--sql-memory-limit)") from None
+        raise
     finally:
         timer.cancel()
         con.close()

@@ -27,13 +27,17 @@ class BuildPrompts:
         path = resolve_model_path(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path)
-        model_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
-        # --max-prompt-tokens: one huge row must not exhaust an actor's memory; never past the model's context.
-        self.max_prompt_tokens = min(max_prompt_tokens or model_context, model_context)
+        # A prompt must leave the model room for one new token; --max-prompt-tokens may ask for less.
+        self.model_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_prompt_tokens = min(max_prompt_tokens or self.model_context, self.model_context)
         self.max_context_tokens = max_context_tokens  # the drafters' context: no model limit, a memory one
-        # 8-byte digests of the ids seen so far (this is the pipeline's one prompt actor, so it sees every row):
-        # a repeated id is an error row, not a second decode that the speed-up view would count twice.
-        self.seen_ids: set[bytes] = set()
+        # No token is longer than this many characters, so a text longer than limit x this has more than `limit`
+        # tokens: refused before tokenizing it (a multi-GB row would exhaust the tokenizer's memory first).
+        self.chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
+        # id digest (8 bytes) -> rows seen with that id. This is the pipeline's one prompt actor, so it sees every
+        # row: the n-th row with an id becomes request "ID#dup-n" with an error, not a second decode of ID that the
+        # speed-up view would count twice or a resume would mistake for the first row's output.
+        self.seen_ids: dict[bytes, int] = {}
         self.task_template = task_template
         self.instruction = instruction
         self.max_context_chars = max_context_chars
@@ -55,18 +59,36 @@ class BuildPrompts:
             return build_prompt_ids(self.tokenizer, messages=json.loads(row["messages"]))
         return build_prompt_ids(self.tokenizer, prompt=row["prompt"])
 
+    def mark_duplicate(self, row: dict) -> None:
+        digest = hashlib.blake2b(str(row["id"]).encode("utf-8", "replace"), digest_size=8).digest()
+        seen = self.seen_ids.get(digest, 0) + 1
+        self.seen_ids[digest] = seen
+        if seen > 1:
+            row["input_error"] = f"duplicate id {row['id']!r}: row {seen} with this id in the input"
+            row["id"] = f"{row['id']}#dup-{seen}"
+
     def tokenize(self, row: dict) -> None:
         """Fill prompt_ids / prompt_tokens and context_ids, or input_error for a prompt or context over its limit."""
         if not row.get("messages"):
             # The final prompt text is stored: later turns of a multi-turn row build on it.
             row["prompt"] = self.prompt_text(row)
+        chars = (sum(len(m["content"]) for m in json.loads(row["messages"])) if row.get("messages")
+                 else len(row["prompt"]))
+        if chars > self.chars_per_token * self.max_prompt_tokens:
+            row["input_error"] = (f"prompt has {chars} characters, certainly over the limit of "
+                                  f"{self.max_prompt_tokens} tokens (--max-prompt-tokens)")
+            return
         ids = self.prompt_ids(row)
         row["prompt_tokens"] = len(ids)
-        if len(ids) >= self.max_prompt_tokens:
+        if len(ids) > self.max_prompt_tokens or len(ids) >= self.model_context:
             row["input_error"] = (f"prompt has {len(ids)} tokens, over the limit of {self.max_prompt_tokens} "
-                                  "(--max-prompt-tokens, at most the model's context)")
+                                  "(--max-prompt-tokens, below the model's context)")
             return
         if row.get("context"):
+            if len(row["context"]) > self.chars_per_token * self.max_context_tokens:
+                row["input_error"] = (f"context has {len(row['context'])} characters, certainly over the limit of "
+                                      f"{self.max_context_tokens} tokens (--max-context-tokens)")
+                return
             # Tokenized once per request, here: every method's copy drafter may read it.
             context_ids = self.tokenizer(row["context"], add_special_tokens=False)["input_ids"]
             if len(context_ids) > self.max_context_tokens:
@@ -82,6 +104,7 @@ class BuildPrompts:
         rows = []
         for row in batch.to_dict("records"):
             row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+            self.mark_duplicate(row)  # before the resume filter: a duplicate's own id is what was written
             if self.done:
                 row["todo_methods"] = todo_methods(row, self.done, self.methods)
                 if not row["todo_methods"]:
@@ -89,10 +112,6 @@ class BuildPrompts:
             row["prompt_ids"] = None
             row["context_ids"] = None
             row["task"] = row.get("task") or self.default_task
-            digest = hashlib.blake2b(str(row["id"]).encode("utf-8", "replace"), digest_size=8).digest()
-            if digest in self.seen_ids:
-                row["input_error"] = f"duplicate id {row['id']!r}: an earlier row of the input has it"
-            self.seen_ids.add(digest)
             if not row.get("input_error"):
                 try:
                     self.tokenize(row)

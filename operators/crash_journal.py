@@ -7,7 +7,7 @@ driver's, so it outlives any decode actor -- which batch it starts. A batch that
 time: each unit is marked as started before it is decoded and its output rows are kept here when it finishes. A
 unit found started on the next attempt is the one that crashed the worker: it gets error rows and is never tried
 again. So every crash records progress, and a batch of R rows and M methods can crash its workers at most
-BATCH_ATTEMPTS + R * M times (`max_task_retries` in the pipeline is that bound).
+BATCH_ATTEMPTS + R * M times (`max_task_retries` in the pipeline follows from that bound).
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ def batch_key(rows: list[dict], methods: list[str]) -> str:
     digest = hashlib.sha256("\t".join(methods).encode())
     for row in rows:
         digest.update(b"\n" + str(row["id"]).encode("utf-8", "replace"))
-        digest.update(b"\t" + ",".join(row.get("todo_methods") or []).encode())
+        todo = row.get("todo_methods")  # a numpy array from the Arrow block, or None
+        digest.update(b"\t" + ",".join([] if todo is None else list(todo)).encode())
     return digest.hexdigest()[:24]
 
 
 def max_task_retries(rows_per_call: int, methods: int) -> int:
-    """Attempts one decode call may need when every crash is recorded progress (module docstring)."""
-    return BATCH_ATTEMPTS + rows_per_call * methods
+    """Attempts one decode call may need when every crash is recorded progress (module docstring). A call may hold
+    two batches (Ray Data cuts a call's input into batches of rows_per_call; the prompt stage may leave a call short
+    of one, so the next fills it), and each crash is progress of one of them. The pipeline sends an actor one call
+    at a time, so no call queued behind a poison one dies with it."""
+    return 2 * (BATCH_ATTEMPTS + rows_per_call * methods)
 
 
 class CrashJournal:

@@ -128,7 +128,7 @@ class DecodeRequests:
                                                 {"role": "user", "content": later[0]}]
                 try:
                     prompt_ids = self.engine.prompt_ids(messages=messages)
-                    if cfg.max_prompt_tokens and len(prompt_ids) >= cfg.max_prompt_tokens:
+                    if cfg.max_prompt_tokens and len(prompt_ids) > cfg.max_prompt_tokens:
                         raise BadRequestError(f"prompt has {len(prompt_ids)} tokens, over the limit of "
                                               f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
                     submit(next_key, row, turn + 1, prompt_ids, messages, later[1:])
@@ -166,9 +166,9 @@ class DecodeRequests:
         import ray
 
         out = []
-        for row in rows:
+        for index, row in enumerate(rows):
             for method in _todo(row, self.config.methods):
-                unit = f"{row['id']}\t{method}"
+                unit = f"{index}\t{method}"  # the batch is the same on every attempt: its row order too
                 state, done_rows = ray.get(self.journal.begin_unit.remote(key, unit))
                 if state == "done":
                     out.extend(done_rows)

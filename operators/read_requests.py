@@ -64,6 +64,9 @@ def parse_parquet_file(item: dict) -> list[dict]:
 
     path = item["path"]
     name = Path(path).name
+    # Hive-style directories (task=qa/part-0.parquet) give their rows that column, as pyarrow's reader does.
+    folders = Path(path).relative_to(item["root"]).parent.parts if item.get("root") else ()
+    partition = dict(part.split("=", 1) for part in folders if "=" in part)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:
@@ -76,7 +79,7 @@ def parse_parquet_file(item: dict) -> list[dict]:
             rows.append(_raw({"id": f"{name}:row-group-{group}", "input_error": (
                 f"row group {group} of Parquet file {name} cannot be read: {_first_line(exc)}")}))
             continue
-        rows.extend(_raw(_text_from_bytes(record)) for record in records)
+        rows.extend(_raw(_text_from_bytes({**partition, **record})) for record in records)
     return rows
 
 
@@ -148,7 +151,9 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
         is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))
         if is_parquet:
             files = parquet_files(str(path))
-            dataset = ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(1, min(len(files), 64)))
+            root = str(path) if path.is_dir() else None
+            dataset = ray.data.from_items([{"path": f, "root": root} for f in files],
+                                          override_num_blocks=max(1, min(len(files), 64)))
             dataset = dataset.flat_map(parse_parquet_file, num_cpus=task_cpus)
         else:
             dataset = ray.data.read_binary_files(str(path), include_paths=True, num_cpus=task_cpus)

@@ -111,6 +111,10 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         batch_size=config.ray_batch_rows(),
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=LIGHT_TASK_CPUS,
+        # Tokenizing cannot crash a worker on one row the way decoding can (limits are checked by length first),
+        # so a few retries cover a lost node, and a repeating crash fails the job instead of retrying forever.
+        max_restarts=-1,
+        max_task_retries=3,
     )
     return prompts.map_batches(
         DecodeRequests,
@@ -121,7 +125,9 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         },
         batch_format="pandas",
         batch_size=config.ray_batch_rows(),
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
+        # One call in flight per actor: a call queued behind a poison row would otherwise die with it, again and
+        # again, without the journal counting anything for it (decode calls take minutes: nothing is lost).
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors, max_tasks_in_flight_per_actor=1),
         num_cpus=actor_cpus,
         num_gpus=config.num_gpus_per_actor or None,
         # A dead actor is restarted and its call retried (rows reach the writer only from finished calls, so none
@@ -131,6 +137,19 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         max_restarts=-1,
         max_task_retries=max_task_retries(config.ray_batch_rows(), len(config.methods)) if journal else -1,
     )
+
+
+def new_crash_journal():
+    """The run's CrashJournal, on the driver's node (a job whose driver's node is gone is gone anyway). Restarted
+    if it dies: it then forgets attempts, which costs extra attempts, never a row."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from operators.crash_journal import CrashJournal
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, scheduling_strategy=here)(
+        CrashJournal).remote()
 
 
 class RunExistsError(RuntimeError):
@@ -146,8 +165,6 @@ def run_generation(config: GenerationConfig) -> dict:
     """
     import ray
 
-    from operators.crash_journal import CrashJournal
-
     from .parquet_sink import RunPartitionSink
     from .progress import RunProgress
 
@@ -160,13 +177,15 @@ def run_generation(config: GenerationConfig) -> dict:
                                  "continue it, or choose another --run-id")
         clean_temporary_files(config.output, config.run_id)
         done = done_pairs(config.output, config.run_id, config.key_by_method()) if config.resume else frozenset()
-        journal = ray.remote(num_cpus=0)(CrashJournal).remote()
-        outputs = build_pipeline(config, done, journal)
-        rows_in = _count_input(config)
-        with RunProgress(run_dir(config.output, config.run_id), total=rows_in * len(config.methods)):
-            outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
-                                   ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
-        ray.kill(journal)
+        journal = new_crash_journal()
+        try:
+            outputs = build_pipeline(config, done, journal)
+            rows_in = _count_input(config)
+            with RunProgress(run_dir(config.output, config.run_id), total=rows_in * len(config.methods)):
+                outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
+                                       ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+        finally:
+            ray.kill(journal)
         rows_out, errors = count_rows(config.output, config.run_id)
         wall = time.perf_counter() - started
         summary = {

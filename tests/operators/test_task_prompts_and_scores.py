@@ -113,14 +113,16 @@ def test_prompt_stage_flags_duplicate_ids_and_prompts_or_contexts_over_their_tok
         {"id": "long", "prompt": "word " * 150},
         {"id": "q", "question": "What is it?", "context": "It is a cat. " * 2},
         {"id": "big-context", "question": "What is it?", "context": "It is a cat. " * 20},
+        {"id": "huge", "prompt": "x" * (stage.chars_per_token * 120 + 1)},  # refused before tokenizing
     ]]
     out = {(r["id"], i): r for i, r in enumerate(stage(pd.DataFrame(rows)).to_pylist())}
     assert out[("a", 0)]["input_error"] is None and out[("a", 0)]["prompt_tokens"] > 0
-    assert out[("a", 1)]["input_error"] == "duplicate id 'a': an earlier row of the input has it"
+    assert out[("a#dup-2", 1)]["input_error"] == "duplicate id 'a': row 2 with this id in the input"
     assert "over the limit of 120 (--max-prompt-tokens" in out[("long", 2)]["input_error"]
     assert out[("long", 2)]["prompt_ids"] is None
     assert out[("q", 3)]["input_error"] is None and out[("q", 3)]["context_ids"] == stage.tokenizer(
         "It is a cat. " * 2, add_special_tokens=False)["input_ids"]
     assert "over the limit of 30 (--max-context-tokens)" in out[("big-context", 4)]["input_error"]
+    assert "certainly over the limit of 120 tokens" in out[("huge", 5)]["input_error"]
     # the limit is never above the model's own context
     assert BuildPrompts("smollm2-135m", max_prompt_tokens=10**9).max_prompt_tokens == 8192

@@ -58,7 +58,7 @@ def mixed_input(tmp_path_factory):
 
 
 GOOD_IDS = {"good-1", "good-2", "good-3#t1", "good-3#t2", "late-fail#t1"}
-BAD_IDS = {"bad-empty", "bad-missing", "mixed.jsonl:7", "mixed.jsonl:8", "bad-role", "good-1", "bad-surrogate",
+BAD_IDS = {"bad-empty", "bad-missing", "mixed.jsonl:7", "mixed.jsonl:8", "bad-role", "good-1#dup-2", "bad-surrogate",
            "bad-max-huge", "bad-max-frac", "bad-max-bool", "bad-long", "bad-context", "late-fail#t2", "late-fail#t3"}
 
 
@@ -81,8 +81,8 @@ def test_every_row_once_per_method(first_run):
     out, summary, _ = first_run
     pairs = [(r["request_id"], r["method"], r["error"] is None)
              for r in generations(out).select(["request_id", "method", "error"]).to_pylist()]
-    # 16 input rows; good-3 has two turns and late-fail three -> 19 output rows per method; the repeated id
-    # "good-1" has its decoded row and its duplicate's error row.
+    # 16 input rows; good-3 has two turns and late-fail three -> 19 output rows per method; the second row with id
+    # "good-1" is the error row of request "good-1#dup-2".
     assert summary["rows_in"] == 16 and summary["rows_out"] == 38 == len(pairs)
     assert sorted(pairs) == sorted([(i, m, True) for i in GOOD_IDS for m in ("ar", "copyspec")]
                                    + [(i, m, False) for i in BAD_IDS for m in ("ar", "copyspec")])
@@ -92,13 +92,14 @@ def test_bad_rows_get_errors_and_good_rows_do_not(first_run):
     out, summary, stderr = first_run
     rows = {(r["request_id"], r["method"], r["error"] is None): r for r in generations(out).to_pylist()}
     error = {(request, method): row["error"] for (request, method, ok), row in rows.items() if not ok}
+    assert len(rows) == 38
     assert summary["errors"] == 28
     assert "empty prompt" in error[("bad-empty", "ar")]
     assert "missing column" in error[("bad-missing", "copyspec")]
     assert "UTF-8" in error[("mixed.jsonl:7", "ar")]
     assert "JSON" in error[("mixed.jsonl:8", "ar")]
     assert "role 'robot'" in error[("bad-role", "ar")]
-    assert "duplicate id 'good-1'" in error[("good-1", "ar")]
+    assert "duplicate id 'good-1'" in error[("good-1#dup-2", "ar")]
     assert "surrogate" in error[("bad-surrogate", "copyspec")]
     for request in ("bad-max-huge", "bad-max-frac", "bad-max-bool"):
         assert "max_new_tokens must be a whole number" in error[(request, "ar")], request
@@ -171,7 +172,7 @@ def test_a_reused_run_id_is_refused_and_resume_of_a_finished_run_redoes_nothing(
     before = sorted(p.name for p in (out / "generations").rglob("*.parquet"))
     proc = run_job(*args, "--batch-size", "2", "--resume")  # batch size does not change outputs: nothing to redo
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 36  # distinct (request, method)
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 38
     assert sorted(p.name for p in (out / "generations").rglob("*.parquet")) == before
     assert (out / "generations" / "run_id=run-a" / "_SUCCESS").exists()
 
