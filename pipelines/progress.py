@@ -43,12 +43,13 @@ class RunProgress:
             self.errors += table.num_rows - table["error"].null_count
             self.tokens += pc.sum(table["new_tokens"]).as_py() or 0
 
-    def _update_bar(self) -> None:
+    def _update_bar(self, refresh: bool = True) -> None:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         self._bar.n = self.requests
         rate = (self.tokens - self._tokens_before) / elapsed
         self._bar.set_postfix_str(f"{rate:.1f} new tok/s, {self.errors} error rows", refresh=False)
-        self._bar.refresh()
+        if refresh:
+            self._bar.refresh()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -72,5 +73,5 @@ class RunProgress:
         if self._thread is not None:
             self._thread.join()
         self.poll()
-        self._update_bar()
-        self._bar.close()
+        self._update_bar(refresh=False)
+        self._bar.close()  # draws the final state once
