@@ -102,10 +102,15 @@ def _run_new_tokens(output: str, run_id: str) -> int:
 
 
 def method_throughput(output: str, run_id: str) -> list[dict]:
-    """Per method of one run: new tokens / time spent decoding that method (sum of its requests' wall_s)."""
-    return _select(output, "SELECT method, sum(new_tokens) AS new_tokens, sum(wall_s) AS decode_s, "
-                           "sum(new_tokens) / sum(wall_s) AS tokens_per_s FROM generations "
-                           "WHERE run_id = $run AND error IS NULL GROUP BY method ORDER BY method", run_id)
+    """Per method of one run: new tokens / the wall time of that method's batched decoder passes (each pass once).
+    Summing the requests' own wall_s would count a batch's time once per row in it."""
+    return _select(output, """
+        WITH passes AS (SELECT DISTINCT method, decode_pass, pass_wall_s FROM generations
+                        WHERE run_id = $run AND decode_pass IS NOT NULL),
+             tokens AS (SELECT method, sum(new_tokens)::BIGINT AS new_tokens FROM generations
+                        WHERE run_id = $run AND error IS NULL GROUP BY method)
+        SELECT t.method, t.new_tokens, sum(p.pass_wall_s) AS decode_s, t.new_tokens / sum(p.pass_wall_s) AS tokens_per_s
+        FROM tokens t JOIN passes p USING (method) GROUP BY t.method, t.new_tokens ORDER BY t.method""", run_id)
 
 
 def prepared_requests(config: BenchmarkConfig, requests: Path) -> list[dict]:

@@ -184,8 +184,9 @@ def run_generation(config: GenerationConfig) -> dict:
         done = done_pairs(config.output, config.run_id, config.key_by_method()) if config.resume else frozenset()
         journal = new_crash_journal()
         try:
-            outputs = build_pipeline(config, done, journal)
             rows_in = _count_input(config)
+            config = config.with_calls_for_every_actor(rows_in)
+            outputs = build_pipeline(config, done, journal)
             with RunProgress(run_dir(config.output, config.run_id), total=rows_in * len(config.methods)):
                 outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
                                        ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})

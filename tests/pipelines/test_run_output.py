@@ -107,3 +107,12 @@ def test_latest_unfinished_run(tmp_path):
     assert latest_unfinished_run(tmp_path) == "r1"
     mark_finished(tmp_path, "r1")
     assert latest_unfinished_run(tmp_path) is None
+
+
+def test_a_small_job_is_split_so_that_every_actor_gets_a_call(tmp_path):
+    base = dict(input="in.jsonl", output=str(tmp_path), batch_size=16)
+    assert GenerationConfig(**base).with_calls_for_every_actor(64).ray_batch_rows() == 64  # one actor: one call
+    assert GenerationConfig(**base, num_actors=2).with_calls_for_every_actor(64).ray_batch_rows() == 32
+    assert GenerationConfig(**base, num_actors=4).with_calls_for_every_actor(20).ray_batch_rows() == 16  # >= batch
+    assert GenerationConfig(**base, num_actors=2).with_calls_for_every_actor(10**6).ray_batch_rows() == 64
+    assert GenerationConfig(**base, num_actors=2, rows_per_call=50).with_calls_for_every_actor(64).ray_batch_rows() == 50
