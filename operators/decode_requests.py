@@ -87,9 +87,7 @@ class DecodeRequests:
         def submit(key: int, row: dict, turn: int, prompt_ids: list[int], messages: list[dict], later: list[str]):
             _maybe_crash_on_row_for_test(row)
             turns[key] = {"row": row, "turn": turn, "messages": messages, "later": later, "prompt_ids": prompt_ids}
-            context = row.get("context_ids")
-            context_ids = None if context is None else [int(t) for t in context]  # numpy int32 -> int
-            item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), context_ids)
+            item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), row.get("context_ids"))
             decoder.submit(self.engine.request(item, method, cfg.method_options, decoder))
 
         next_key = 0
@@ -101,8 +99,7 @@ class DecodeRequests:
                 later = json.loads(row["next_turns"]) if row.get("next_turns") else []
                 messages = json.loads(row["messages"]) if row.get("messages") else [
                     {"role": "user", "content": row["prompt"]}]
-                prompt_ids = [int(t) for t in row["prompt_ids"]]  # numpy int32 from the Arrow block -> int
-                submit(next_key, row, 1, prompt_ids, messages, later)
+                submit(next_key, row, 1, row["prompt_ids"], messages, later)
             except Exception as exc:  # one malformed row errors alone
                 out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -189,8 +186,7 @@ class DecodeRequests:
         from contract.schema import generations_table
 
         _maybe_die_for_test()
-        rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
-                for row in batch.to_dict("records")]
+        rows = [_plain_row(row) for row in batch.to_dict("records")]
         if self.journal is None:
             return generations_table(self._decode_all(rows))
         key = batch_key(rows, self.config.methods)
@@ -198,6 +194,17 @@ class DecodeRequests:
         out = self._decode_all(rows) if crashes < BATCH_ATTEMPTS else self._decode_isolated(rows, key)
         ray.get(self.journal.end_batch.remote(key))
         return generations_table(out)
+
+
+def _plain_row(record: dict) -> dict:
+    """A pandas record -> the row the decode passes read: NaN -> None, and the token-id columns (numpy int32 arrays
+    from the Arrow block) -> lists of int, once per call rather than once per method and turn (a context may hold
+    a million ids)."""
+    row = {k: (None if isinstance(v, float) and v != v else v) for k, v in record.items()}
+    for name in ("prompt_ids", "context_ids"):
+        if row.get(name) is not None:
+            row[name] = row[name].tolist() if hasattr(row[name], "tolist") else [int(t) for t in row[name]]
+    return row
 
 
 def _todo(row: dict, methods: list[str]) -> list[str]:
