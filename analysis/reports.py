@@ -57,13 +57,15 @@ REPORTS: dict[str, Report] = {
         "acceptance rate = accepted / drafted tokens."),
     "sources": Report("Accepted tokens by source", f"""
         WITH kept AS (
-            SELECT method, unnest(map_keys(accepted_by_source)) AS source,
+            SELECT coalesce(task, '-') AS task, method, unnest(map_keys(accepted_by_source)) AS source,
                    unnest(map_values(accepted_by_source)) AS tokens
             FROM generations WHERE error IS NULL AND {RUN_FILTER})
-        SELECT method, source, sum(tokens) AS tokens,
-               100 * sum(tokens) / sum(sum(tokens)) OVER (PARTITION BY method) AS pct_of_method
-        FROM kept GROUP BY method, source ORDER BY method, tokens DESC""",
-        "`target` = tokens the target model emitted itself (bonus or correction tokens)."),
+        SELECT task, method, source, sum(tokens) AS tokens,
+               100 * sum(tokens) / sum(sum(tokens)) OVER (PARTITION BY task, method) AS pct_of_method
+        FROM kept GROUP BY task, method, source ORDER BY task, method, tokens DESC""",
+        "`target` = tokens the target model emitted itself (bonus or correction tokens); `context` = tokens copied "
+        "from the row's separate context document (RAG passages) rather than from its prompt or output; `copy` / "
+        "`lookup` = copied from the prompt or the output so far."),
     "latency": Report("Latency percentiles (TTFT in s, TPOT in ms)", f"""
         SELECT method, count(*) AS requests,
                quantile_cont(ttft_s, 0.5) AS ttft_p50, quantile_cont(ttft_s, 0.9) AS ttft_p90,
@@ -72,9 +74,11 @@ REPORTS: dict[str, Report] = {
                1000 * quantile_cont(tpot_s, 0.99) AS tpot_p99_ms
         FROM generations WHERE error IS NULL AND {RUN_FILTER} GROUP BY method ORDER BY method"""),
     "quality": Report("Quality against the reference", f"""
-        SELECT coalesce(task, '-') AS task, method, quality_metric, count(*) AS scored, avg(quality) AS mean_quality
-        FROM generations WHERE quality IS NOT NULL AND {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
-        "ROUGE-L for summaries, exact match for computable code edits, token F1 for QA."),
+        SELECT coalesce(task, '-') AS task, method, bool_or(lossy) AS lossy, quality_metric, count(*) AS scored,
+               avg(quality) AS mean_quality
+        FROM generations WHERE quality IS NOT NULL AND {RUN_FILTER} GROUP BY ALL ORDER BY task, lossy, method""",
+        "ROUGE-L for summaries, exact match for computable code edits, token F1 for QA. lossy = the method may "
+        "change the output (casd, casd_mixed): compare its quality with ar's, not only its speed."),
     "errors": Report("Errors", f"""
         SELECT method, count(*) AS rows, count(error) AS errors,
                arg_max(error, error IS NOT NULL) FILTER (WHERE error IS NOT NULL) AS example_error

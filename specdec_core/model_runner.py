@@ -149,6 +149,9 @@ class ModelRunner:
         visible: torch.Tensor,
         logit_index: torch.Tensor,
         rows: list[int] | None = None,
+        captured: dict[int, torch.Tensor] | None = None,
+        query_heads: dict[int, list[int]] | None = None,
+        queries: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One forward over the cache's live rows (or `rows`); keys/values land at each row's length.
 
@@ -156,6 +159,11 @@ class ModelRunner:
         positions  [b, T]     their positions (chain: length + t; a tree node: length + depth)
         visible    [b, T, T]  visible[r, t, i]: new token t of row r may attend new token i (chain: i <= t)
         logit_index [N, 2]    (row, t) pairs whose next-token logits are wanted; nothing else goes through the head
+        captured   {layer: None} to fill with that layer's hidden states [b, T, hidden] float32 (layer l = the
+                   output of decoder layer l - 1, as HF's `hidden_states[l]`; 0 = the embeddings), captured by a
+                   hook during this same forward: no second forward, no `output_hidden_states` for every layer
+        query_heads {layer: [heads]}: fill `queries` with those heads' post-rotary queries [b, n, T, d] (for their
+                   attention weights, attention_probe.py)
         -> [N, vocab] float32 logits. The rows' lengths are NOT advanced: the caller commits what it accepts.
         """
         b, num_new = input_ids.shape
@@ -163,17 +171,50 @@ class ModelRunner:
         lengths = torch.tensor(cache.bound_lengths())  # [b]
         mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
                                self.dtype)
-        out = self.base_model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask={k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict)
-            else mask.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            cache_position=torch.arange(num_new, device=self.device),
-        )
+        hooks = []
+        try:
+            for layer in captured or ():
+                hooks.append(self._capture_hook(layer, captured))
+            if query_heads:
+                from .attention_probe import capture_queries
+
+                hooks += capture_queries(self, query_heads, queries)
+            out = self.base_model(
+                input_ids=input_ids.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask={k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict)
+                else mask.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=torch.arange(num_new, device=self.device),
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
         hidden = out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]  # [N, H]
         return self.head_logits(hidden)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def _capture_hook(self, layer: int, captured: dict[int, torch.Tensor]):
+        """A forward hook that stores `hidden_states[layer]` of the running forward into captured[layer]."""
+        if not 0 <= layer <= self.num_layers:
+            raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
+
+        def store(module, args, kwargs, output):
+            hidden = output[0] if isinstance(output, tuple) else output  # [b, T, hidden]
+            captured[layer] = hidden.detach().float()
+
+        def store_input(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]  # the embeddings entering layer 0
+            captured[layer] = hidden.detach().float()
+
+        layers = self.base_model.layers
+        if layer == 0:
+            return layers[0].register_forward_pre_hook(store_input, with_kwargs=True)
+        return layers[layer - 1].register_forward_hook(store, with_kwargs=True)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32, as the model's own LM head computes them (Gemma's soft-capping too)."""

@@ -126,6 +126,54 @@ def _interpolate(table: dict[int, float], width: int) -> float:
 
 
 @dataclass
+class MeasuredPayoff:
+    """Checks the model against the clock: tokens per second of the steps that verified drafts against those of
+    plain width-1 steps, per batch bucket, and scales the extra cost of width (`penalty`) until drafting pays.
+
+    The geometric acceptance model and the calibrated cost table can both be wrong in ways that only show in the
+    wall time: copied drafts are all-or-nothing rather than geometric, and on a CPU whose step cost grows almost in
+    proportion to the tokens verified (measured: AVX2-only, fp32, summaries, batch 16), pld ran at 0.90x batched ar
+    with the model alone. So every step's (width, tokens, seconds) is recorded; when speculative steps deliver fewer
+    tokens per second than plain ones, the cost of every wider step is multiplied by a penalty that grows x1.25 per
+    losing step (so within a few steps the budget decodes plainly), and decays back toward 1 when they win (/1.1) and
+    slowly while only plain steps run (/1.02, so drafting is tried again later). A plain step is forced now and then
+    (`probe_due`) so that the comparison stays current as the context grows: every 8 steps while the two are close,
+    every 32 when drafting clearly pays."""
+
+    alpha: float = 0.25  # EMA weight of a new step
+    penalty: dict[int, float] = field(default_factory=dict)  # batch bucket -> multiplier of a wider step's cost
+    plain_rate: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA tokens/s of width-1 steps
+    spec_rate: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA tokens/s of wider steps
+    since_plain: dict[int, int] = field(default_factory=dict)  # batch bucket -> steps since the last width-1 step
+
+    def record(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        bucket, rate = batch_bucket(rows), tokens / seconds
+        target = self.plain_rate if width == 1 else self.spec_rate
+        target[bucket] = rate if bucket not in target else (1 - self.alpha) * target[bucket] + self.alpha * rate
+        self.since_plain[bucket] = 0 if width == 1 else self.since_plain.get(bucket, 0) + 1
+        penalty = self.penalty.get(bucket, 1.0)
+        if width == 1:
+            penalty = max(1.0, penalty / 1.02)
+        elif bucket in self.plain_rate:
+            losing = self.spec_rate[bucket] < self.plain_rate[bucket]
+            penalty = min(16.0, penalty * 1.25) if losing else max(1.0, penalty / 1.1)
+        self.penalty[bucket] = penalty
+
+    def probe_due(self, rows: int) -> bool:
+        bucket = batch_bucket(rows)
+        if bucket not in self.plain_rate:
+            return self.since_plain.get(bucket, 0) >= 2  # measure plain steps early
+        clear_win = self.spec_rate.get(bucket, 0.0) > 1.3 * self.plain_rate[bucket]
+        return self.since_plain.get(bucket, 0) >= (32 if clear_win else 8)
+
+    def scaled(self, rows: int, ratio: float) -> float:
+        """The cost ratio of a step wider than 1, as the clock has judged such steps so far."""
+        return ratio * self.penalty.get(batch_bucket(rows), 1.0)
+
+
+@dataclass
 class SpeculationBudget:
     """Chooses each step's width; `observe` learns every row's acceptance and the decoder's pooled acceptance."""
 
@@ -134,6 +182,8 @@ class SpeculationBudget:
     enabled: bool = True  # False: verify every draft as proposed (still capped by token_budget)
     pooled: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     planning_s: float = 0.0  # time spent choosing widths, calibration forwards included
+    payoff: MeasuredPayoff = field(default_factory=MeasuredPayoff)
+    check_payoff: bool = True  # False: trust the model alone (tests with a fixed cost function)
 
     def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate],
                      measure: Callable[[int], float] | None = None, context: int = 0) -> int:
@@ -149,6 +199,8 @@ class SpeculationBudget:
             return 1
         if not self.enabled:
             return longest + 1
+        if self.check_payoff and self.payoff.probe_due(rows):
+            return 1  # a plain step now and then keeps the measured comparison current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
         rates = [e.rate(prior) for e in estimates]
@@ -170,11 +222,17 @@ class SpeculationBudget:
                     depth[r] = reach[drafted - 1]
                     power[r] *= rates[r]
                     gain += power[r]
-            value = gain / self.cost.ratio(rows, width, measure, context)
+            ratio = self.cost.ratio(rows, width, measure, context)
+            value = gain / (self.payoff.scaled(rows, ratio) if self.check_payoff else ratio)
             if value > best_value:
                 best, best_value = width, value
         self.planning_s += time.perf_counter() - started
         return best
+
+    def record_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+        """A finished step: its width, the tokens its rows kept and its wall time (forward + verification)."""
+        if self.enabled and self.check_payoff:
+            self.payoff.record(rows, width, tokens, seconds)
 
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:
         estimate.update(drafted, accepted)

@@ -25,6 +25,19 @@ from .sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
+class ConditionalRule:
+    """CASD's conditional verification (lossy, greedy only; CASD paper eq. 3 and 4): a draft node is accepted when
+    its parent was and p(token | its path) > max(delta, p(EOS | its path)), and with top_k also when the token is
+    among the top_k of that distribution. p(EOS) of a model with several EOS ids is their summed probability (the
+    chance that the answer ends here). The deepest accepted node wins (the earliest on ties); the next token is the
+    argmax after it."""
+
+    delta: float = 0.1
+    top_k: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     num_accepted: int  # accepted draft tokens, 0..len(draft) (a tree: the accepted path's length)
     next_token: int  # recovered token (after a rejection) or bonus token (whole draft accepted)
@@ -166,6 +179,36 @@ def verify_tree_sampling(parents: list[int], draft_tokens: list[int], node_probs
         node = match
 
 
+def verify_conditional(parents: list[int] | None, draft_tokens: list[int], node_logits: torch.Tensor,
+                       rule: ConditionalRule) -> VerifyResult:
+    """node_logits [k + 1, vocab] (a chain is the tree whose node i's parent is i - 1)."""
+    parents = parents if parents is not None else list(range(-1, len(draft_tokens) - 1))
+    probs = torch.softmax(node_logits.float(), dim=-1)  # [k + 1, vocab]
+    vocab = probs.shape[-1]
+    eos = [i for i in rule.eos_ids if i < vocab]
+    floor = probs[:, eos].sum(dim=-1).clamp(min=rule.delta) if eos else torch.full((len(probs),), rule.delta)
+    accepted = [True] + [False] * len(draft_tokens)  # per node; node 0 (the pending token) is already in
+    depth = [0] * (len(draft_tokens) + 1)
+    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
+        node, above = i + 1, parent + 1
+        if not accepted[above] or token >= vocab:
+            continue
+        p = probs[above, token]
+        ok = bool(p > floor[above])
+        if ok and rule.top_k is not None:
+            ok = int((probs[above] > p).sum()) < rule.top_k
+        if ok:
+            accepted[node], depth[node] = True, depth[above] + 1
+    last = max(range(len(accepted)), key=lambda n: (accepted[n] and depth[n], -n))
+    path = []
+    node = last
+    while node > 0:
+        path.append(node - 1)
+        node = parents[node - 1] + 1
+    path.reverse()
+    return VerifyResult(len(path), int(torch.argmax(probs[last])), tuple(path))
+
+
 # ----------------------------------------------------------------------------------------------------- a batch
 def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
                 generators: list[torch.Generator]) -> list[VerifyResult]:
@@ -176,7 +219,9 @@ def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParam
     results, offset = [], 0
     for draft, params, generator in zip(drafts, sampling, generators):
         count = 1 + len(draft.tokens)
-        if params.greedy:
+        if draft.rule is not None:  # CASD's lossy conditional verification (greedy-only requests)
+            result = verify_conditional(draft.parents, draft.tokens, logits[offset: offset + count], draft.rule)
+        elif params.greedy:
             if draft.parents is None:
                 result = VerifyResult(*accept_greedy(draft.tokens, argmax[offset: offset + count]))
             else:

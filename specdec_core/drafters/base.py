@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft_tree import chain_parents, depths
+from ..draft_tree import build_trie_with_origins, chain_parents, depths
 
 
 @dataclass
@@ -25,6 +25,9 @@ class Draft:
     from_context: bool = False  # tokens copied from the request's own prompt/history (count as copied_tokens)
     probs: torch.Tensor | None = None  # [len(tokens), vocab] q the tokens were sampled from; None = one-hot
     parents: list[int] | None = None  # tree: parent draft index of each token (-1 = the pending token)
+    # Per-token source when one draft mixes sources (history and context branches of one tree); else `source`.
+    token_sources: list[str] | None = None
+    rule: object = None  # verification.ConditionalRule: verify this draft by CASD's lossy rule (None: exactly)
 
     def __post_init__(self):
         if self.parents is not None:
@@ -34,6 +37,11 @@ class Draft:
                 raise ValueError("draft trees are one-hot: probability-carrying drafts must be chains")
             if self.parents == chain_parents(len(self.tokens)):
                 self.parents = None  # a one-branch tree is a chain
+        if self.token_sources is not None:
+            if len(self.token_sources) != len(self.tokens):
+                raise ValueError("token_sources needs one source per draft token")
+            if len(set(self.token_sources)) == 1:
+                self.source, self.token_sources = self.token_sources[0], None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -54,10 +62,29 @@ class Draft:
             return empty_draft()
         return Draft(tokens=self.tokens[:length], source=self.source, from_context=self.from_context,
                      probs=self.probs[:length] if self.probs is not None else None,
-                     parents=self.parents[:length] if self.parents is not None else None)
+                     parents=self.parents[:length] if self.parents is not None else None,
+                     token_sources=self.token_sources[:length] if self.token_sources is not None else None,
+                     rule=self.rule)
+
+    def source_of(self, index: int) -> str:
+        return self.token_sources[index] if self.token_sources is not None else self.source
 
 
 EMPTY_SOURCE = "none"
+CONTEXT_SOURCE = "context"  # copied from the request's separate `context` document (RequestContext.context_ids)
+
+
+def copy_draft(branches: list[list[int]], sources: list[str], max_tokens: int) -> Draft:
+    """A copy drafter's draft: one branch is a chain; several are merged into a tree whose nodes keep the source
+    of the branch they came from. Every token is copied from the request's own text (counts as copied_tokens)."""
+    if not branches:
+        return empty_draft()
+    if len(branches) == 1:
+        return Draft(tokens=branches[0][:max_tokens], source=sources[0], from_context=True)
+    tokens, parents, origins = build_trie_with_origins(branches)
+    # Branches share what they have in common; the trie can exceed max_tokens nodes: keep the first ones.
+    return Draft(tokens=tokens, source=sources[0], from_context=True, parents=parents,
+                 token_sources=[sources[o] for o in origins]).truncated(max_tokens)
 
 
 def empty_draft() -> Draft:
@@ -72,6 +99,7 @@ class RequestContext:
     context_ids: list[int] | None = None  # a separate document to draw from (RAG / CASD), may exceed the prompt
     sampling: object = None  # SamplingParams; drafters that sample use it with the request's generator
     generator: torch.Generator | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # the target's
 
 
 class DraftPool(ABC):
@@ -97,6 +125,15 @@ class Drafter(ABC):
     proposes_trees: bool = False
     #: drafts through a shared pool that the loop flushes once per step (None: propose() drafts at once)
     pool: DraftPool | None = None
+    #: reads the target's hidden states of layer `hidden_layer` (set per instance): the loop captures that layer
+    #: during its own forwards (prefill and verify) and hands each row the states of the positions it committed,
+    #: through observe_hidden(); rows whose drafters do not ask cost nothing
+    needs_hidden_states: bool = False
+    hidden_layer: int | None = None
+    #: reads the attention weights of chosen target heads (`attention_heads`, {layer: [heads]}, set per instance)
+    #: from the query of the newest committed token over every committed position, through observe_attention()
+    needs_attention: bool = False
+    attention_heads: dict[int, list[int]] | None = None
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         """Called once per request after prefill, with the prompt plus the first generated token."""
@@ -108,6 +145,17 @@ class Drafter(ABC):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         """`tokens` now ends with the accepted draft tokens + one target token. Default: nothing to learn."""
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        """needs_hidden_states only: [m, hidden] float32, layer `hidden_layer` at the m positions that just entered
+        the target's cache (the prompt after prefill; the pending token + the accepted draft path after a step), in
+        order. So after each step the drafter holds one state per token of `tokens` but the last (the pending one,
+        which the target has not read yet), and a rejected draft's states are never handed over."""
+
+    def observe_attention(self, weights: torch.Tensor) -> None:
+        """needs_attention only: [length] the max over `attention_heads` of their attention weights from the query at
+        position length - 1 (the token that produced the pending one) over positions 0..length-1; after prefill
+        and after every step."""
 
     def finish(self) -> None:
         """The request is over (done, failed or cancelled): free what the drafter holds. Default: nothing."""

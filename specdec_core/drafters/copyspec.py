@@ -8,18 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..draft_tree import build_trie
-from .base import Draft, Drafter, RequestContext, empty_draft
+from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, copy_draft
+from .context_index import ContextIndex
 from .copyspec_index import CopyIndex
 from .draft_length import DraftLength
+
+COPY_SOURCE = "copy"
 
 
 class CopySpecDrafter(Drafter):
     """candidates > 1: multi-candidate copying (not in the paper): the continuations of up to that many earlier
     occurrences of the suffix are drafted as branches of one tree, so a row whose first match goes wrong can still
-    accept a long copy from another. The verifier accepts the longest matching path (lossless)."""
+    accept a long copy from another. The verifier accepts the longest matching path (lossless).
+
+    With a request `context` (a separate document, indexed once per request), the suffix is also looked up there
+    when the history has fewer than `candidates` continuations (source "context")."""
 
     proposes_trees = True
+    uses_context = True
+    SOURCES = (COPY_SOURCE, CONTEXT_SOURCE)
 
     def __init__(self, gamma: int = 3, copy_tokens: int = 10, adaptive: bool = False, max_copy_tokens: int = 64,
                  candidates: int = 1):
@@ -27,6 +34,7 @@ class CopySpecDrafter(Drafter):
         self.candidates = candidates
         self.length = DraftLength(copy_tokens, adaptive=adaptive, minimum=copy_tokens, maximum=max_copy_tokens)
         self.index = self._new_index()
+        self.context: ContextIndex | None = None
 
     def _new_index(self) -> CopyIndex:
         return CopyIndex(self.gamma, keep_all=self.candidates > 1)
@@ -35,6 +43,8 @@ class CopySpecDrafter(Drafter):
         super().start(tokens, request)
         self.index = self._new_index()
         self.index.extend(tokens)
+        context = request.context_ids if request is not None else None
+        self.context = ContextIndex(context) if context else None
 
     def _sync(self, tokens: Sequence[int]) -> None:
         # The sequence is append-only, so only the tail past what is indexed is new.
@@ -46,17 +56,18 @@ class CopySpecDrafter(Drafter):
         length = min(self.length.current, max_tokens)
         if self.candidates > 1:
             branches = self.index.copy_candidates(length, self.candidates)
-            if not branches:
-                return empty_draft()
-            # Branches share what they have in common; the trie can exceed max_tokens nodes: keep the first ones.
-            draft_tokens, parents = build_trie(branches)
-            return Draft(tokens=draft_tokens, source="copy", from_context=True, parents=parents).truncated(max_tokens)
-        copied = self.index.copy_candidate(length)
-        if not copied:
-            return empty_draft()
-        return Draft(tokens=copied, source="copy", from_context=True)
+        else:
+            branches = [found] if (found := self.index.copy_candidate(length)) else []
+        sources = [COPY_SOURCE] * len(branches)
+        if len(branches) < self.candidates and self.context is not None and len(self.index) >= self.gamma:
+            suffix = self.index.tokens[len(self.index) - self.gamma :]
+            more = [c for c in self.context.continuations(suffix, length, self.candidates)
+                    if c not in branches][: self.candidates - len(branches)]
+            branches += more
+            sources += [CONTEXT_SOURCE] * len(more)
+        return copy_draft(branches, sources, max_tokens)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         self._sync(tokens)
-        if draft.source == "copy":
+        if draft.source in self.SOURCES:
             self.length.update(draft.max_depth, num_accepted)

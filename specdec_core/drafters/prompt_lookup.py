@@ -11,9 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..draft_tree import build_trie
-from .base import Draft, Drafter, empty_draft
+from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, copy_draft, empty_draft
+from .context_index import ContextIndex
 from .draft_length import DraftLength
+
+LOOKUP_SOURCE = "lookup"
 
 
 def find_prompt_lookup_draft(tokens: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int) -> list[int]:
@@ -29,31 +31,43 @@ def find_prompt_lookup_candidates(tokens: np.ndarray, max_ngram: int, min_ngram:
                                   count: int) -> list[list[int]]:
     """Up to `count` distinct continuations of the longest suffix n-gram that reappears: the first occurrence's
     first (what find_prompt_lookup_draft drafts), then later occurrences' in order."""
-    length = len(tokens)
     if num_tokens <= 0:
         return []
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = tokens[length - n :]  # [n]
-        # Windows over tokens[:-1], so every match has at least one token after it and the suffix never matches itself.
-        windows = sliding_window_view(tokens[:-1], n)  # [T - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        out: list[list[int]] = []
-        for hit in hits:
-            start = int(hit) + n
-            continuation = tokens[start : start + num_tokens].tolist()
-            if continuation not in out:
-                out.append(continuation)
-            if len(out) == count:
-                break
-        if out:
-            return out
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        found = history_continuations(tokens, n, num_tokens, count)
+        if found:
+            return found
     return []
 
 
+def history_continuations(tokens: np.ndarray, n: int, num_tokens: int, count: int) -> list[list[int]]:
+    """Up to `count` distinct continuations of the last n tokens' earlier occurrences, first occurrence first."""
+    length = len(tokens)
+    suffix = tokens[length - n :]  # [n]
+    # Windows over tokens[:-1], so every match has at least one token after it and the suffix never matches itself.
+    windows = sliding_window_view(tokens[:-1], n)  # [T - n, n]
+    hits = np.flatnonzero((windows == suffix).all(axis=1))
+    out: list[list[int]] = []
+    for hit in hits:
+        start = int(hit) + n
+        continuation = tokens[start : start + num_tokens].tolist()
+        if continuation not in out:
+            out.append(continuation)
+        if len(out) == count:
+            break
+    return out
+
+
 class PromptLookupDrafter(Drafter):
-    """candidates > 1: the continuations of several occurrences of the matched n-gram, drafted as one tree."""
+    """candidates > 1: the continuations of several occurrences of the matched n-gram, drafted as one tree.
+
+    With a request `context` (a separate document), each n-gram length is looked up in the history first, then in
+    the context (indexed once per request, ContextIndex), so a 3-gram found only in the context beats a 1-gram of
+    the history. Context copies have the source "context"."""
 
     proposes_trees = True
+    uses_context = True
+    SOURCES = (LOOKUP_SOURCE, CONTEXT_SOURCE)
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, adaptive: bool = False,
                  candidates: int = 1):
@@ -63,8 +77,14 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.candidates = candidates
+        self.context: ContextIndex | None = None
         self._buffer = np.zeros(0, dtype=np.int64)
         self._size = 0
+
+    def start(self, tokens: Sequence[int], request: RequestContext) -> None:
+        super().start(tokens, request)
+        context = request.context_ids if request is not None else None
+        self.context = ContextIndex(context) if context else None
 
     def _as_array(self, tokens: Sequence[int]) -> np.ndarray:
         # Keep a growing numpy copy so each step converts only the new tokens.
@@ -77,21 +97,22 @@ class PromptLookupDrafter(Drafter):
         return self._buffer[: self._size]
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        if self.candidates > 1:
-            branches = find_prompt_lookup_candidates(
-                self._as_array(tokens), self.max_ngram, self.min_ngram, min(self.length.current, max_tokens),
-                self.candidates)
-            if not branches:
-                return empty_draft()
-            draft_tokens, parents = build_trie(branches)
-            return Draft(tokens=draft_tokens, source="lookup", from_context=True, parents=parents).truncated(max_tokens)
-        found = find_prompt_lookup_draft(
-            self._as_array(tokens), self.max_ngram, self.min_ngram, min(self.length.current, max_tokens)
-        )
-        if not found:
+        history = self._as_array(tokens)
+        length = min(self.length.current, max_tokens)
+        if length <= 0:
             return empty_draft()
-        return Draft(tokens=found, source="lookup", from_context=True)
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            branches = history_continuations(history, n, length, self.candidates)
+            sources = [LOOKUP_SOURCE] * len(branches)
+            if len(branches) < self.candidates and self.context is not None:
+                more = [c for c in self.context.continuations(history[-n:], length, self.candidates)
+                        if c not in branches][: self.candidates - len(branches)]
+                branches += more
+                sources += [CONTEXT_SOURCE] * len(more)
+            if branches:
+                return copy_draft(branches, sources, max_tokens)
+        return empty_draft()
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == "lookup":
+        if draft.source in self.SOURCES:
             self.length.update(draft.max_depth, num_accepted)

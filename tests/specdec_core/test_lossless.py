@@ -33,6 +33,10 @@ VARIANTS = {
     "copyspec-gamma5-m32-b8": ("copyspec", MethodOptions(gamma=5, copy_tokens=32), 8, False),
     "draft-adaptive-b1": ("draft", MethodOptions(adaptive=True), 1, False),
     "copyspec+draft-adaptive-b3": ("copyspec+draft", MethodOptions(adaptive=True), 3, False),
+    "pld_plus_h-b1": ("pld_plus_h", MethodOptions(), 1, False),
+    "pld_plus_a-b3": ("pld_plus_a", MethodOptions(), 3, False),
+    "casd_strict-b8-budget": ("casd_strict", MethodOptions(), 8, True),
+    "pld_plus_h-b8-budget": ("pld_plus_h", MethodOptions(hidden_layer=4, adaptive=True), 8, True),
 }
 
 
@@ -108,3 +112,30 @@ def test_a_row_failing_mid_batch_errors_alone(engine, reference):
         if name != broken:
             assert results[name]["output_token_ids"] == ar["output_token_ids"], name
     assert decoder.cache.lengths == []
+
+
+def test_context_drafts_and_mixed_drafters_in_one_batch(engine, reference):
+    """Each row gets as its `context` a document holding its own answer (so context drafts are long and accepted),
+    and the rows of ONE batch use different drafters (ar, pld and copyspec reading the context, copyspec with
+    candidates, PLD+): every row still equals ar, and the context copies are counted as their own source."""
+    decoder = engine.decoder(batch_size=8, speculation_budget=False)
+    plans = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
+             ("pld_plus_h", MethodOptions()), ("casd_strict", MethodOptions()), ("pld_plus_a", MethodOptions()),
+             ("ar", MethodOptions())]
+    methods = {}
+    for index, item in enumerate(items(engine)):
+        method, options = plans[index % len(plans)]
+        answer = reference[item.key]["output_token_ids"]
+        item.context_ids = [11, 12] + answer[len(answer) // 3 :] + [13]  # the last two thirds of the answer
+        decoder.submit(engine.request(item, method, options, decoder))
+        methods[item.key] = method
+    results = {request.key: engine.result_dict(methods[request.key], request.params, result)
+               for request, result in decoder.run()}
+    from_context = 0
+    for name, ar in reference.items():
+        assert results[name]["error"] is None, results[name]["error"]
+        assert results[name]["output_token_ids"] == ar["output_token_ids"], (methods[name], name)
+        if methods[name] in ("pld", "copyspec", "casd_strict"):
+            from_context += results[name]["accepted_by_source"].get("context", 0)
+            assert results[name]["copied_tokens"] >= results[name]["accepted_by_source"].get("context", 0)
+    assert from_context > 40, from_context

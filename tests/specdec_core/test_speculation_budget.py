@@ -132,3 +132,37 @@ def test_calibration_measures_once_per_bucket():
 
 def test_context_buckets_grow_by_four():
     assert [context_bucket(n) for n in (0, 256, 257, 1024, 1025, 5000)] == [256, 256, 1024, 1024, 4096, 16384]
+
+
+def test_measured_payoff_shrinks_speculation_that_loses_to_plain_steps():
+    """The model says width 5 pays (cheap widths, good acceptance), but the clock says speculative steps deliver
+    fewer tokens per second than plain ones: the penalty grows until the budget picks plain steps."""
+    b = budget(lambda rows, width: 1.0 + 0.02 * width)
+    estimates = [AcceptanceEstimate(accepted=8, rejections=2)] * 4
+    reaches = [chain(4)] * 4
+    assert b.choose_width(reaches, estimates) == 5
+    b.record_step(4, 1, tokens=4, seconds=0.10)  # plain: 40 tok/s
+    for _ in range(30):
+        b.record_step(4, 5, tokens=6, seconds=0.30)  # speculative: 20 tok/s
+    assert b.payoff.penalty[4] == 16
+    b.record_step(4, 1, tokens=4, seconds=0.10)  # a plain step: no probe is due now
+    assert not b.payoff.probe_due(4) and b.choose_width(reaches, estimates) == 1
+    # Only plain steps from here: the penalty decays slowly, so drafting is tried again later.
+    for _ in range(200):
+        b.record_step(4, 1, tokens=4, seconds=0.10)
+    assert b.payoff.penalty[4] == 1.0 and b.choose_width(reaches, estimates) == 5
+
+
+def test_measured_payoff_leaves_winning_speculation_alone_and_probes_plain_steps():
+    b = budget(lambda rows, width: 1.0 + 0.02 * width)
+    estimates = [AcceptanceEstimate(accepted=8, rejections=2)] * 4
+    reaches = [chain(4)] * 4
+    b.record_step(4, 1, tokens=4, seconds=0.10)  # 40 tok/s
+    chosen = []
+    for _ in range(40):
+        width = b.choose_width(reaches, estimates)
+        chosen.append(width)
+        b.record_step(4, width, tokens=4 if width == 1 else 12, seconds=0.10 if width == 1 else 0.12)  # 100 tok/s
+    assert b.payoff.penalty.get(4, 1.0) == 1.0
+    assert chosen.count(1) == 1 and chosen.count(5) == 39  # one probe in 40 steps once drafting clearly pays
+    assert budget(lambda rows, width: 1.0, check_payoff=False).choose_width(reaches, estimates) == 5

@@ -1,0 +1,73 @@
+"""CASD (context-aware speculative decoding, §3 of the paper): draft trees retrieved from the request's own context.
+
+The draft pool is the row's `context` (else its prompt), indexed once per request by a suffix array. Each step takes
+the longest suffix of the running text (up to `max_match` tokens) that occurs in the pool, the `depth` tokens after
+each of its occurrences (up to `max_occurrences`, spread evenly), and merges them into a trie whose `node_budget`
+most frequent nodes form the draft tree: REST's exact-match retrieval (He et al., 2024), which the paper uses.
+
+The tree is verified either exactly (`casd_strict`: lossless, greedy or sampling, the REST-style context tree) or by
+the paper's conditional rule (`casd` / `casd_mixed`: lossy, greedy only; verification.ConditionalRule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from ..draft_tree import frequency_trie
+from ..errors import BadRequestError
+from ..verification import ConditionalRule
+from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, empty_draft
+from .suffix_array import SuffixArray
+
+PROMPT_POOL_SOURCE = "copy"  # a row without a context retrieves from its own prompt
+
+
+class ContextTreeDrafter(Drafter):
+    proposes_trees = True
+    uses_context = True
+
+    def __init__(self, rule: ConditionalRule | None = None, node_budget: int = 32, depth: int = 10,
+                 max_match: int = 16, min_match: int = 2, max_occurrences: int = 64):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.rule = rule
+        self.node_budget = node_budget
+        self.depth = depth
+        self.max_match = max_match
+        self.min_match = min_match
+        self.max_occurrences = max_occurrences
+        self.index: SuffixArray | None = None  # the draft pool (not Drafter.pool: that is a draft-model pool)
+        self.source = CONTEXT_SOURCE
+
+    def start(self, tokens: Sequence[int], request: RequestContext) -> None:
+        super().start(tokens, request)
+        if self.rule is not None:
+            if request.sampling is not None and not request.sampling.greedy:
+                raise BadRequestError("casd and casd_mixed verify by a lossy rule defined for greedy decoding only: "
+                                      "use temperature 0, or casd_strict to sample")
+            self.rule = replace(self.rule, eos_ids=tuple(sorted(request.eos_token_ids)))
+        if request.context_ids:
+            self.index, self.source = SuffixArray(request.context_ids), CONTEXT_SOURCE
+        else:
+            self.index, self.source = SuffixArray(tokens[: request.prompt_len]), PROMPT_POOL_SOURCE
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        budget = min(self.node_budget, max_tokens)
+        if self.index is None or budget <= 0:
+            return empty_draft()
+        tail = np.asarray(tokens[-self.max_match :], dtype=np.int64)
+        match = self.index.longest_suffix_match(tail, self.min_match)
+        if match is None:
+            return empty_draft()
+        length, lo, hi = match
+        branches = self.index.continuations(lo, hi, length, self.depth, self.max_occurrences)
+        draft_tokens, parents = frequency_trie(branches, budget)
+        if not draft_tokens:
+            return empty_draft()
+        return Draft(tokens=draft_tokens, source=self.source, from_context=True, parents=parents, rule=self.rule)
+
+    def finish(self) -> None:
+        self.index = None

@@ -1,0 +1,165 @@
+"""PLD+ (Somasundaram et al., "PLD+: Accelerating LLM inference by leveraging language model artifacts", §4):
+prompt lookup whose candidate occurrences are RANKED by what the target computed, instead of taking the first.
+
+Candidates (eq. 1): every earlier position j whose token equals the last token x_t. PLD+ (h) (eq. 3) ranks them by
+the cosine similarity between the layer-l hidden state at j - 1 and at t - 1 (x_t itself has no hidden state yet:
+the target has not read it, which is exactly the engine's pending-token invariant), optionally keeping only those
+above a threshold θ (App. B.3), and drafts the K tokens after the best one (§4.3).
+
+The hidden states come from the verify forwards themselves: the loop hooks layer l and hands this drafter the states
+of the positions it committed (observe_hidden), so a rejected draft's states never enter and nothing needs rolling
+back. One layer is kept: [history, hidden] float32, unit-normalised on arrival so a score is one matrix-vector
+product over the candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .base import Draft, Drafter, empty_draft
+from .draft_length import DraftLength
+
+HIDDEN_LOOKUP_SOURCE = "lookup"
+
+
+# Which layer ranks best, as a fraction of the target's depth. The paper finds early-middle layers best (l = 9..13 of
+# Vicuna's 32, §7.3); tuned for the default model with benchmarks/tune_pld_plus.py (see that script's output).
+DEFAULT_LAYER_FRACTION = 0.3
+
+
+def default_hidden_layer(num_layers: int) -> int:
+    return max(1, min(num_layers, round(DEFAULT_LAYER_FRACTION * num_layers)))
+
+
+def rank_by_hidden_state(history: np.ndarray, hidden: torch.Tensor, threshold: float | None) -> int | None:
+    """PLD+ (h)'s choice of occurrence (eq. 1 + eq. 3), or None.
+
+    history [t + 1] int64: the tokens, the last one (x_t) pending. hidden [>= t, H]: unit-norm layer-l states of
+    positions 0..t-1. Returns the j (1 <= j < t, x_j = x_t) maximising cos(H[j - 1], H[t - 1]), over candidates whose
+    similarity exceeds `threshold` (None: no threshold); ties go to the earliest j.
+    """
+    t = len(history) - 1
+    if t < 2 or len(hidden) < t:
+        return None
+    candidates = np.flatnonzero(history[1:t] == history[t]) + 1  # [C]: j - 1 >= 0 has a hidden state
+    if len(candidates) == 0:
+        return None
+    scores = hidden[torch.from_numpy(candidates - 1)] @ hidden[t - 1]  # [C] cosine similarities
+    best = int(torch.argmax(scores))  # the first maximum
+    if threshold is not None and not float(scores[best]) > threshold:
+        return None
+    return int(candidates[best])
+
+
+class HiddenStateLookupDrafter(Drafter):
+    """PLD+ (h): lossless (it only chooses what to draft); greedy and sampling both verify as usual."""
+
+    needs_hidden_states = True
+
+    def __init__(self, hidden_layer: int | None = None, num_tokens: int = 10, threshold: float | None = 0.0,
+                 adaptive: bool = False):
+        if hidden_layer is not None and hidden_layer < 0:
+            raise ValueError(f"hidden layer must be >= 0, got {hidden_layer}")
+        self.hidden_layer = hidden_layer  # None: the loop picks default_hidden_layer() of its target at admission
+        self.threshold = threshold
+        self.length = DraftLength(num_tokens, adaptive=adaptive)
+        self._hidden = torch.zeros(0, 0)  # [capacity, H] unit-norm states of the committed positions
+        self._count = 0
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._size = 0
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        new = torch.nn.functional.normalize(hidden.float(), dim=-1)  # [m, H]
+        needed = self._count + len(new)
+        if needed > len(self._hidden):
+            grown = torch.zeros(max(2 * len(self._hidden), needed, 256), new.shape[1])
+            if self._count:
+                grown[: self._count] = self._hidden[: self._count]
+            self._hidden = grown
+        self._hidden[self._count : needed] = new
+        self._count = needed
+
+    def _as_array(self, tokens: Sequence[int]) -> np.ndarray:
+        # A growing numpy copy (the sequence is append-only): each step converts only the new tokens.
+        size = len(tokens)
+        if size > len(self._tokens):
+            grown = np.zeros(max(2 * len(self._tokens), size, 1024), dtype=np.int64)
+            grown[: self._size] = self._tokens[: self._size]
+            self._tokens = grown
+        self._tokens[self._size : size] = tokens[self._size :]
+        self._size = size
+        return self._tokens[:size]
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        length = min(self.length.current, max_tokens)
+        if length <= 0:
+            return empty_draft()
+        history = self._as_array(tokens)
+        best = rank_by_hidden_state(history, self._hidden[: self._count], self.threshold)
+        if best is None:
+            return empty_draft()
+        return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
+                     from_context=True)
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        if draft.source == HIDDEN_LOOKUP_SOURCE:
+            self.length.update(draft.max_depth, num_accepted)
+
+    def finish(self) -> None:
+        self._hidden = torch.zeros(0, 0)
+
+
+def rank_by_attention(history: np.ndarray, weights: torch.Tensor) -> int | None:
+    """PLD+ (a)'s choice of occurrence (eq. 1 + eq. 2), or None.
+
+    history [t + 1] int64 (x_t pending); weights [t]: the max over the induction heads of their attention from the
+    query at t - 1 (the one that produced x_t) over positions 0..t-1. Returns the j < t with x_j = x_t that got the
+    most attention (the earliest on ties): an induction head attends to the token it copies.
+    """
+    t = len(history) - 1
+    if t < 1 or len(weights) != t:
+        return None
+    candidates = np.flatnonzero(history[:t] == history[t])  # [C]
+    if len(candidates) == 0:
+        return None
+    return int(candidates[int(torch.argmax(weights[torch.from_numpy(candidates)]))])
+
+
+class AttentionLookupDrafter(Drafter):
+    """PLD+ (a): the engine supplies the attention of the target's top induction heads (discovered once per model,
+    induction_heads.py) and this drafter copies after the occurrence they attend to most. Lossless."""
+
+    needs_attention = True
+
+    def __init__(self, num_tokens: int = 10, top_heads: int = 50, adaptive: bool = False):
+        if top_heads < 1:
+            raise ValueError(f"top heads must be >= 1, got {top_heads}")
+        self.top_heads = top_heads
+        self.attention_heads = None  # None: the loop picks the target's top_heads induction heads at admission
+        self.length = DraftLength(num_tokens, adaptive=adaptive)
+        self._weights = torch.zeros(0)
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._size = 0
+
+    def observe_attention(self, weights: torch.Tensor) -> None:
+        self._weights = weights
+
+    _as_array = HiddenStateLookupDrafter._as_array
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        length = min(self.length.current, max_tokens)
+        if length <= 0:
+            return empty_draft()
+        history = self._as_array(tokens)
+        best = rank_by_attention(history, self._weights)
+        if best is None:
+            return empty_draft()
+        return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
+                     from_context=True)
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        if draft.source == HIDDEN_LOOKUP_SOURCE:
+            self.length.update(draft.max_depth, num_accepted)

@@ -1,0 +1,249 @@
+"""PLD+ (h): the ranking on hand-made hidden states, and the engine's hidden-state capture on a tiny model (the states a
+drafter holds equal a fresh forward's over the accepted sequence, through accepted and rejected drafts and trees)."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.base import Draft, Drafter
+from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter, default_hidden_layer, rank_by_hidden_state
+from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
+from specdec_core.speculation_budget import SpeculationBudget
+from tests.tiny_models import repetitive_prompt, tiny_llama
+
+
+def unit(*vectors):
+    return torch.nn.functional.normalize(torch.tensor(vectors, dtype=torch.float32), dim=-1)
+
+
+def test_ranking_picks_the_occurrence_whose_preceding_state_is_most_similar():
+    # tokens: 0:5 1:7 2:9 3:8 4:7 5:3 6:2 7:7(pending)  -> candidates j = 1 and 4 (x_j = 7), compared via H[0], H[3].
+    history = np.array([5, 7, 9, 8, 7, 3, 2, 7])
+    # H[6] (t - 1) is closest to H[3] -> j = 4; PLD would take the first occurrence, j = 1.
+    hidden = unit([1, 0], [0, 1], [0, 1], [0.6, 0.8], [1, 0], [1, 0], [0.5, 0.9])
+    assert rank_by_hidden_state(history, hidden, threshold=None) == 4
+    hidden_first = unit([0.5, 0.9], [0, 1], [0, 1], [1, 0], [1, 0], [1, 0], [0.5, 0.9])
+    assert rank_by_hidden_state(history, hidden_first, threshold=None) == 1
+
+
+def test_threshold_ties_and_missing_candidates():
+    history = np.array([5, 7, 9, 8, 7, 3, 2, 7])
+    opposite = unit([-1, 0], [0, 1], [0, 1], [-1, 0.01], [1, 0], [1, 0], [1, 0])  # both candidates' cos < 0
+    assert rank_by_hidden_state(history, opposite, threshold=0.0) is None
+    assert rank_by_hidden_state(history, opposite, threshold=None) == 4  # -0.99.. > -1
+    same = unit([1, 0], [0, 1], [0, 1], [1, 0], [1, 0], [1, 0], [1, 0])
+    assert rank_by_hidden_state(history, same, threshold=0.5) == 1  # a tie goes to the earliest occurrence
+    assert rank_by_hidden_state(np.array([5, 6, 7, 8]), unit([1, 0], [1, 0], [1, 0]), None) is None
+    assert rank_by_hidden_state(history, same[:5], None) is None  # states of positions < t are not all there
+
+
+def test_drafter_accumulates_committed_states_and_drafts_after_the_best_occurrence():
+    drafter = HiddenStateLookupDrafter(hidden_layer=1, num_tokens=3, threshold=None)
+    tokens = [5, 7, 9, 8, 7, 3, 2, 7]
+    drafter.observe_hidden(torch.tensor([[1.0, 0], [0, 1], [0, 1]]))  # positions 0..2 (a prefill)
+    drafter.observe_hidden(torch.tensor([[0.6, 0.8], [1, 0], [1, 0], [0.5, 0.9]]))  # 3..6 (a step's accepted path)
+    draft = drafter.propose(tokens, 10)
+    assert draft.tokens == [3, 2, 7] and draft.source == "lookup" and draft.from_context
+    assert drafter.propose(tokens, 2).tokens == [3, 2]
+    assert default_hidden_layer(30) == 9 and default_hidden_layer(2) == 1
+
+
+class Recording(Drafter):
+    """Wraps a drafter and keeps the hidden states it was handed (finish() would free them)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, inner: HiddenStateLookupDrafter):
+        self.inner, self.hidden_layer, self.seen = inner, inner.hidden_layer, []
+
+    def start(self, tokens, request):
+        self.inner.start(tokens, request)
+
+    def observe_hidden(self, hidden):
+        self.seen.append(hidden.clone())
+        self.inner.observe_hidden(hidden)
+
+    def propose(self, tokens, max_tokens):
+        return self.inner.propose(tokens, max_tokens)
+
+    def observe(self, tokens, draft, num_accepted):
+        self.tokens = list(tokens)
+        self.inner.observe(tokens, draft, num_accepted)
+
+
+class TreeOfWrongAndRight(Drafter):
+    """Drafts a tree whose first branch is wrong and second right (for the states of a moved tree path)."""
+
+    needs_hidden_states = True
+    proposes_trees = True
+
+    def __init__(self, layer, runner):
+        self.hidden_layer, self.runner, self.seen, self.drafted = layer, runner, [], []
+
+    def observe_hidden(self, hidden):
+        self.seen.append(hidden.clone())
+
+    def propose(self, tokens, max_tokens):
+        with torch.inference_mode():
+            right = int(self.runner.model(torch.tensor([tokens])).logits[0, -1].argmax())
+        wrong = (right + 1) % 90 + 1
+        self.drafted.append(min(4, max_tokens))
+        return Draft(tokens=[wrong, 3, right, 4][:max_tokens], source="test", parents=[-1, 0, -1, 2][:max_tokens])
+
+    def observe(self, tokens, draft, num_accepted):
+        self.tokens = list(tokens)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return tiny_llama()
+
+
+def fresh_states(runner, tokens, layer):
+    with torch.inference_mode():
+        out = runner.model(torch.tensor([tokens]), output_hidden_states=True)
+    return out.hidden_states[layer][0]  # [T, H]
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_captured_states_equal_a_fresh_forward_over_the_accepted_sequence(runner, layer):
+    """Rows of a batch with chains (PLD+ on repetitive prompts: accepts and rejects), a tree whose accepted path is
+    moved, and a row that does not ask for states: each asking row holds exactly one state per committed token,
+    equal to a forward over its final sequence."""
+    decoder = BatchDecoder(runner, max_batch=4, max_draft=8, budget=SpeculationBudget(enabled=False))
+    plus = [Recording(HiddenStateLookupDrafter(hidden_layer=layer, num_tokens=6, threshold=None)) for _ in range(2)]
+    tree = TreeOfWrongAndRight(layer, runner)
+    drafters = plus + [tree, PromptLookupDrafter()]
+    for seed, drafter in enumerate(drafters):
+        prompt = repetitive_prompt(seed, 20 + 9 * seed)
+        decoder.submit(DecodeRequest(seed, prompt, DecodeParams(max_new_tokens=30), drafter))
+    results = {request.key: result for request, result in decoder.run()}
+    assert all(not isinstance(r, str) for r in results.values()), results
+    assert sum(r.metrics.accepted_tokens for r in results.values()) > 0
+    for drafter in plus + [tree]:
+        held = torch.cat(drafter.seen)
+        committed = drafter.tokens[:-1]  # the last emitted token is pending: the target never read it
+        # The last step may commit draft tokens past max_new_tokens, which the output then drops (the row is done).
+        assert len(committed) <= len(held) <= len(committed) + 8
+        torch.testing.assert_close(held[: len(committed)], fresh_states(runner, committed, layer), atol=1e-4,
+                                   rtol=1e-4)
+    # A step whose tree holds the second branch accepts its first token (node 3, moved to offset 1): pending + at
+    # least that one. (The last steps' trees are cut to the few tokens the row still needs.)
+    with_branch = [states for drafted, states in zip(tree.drafted, tree.seen[1:]) if drafted >= 3]
+    assert len(with_branch) > 4 and all(len(states) >= 2 for states in with_branch)
+
+
+def test_a_layer_past_the_model_is_one_row_error(runner):
+    decoder = BatchDecoder(runner, max_batch=2)
+    decoder.submit(DecodeRequest("bad", [1, 2, 3], DecodeParams(max_new_tokens=4),
+                                 HiddenStateLookupDrafter(hidden_layer=99)))
+    decoder.submit(DecodeRequest("good", [1, 2, 3], DecodeParams(max_new_tokens=4), PromptLookupDrafter()))
+    results = {request.key: result for request, result in decoder.run()}
+    assert "hidden layer 99 is out of range" in results["bad"]
+    assert len(results["good"].token_ids) == 4
+
+
+# ----------------------------------------------------------------------------------------------------- PLD+ (a)
+from specdec_core.drafters.pld_plus import AttentionLookupDrafter, rank_by_attention  # noqa: E402
+from specdec_core.induction_heads import copy_source, top_heads  # noqa: E402
+
+
+def test_attention_ranking_picks_the_most_attended_occurrence():
+    history = np.array([7, 1, 7, 2, 7, 3, 7])  # candidates 0, 2, 4 for the pending 7
+    assert rank_by_attention(history, torch.tensor([0.1, 0.0, 0.3, 0.0, 0.2, 0.4])) == 2  # 5 is no candidate
+    assert rank_by_attention(history, torch.tensor([0.2, 0.0, 0.2, 0.0, 0.2, 0.4])) == 0  # ties: earliest
+    assert rank_by_attention(history, torch.zeros(5)) is None  # weights must cover positions 0..t-1
+    assert rank_by_attention(np.array([1, 2, 3]), torch.ones(2)) is None
+    drafter = AttentionLookupDrafter(num_tokens=2)
+    drafter.observe_attention(torch.tensor([0.1, 0.0, 0.3, 0.0, 0.2, 0.4]))
+    assert drafter.propose(history.tolist(), 10).tokens == [2, 7]
+
+
+def test_copy_source_prefers_the_longest_shared_suffix():
+    # prompt: 5 8 9 | 6 8 9 ; output so far ... 6 8 then 9: both 9s match, the second shares "6 8".
+    sequence = [5, 8, 9, 6, 8, 9, 1, 6, 8, 9]
+    assert copy_source(sequence, prompt_len=6, position=9) == 5
+    assert copy_source(sequence, prompt_len=6, position=6) is None  # 1 is not in the prompt
+    ranking = {"heads": [[3, 1, 9], [0, 2, 4], [3, 0, 1], [1, 1, 0]]}
+    assert top_heads(ranking, 2) == {3: [1], 0: [2]}
+    assert top_heads(ranking, 10) == {3: [1, 0], 0: [2]}  # heads without a hit are never used
+
+
+class RecordingAttention(AttentionLookupDrafter):
+    """Keeps (tokens, weights handed over) after the prefill and after every step."""
+
+    def __init__(self, heads):
+        super().__init__(num_tokens=5)
+        self.attention_heads, self.pairs, self.tokens = heads, [], None
+
+    def start(self, tokens, request):
+        self.tokens = list(tokens)
+
+    def observe_attention(self, weights):
+        if not self.pairs:  # the prefill's: the tokens are start()'s
+            self.pairs.append((self.tokens, weights.clone()))
+        self.latest = weights.clone()
+        super().observe_attention(weights)
+
+    def observe(self, tokens, draft, num_accepted):
+        self.tokens = list(tokens)
+        self.pairs.append((self.tokens, self.latest))
+        super().observe(tokens, draft, num_accepted)
+
+
+class TreeWithAttention(TreeOfWrongAndRight):
+    needs_attention = True
+
+    def __init__(self, heads, runner):
+        super().__init__(1, runner)
+        self.attention_heads, self.latest, self.pairs = heads, None, []
+
+    def observe_attention(self, weights):
+        self.latest = weights.clone()
+
+    def observe(self, tokens, draft, num_accepted):
+        super().observe(tokens, draft, num_accepted)
+        self.pairs.append((list(tokens), self.latest))
+
+
+def eager_attention(runner, tokens, heads):
+    """Max over `heads` of the eager attention from the last position: the reference for the probe."""
+    runner.model.config._attn_implementation = "eager"
+    try:
+        with torch.inference_mode():
+            out = runner.model(torch.tensor([tokens]), output_attentions=True)
+    finally:
+        runner.model.config._attn_implementation = "sdpa"
+    return torch.stack([out.attentions[layer][0, head, -1] for layer, hs in heads.items() for head in hs]).amax(0)
+
+
+def test_attention_weights_equal_eager_attention_after_accepts_and_rejects(runner):
+    """After every step (chains with accepts and rejects, a tree whose second branch is accepted and moved), the
+    weights handed to a row equal eager attention over its committed tokens, from the newest committed one."""
+    heads = {0: [0, 3], 1: [1]}  # GQA: 4 query heads on 2 key/value heads
+    decoder = BatchDecoder(runner, max_batch=3, max_draft=8)
+    drafters = [RecordingAttention(heads) for _ in range(2)]
+    tree = TreeWithAttention(heads, runner)
+    for seed, drafter in enumerate(drafters):
+        decoder.submit(DecodeRequest(seed, repetitive_prompt(seed, 24 + 10 * seed), DecodeParams(max_new_tokens=24),
+                                     drafter))
+    decoder.submit(DecodeRequest("tree", repetitive_prompt(5, 30), DecodeParams(max_new_tokens=24), tree))
+    results = {request.key: result for request, result in decoder.run()}
+    assert all(not isinstance(r, str) for r in results.values()), results
+    assert results["tree"].metrics.accepted_tokens > 0  # multi-node commits, through a moved tree path
+    assert sum(results[k].metrics.drafted_tokens - results[k].metrics.accepted_tokens for k in (0, 1)) > 0
+    for drafter in drafters:
+        check_pairs(runner, drafter.pairs, heads)
+    check_pairs(runner, tree.pairs, heads)
+
+
+def check_pairs(runner, pairs, heads):
+    assert len(pairs) > 2
+    # The last step may commit draft tokens past max_new_tokens that the finished output drops: skip it if so.
+    if len(pairs[-1][1]) != len(pairs[-1][0]) - 1:
+        pairs = pairs[:-1]
+    for tokens, weights in pairs:
+        assert len(weights) == len(tokens) - 1  # every committed position; the pending token is not read yet
+        torch.testing.assert_close(weights, eager_attention(runner, tokens[:-1], heads), atol=1e-5, rtol=1e-4)
