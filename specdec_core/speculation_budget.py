@@ -184,6 +184,11 @@ class SpeculationBudget:
     planning_s: float = 0.0  # time spent choosing widths, calibration forwards included
     payoff: MeasuredPayoff = field(default_factory=MeasuredPayoff)
     check_payoff: bool = True  # False: trust the model alone (tests with a fixed cost function)
+    # Exploration: after this many steps in a row that had drafts but verified none, verify one token per row.
+    # Without it a batch whose first drafts were rejected never verifies again (its acceptance estimates have no
+    # way back up): measured, pld_plus_a verified 14 tokens of a code-edit pass, then none (0.72x ar).
+    explore_every: int = 16
+    idle_steps: int = 0
 
     def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate],
                      measure: Callable[[int], float] | None = None, context: int = 0) -> int:
@@ -227,6 +232,10 @@ class SpeculationBudget:
             if value > best_value:
                 best, best_value = width, value
         self.planning_s += time.perf_counter() - started
+        self.idle_steps = self.idle_steps + 1 if best == 1 else 0
+        if self.explore_every and self.idle_steps >= self.explore_every:
+            self.idle_steps = 0
+            return 2  # one draft token per row: every drafting row's estimate gets a fresh observation
         return best
 
     def record_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:

@@ -166,3 +166,11 @@ def test_measured_payoff_leaves_winning_speculation_alone_and_probes_plain_steps
     assert b.payoff.penalty.get(4, 1.0) == 1.0
     assert chosen.count(1) == 1 and chosen.count(5) == 39  # one probe in 40 steps once drafting clearly pays
     assert budget(lambda rows, width: 1.0, check_payoff=False).choose_width(reaches, estimates) == 5
+
+
+def test_rows_whose_drafts_were_refused_are_explored_now_and_then():
+    b = budget(lambda rows, width: float(width))  # width costs in proportion: the model never drafts
+    estimates = [AcceptanceEstimate(accepted=0, rejections=5)] * 4
+    widths = [b.choose_width([chain(4)] * 4, estimates) for _ in range(32)]
+    assert widths.count(2) == 2 and widths[15] == 2 and widths[31] == 2 and set(widths) == {1, 2}
+    assert budget(lambda rows, width: float(width), explore_every=0).choose_width([chain(4)] * 4, estimates) == 1
