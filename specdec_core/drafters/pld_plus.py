@@ -54,33 +54,16 @@ def rank_by_hidden_state(history: np.ndarray, hidden: torch.Tensor, threshold: f
     return int(candidates[best])
 
 
-class HiddenStateLookupDrafter(Drafter):
-    """PLD+ (h): lossless (it only chooses what to draft); greedy and sampling both verify as usual."""
+class RankedLookupDrafter(Drafter):
+    """PLD+'s shared drafting (§4.3): copy the K tokens after the occurrence that `_rank` picks from the history."""
 
-    needs_hidden_states = True
-
-    def __init__(self, hidden_layer: int | None = None, num_tokens: int = 10, threshold: float | None = 0.0,
-                 adaptive: bool = False):
-        if hidden_layer is not None and hidden_layer < 0:
-            raise ValueError(f"hidden layer must be >= 0, got {hidden_layer}")
-        self.hidden_layer = hidden_layer  # None: the loop picks default_hidden_layer() of its target at admission
-        self.threshold = threshold
+    def __init__(self, num_tokens: int, adaptive: bool):
         self.length = DraftLength(num_tokens, adaptive=adaptive)
-        self._hidden = torch.zeros(0, 0)  # [capacity, H] unit-norm states of the committed positions
-        self._count = 0
         self._tokens = np.zeros(0, dtype=np.int64)
         self._size = 0
 
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        new = torch.nn.functional.normalize(hidden.float(), dim=-1)  # [m, H]
-        needed = self._count + len(new)
-        if needed > len(self._hidden):
-            grown = torch.zeros(max(2 * len(self._hidden), needed, 256), new.shape[1])
-            if self._count:
-                grown[: self._count] = self._hidden[: self._count]
-            self._hidden = grown
-        self._hidden[self._count : needed] = new
-        self._count = needed
+    def _rank(self, history: np.ndarray) -> int | None:
+        raise NotImplementedError
 
     def _as_array(self, tokens: Sequence[int]) -> np.ndarray:
         # A growing numpy copy (the sequence is append-only): each step converts only the new tokens.
@@ -98,7 +81,7 @@ class HiddenStateLookupDrafter(Drafter):
         if length <= 0:
             return empty_draft()
         history = self._as_array(tokens)
-        best = rank_by_hidden_state(history, self._hidden[: self._count], self.threshold)
+        best = self._rank(history)
         if best is None:
             return empty_draft()
         return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
@@ -108,9 +91,38 @@ class HiddenStateLookupDrafter(Drafter):
         if draft.source == HIDDEN_LOOKUP_SOURCE:
             self.length.update(draft.max_depth, num_accepted)
 
+
+class HiddenStateLookupDrafter(RankedLookupDrafter):
+    """PLD+ (h): lossless (it only chooses what to draft); greedy and sampling both verify as usual."""
+
+    needs_hidden_states = True
+
+    def __init__(self, hidden_layer: int | None = None, num_tokens: int = 10, threshold: float | None = 0.0,
+                 adaptive: bool = False):
+        if hidden_layer is not None and hidden_layer < 0:
+            raise ValueError(f"hidden layer must be >= 0, got {hidden_layer}")
+        super().__init__(num_tokens, adaptive)
+        self.hidden_layer = hidden_layer  # None: the loop picks default_hidden_layer() of its target at admission
+        self.threshold = threshold
+        self._hidden = torch.zeros(0, 0)  # [capacity, H] unit-norm states of the committed positions
+        self._count = 0
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        new = torch.nn.functional.normalize(hidden.float(), dim=-1)  # [m, H]
+        needed = self._count + len(new)
+        if needed > len(self._hidden):
+            grown = torch.zeros(max(2 * len(self._hidden), needed, 256), new.shape[1])
+            if self._count:
+                grown[: self._count] = self._hidden[: self._count]
+            self._hidden = grown
+        self._hidden[self._count : needed] = new
+        self._count = needed
+
+    def _rank(self, history: np.ndarray) -> int | None:
+        return rank_by_hidden_state(history, self._hidden[: self._count], self.threshold)
+
     def finish(self) -> None:
         self._hidden = torch.zeros(0, 0)
-
 
 def rank_by_attention(history: np.ndarray, weights: torch.Tensor) -> int | None:
     """PLD+ (a)'s choice of occurrence (eq. 1 + eq. 2), or None.
@@ -128,7 +140,7 @@ def rank_by_attention(history: np.ndarray, weights: torch.Tensor) -> int | None:
     return int(candidates[int(torch.argmax(weights[torch.from_numpy(candidates)]))])
 
 
-class AttentionLookupDrafter(Drafter):
+class AttentionLookupDrafter(RankedLookupDrafter):
     """PLD+ (a): the engine supplies the attention of the target's top induction heads (discovered once per model,
     induction_heads.py) and this drafter copies after the occurrence they attend to most. Lossless."""
 
@@ -137,29 +149,13 @@ class AttentionLookupDrafter(Drafter):
     def __init__(self, num_tokens: int = 10, top_heads: int = 50, adaptive: bool = False):
         if top_heads < 1:
             raise ValueError(f"top heads must be >= 1, got {top_heads}")
+        super().__init__(num_tokens, adaptive)
         self.top_heads = top_heads
         self.attention_heads = None  # None: the loop picks the target's top_heads induction heads at admission
-        self.length = DraftLength(num_tokens, adaptive=adaptive)
         self._weights = torch.zeros(0)
-        self._tokens = np.zeros(0, dtype=np.int64)
-        self._size = 0
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         self._weights = weights
 
-    _as_array = HiddenStateLookupDrafter._as_array
-
-    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        length = min(self.length.current, max_tokens)
-        if length <= 0:
-            return empty_draft()
-        history = self._as_array(tokens)
-        best = rank_by_attention(history, self._weights)
-        if best is None:
-            return empty_draft()
-        return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
-                     from_context=True)
-
-    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == HIDDEN_LOOKUP_SOURCE:
-            self.length.update(draft.max_depth, num_accepted)
+    def _rank(self, history: np.ndarray) -> int | None:
+        return rank_by_attention(history, self._weights)
