@@ -125,7 +125,8 @@ def test_lossy_casd_on_the_real_model_flags_its_rows_and_refuses_sampling(engine
     items = [BatchItem("greedy", prompt, DecodeParams(max_new_tokens=40), engine.context_ids(context)),
              BatchItem("sampled", prompt, DecodeParams(max_new_tokens=40, sampling=SamplingParams(temperature=0.8)),
                        engine.context_ids(context))]
-    results = dict(engine.decode_batch(items, "casd", batch_size=2))
+    # The budget is off: its measured payoff depends on wall time, and the test counts context acceptances.
+    results = dict(engine.decode_batch(items, "casd", batch_size=2, speculation_budget=False))
     assert "greedy decoding only" in results["sampled"]["error"]
     greedy = results["greedy"]
     assert greedy["error"] is None and greedy["lossy"] is True
