@@ -55,9 +55,18 @@ def parse_method(text: str):
     options = {}
     for part in filter(None, extra.split(",")):
         key, _, value = part.partition("=")
+        if key == "budget":  # read by `speculation_budget_on`, not a method option
+            if value not in ("on", "off"):
+                raise ValueError(f"budget={value!r}: use budget=on or budget=off")
+            continue
         options[key] = True if value == "" else None if value == "none" else float(value) if "." in value \
             else int(value)
     return name, MethodOptions(**options)
+
+
+def speculation_budget_on(text: str) -> bool:
+    """'pld:budget=off' verifies every draft as proposed (the papers' setting, for mean accepted length)."""
+    return "budget=off" not in text.split("@")[0]
 
 
 def method_sizes(text: str, default: list[int]) -> list[int]:
@@ -136,7 +145,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     # Every run measures its own step costs, as a fresh actor would (a job's later passes reuse them): the
     # calibration forwards count in this run's wall time, and no method inherits another's tables.
     engine.step_costs = StepCostModel()
-    decoder = engine.decoder(size)
+    decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text))
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
     synchronize(engine.target.device)
@@ -188,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld", "copyspec:candidates=3",
                                                          "copyspec:adaptive"],
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
-                             "sizes)")
+                             "sizes); the option budget=off verifies every draft as proposed (no speculation budget)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
