@@ -8,7 +8,7 @@ to the best HF batch size and to our `ar` at the same batch size, and how many o
 bf16 near-ties may flip). HF runs at every --batch-sizes, and so does each method unless it names its own
 (`pld@16,32`). Records the CPU flags (or GPU name), the dtype and the process's peak memory.
 
-Workloads: summarization, code_edit, open_questions (MT-Bench first turns: little to copy), rag (ACLSum questions:
+Workloads: summarization, code_edit, humaneval, open_questions (MT-Bench first turns: little to copy), rag (ACLSum questions:
 the prompt holds the first 6,000 characters of the paper, copy drafters also see the whole paper as `context`) and
 multi_turn, which times the second turn only (MT-Redundant: revise your first answer), its history holding one
 shared first answer decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-WORKLOADS = ("summarization", "code_edit", "open_questions", "multi_turn", "rag")
+WORKLOADS = ("summarization", "code_edit", "open_questions", "multi_turn", "rag", "humaneval")
 
 
 def hardware(device: str) -> str:
@@ -81,13 +81,24 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def workload_items(engine, workload: str, requests: int, max_new_tokens: int, batch_size: int) -> list:
-    """BatchItems for a workload; multi_turn: turn-2 prompts whose history holds a batched-ar first answer."""
+def workload_items(engine, workload: str, requests: int, max_new_tokens: int, batch_size: int,
+                   compress_context: float | None = None) -> list:
+    """BatchItems for a workload; multi_turn: turn-2 prompts whose history holds a batched-ar first answer.
+    Question rows (rag) are composed as the prompt stage does, their context compressed `compress_context` times
+    by the target model when asked (operators/compress_context.py; untimed, like the prompt stage)."""
+    from operators.context_compressor import SelfInformationCompressor
     from operators.read_requests import workload_rows
+    from operators.task_prompts import compose_prompt
     from specdec_core.decode import DecodeParams
     from specdec_core.engine import BatchItem
 
     rows = workload_rows(workload, requests)[:requests]
+    compressor = SelfInformationCompressor(engine.target.model, engine.tokenizer) if compress_context else None
+    for row in rows:
+        if compressor is not None and row.get("question") is not None:
+            row["prompt_context"] = compressor.compress(row["context"][:6000], compress_context)
+        if row.get("prompt") is None and not row.get("messages"):
+            row["prompt"] = compose_prompt(row)
     params = DecodeParams(max_new_tokens=max_new_tokens)
     items = [BatchItem(row["id"], engine.prompt_ids(messages=row.get("messages")
                                                     or [{"role": "user", "content": row["prompt"]}]), params,
@@ -199,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
                              "sizes); the option budget=off verifies every draft as proposed (no speculation budget)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    parser.add_argument("--compress-context", type=float, default=None, metavar="R",
+                        help="rag: the prompt carries its 6,000 context characters compressed R times (tokens)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
@@ -218,11 +231,13 @@ def main() -> int:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
     device = engine.target.device
     header = (f"{args.model}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
-              f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run")
+              f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
+              + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))
     print(f"# {header}", flush=True)
     report = {"header": header, "workloads": {}}
     for workload in args.workload:
-        items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes))
+        items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes),
+                               args.compress_context)
         references = workload_references(workload, args.requests)
         results, hf_outputs = [], {}
         if not args.no_hf:

@@ -51,11 +51,12 @@ def paper_passages(paper_id: str) -> list[str]:
     return passages
 
 
-def rag_rows(limit: int | None = None, split: str = "test", max_context_chars: int = 6000) -> list[dict]:
+def rag_rows(limit: int | None = None, split: str = "test") -> list[dict]:
     """Three questions per paper (its aspects), the paper's passages as `context`, the aspect summary as reference.
 
-    The prompt carries the first max_context_chars of the passages; `context` keeps the whole paper for drafters
-    that draw from more than the prompt.
+    Question rows: the prompt stage composes the prompt (task_prompts.py) from the question and the first
+    --max-context-chars of the passages (compressed with --compress-context); `context` keeps the whole paper for
+    drafters that draw from more than the prompt.
     """
     rows = []
     for paper in _rows(split):
@@ -66,8 +67,7 @@ def rag_rows(limit: int | None = None, split: str = "test", max_context_chars: i
             rows.append({
                 "id": f"aclsum-rag-{split}-{paper['id']}-{aspect}",
                 "task": "rag",
-                "prompt": f"Answer the question using the passages.\n\nPassages:\n{context[:max_context_chars]}\n\n"
-                          f"Question: {question}",
+                "question": question,
                 "context": context,
                 "reference": paper["summary"][aspect],
             })

@@ -71,17 +71,15 @@ def build_parser(prog: str, description: str, default_input: str | None, default
 
 def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None,
                      default_task: str | None = None):
-    from specdec_core.methods import MethodOptions
     from pipelines.config import GenerationConfig
+    from specdec_core.cli import shared_method_options
+    from specdec_core.methods import MethodOptions
 
     values = dict(
         input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, method_options=MethodOptions(
-            adaptive=args.adaptive, candidates=args.candidates, hidden_layer=args.hidden_layer,
-            similarity_threshold=args.similarity_threshold, top_heads=args.top_heads, casd_delta=args.casd_delta,
-            casd_top_k=args.casd_top_k),
+        seed=args.seed, method_options=MethodOptions(**shared_method_options(args)),
         task_template=task_template, batch_size=args.batch_size, token_budget=args.token_budget,
         speculation_budget=args.speculation_budget,
         default_task=default_task,
@@ -90,7 +88,7 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         max_prompt_tokens=args.max_prompt_tokens, max_context_tokens=args.max_context_tokens,
         max_error_fraction=args.max_error_fraction,
     )
-    for job_option in ("instruction", "max_context_chars"):  # options only some jobs have
+    for job_option in ("instruction", "max_context_chars", "compress_context", "compression_model"):  # some jobs
         if getattr(args, job_option, None) is not None:
             values[job_option] = getattr(args, job_option)
     if args.run_id:
@@ -119,6 +117,22 @@ def preflight(config) -> None:
     check_model_available(config.model)
     if config.drafter:
         check_model_available(config.drafter)
+    if config.compression_model:
+        check_model_available(config.compression_model)
+    from specdec_core.methods import get_method
+
+    for method in config.methods:  # a method missing what it needs (an index) fails here, not on every row
+        spec = get_method(method)
+        if not spec.needs_draft_model:
+            spec.build_drafter(config.method_options, None)
+    if config.method_options.retrieval_index:  # before Ray starts: a missing or foreign index is one line
+        from transformers import AutoTokenizer
+
+        from specdec_core.model_registry import resolve_model_path
+        from specdec_core.retrieval_index import check_index_tokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
+        check_index_tokenizer(config.method_options.retrieval_index, tokenizer, config.model)
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],

@@ -18,6 +18,7 @@ REQUESTS_SCHEMA = pa.schema([
     ("messages", pa.string()),  # JSON list of {role, content}
     ("next_turns", pa.string()),  # JSON list of user messages decoded after the first turn
     ("context", pa.string()),
+    ("prompt_context", pa.string()),  # QA rows under --compress-context: the compressed context the prompt carries
     ("reference", pa.string()),
     ("document", pa.string()),  # edit jobs: the text to edit (the output's diff is taken against it)
     ("instruction", pa.string()),  # edit jobs: this row's edit instruction

@@ -12,8 +12,9 @@ QUESTION_TEMPLATE = "Answer the question using the passages.\n\nPassages:\n{cont
 def compose_prompt(row: dict, instruction: str | None = None, max_context_chars: int = 6000) -> str:
     """The prompt text of a `document` or `question` row (a row's own instruction wins over the run's).
 
-    Only the first max_context_chars of the context go into the prompt; the whole context still reaches drafters
-    that draw from it (they read the `context` column).
+    Only the first max_context_chars of the context go into the prompt, or the row's `prompt_context` where the
+    CompressContext stage put one (those characters, compressed); the whole context still reaches drafters that draw
+    from it (they read the `context` column).
     """
     if row.get("document") is not None:
         instruction = row.get("instruction") or instruction
@@ -27,5 +28,6 @@ def compose_prompt(row: dict, instruction: str | None = None, max_context_chars:
             raise BadRequestError("empty question")
         if not row.get("context") or not row["context"].strip():
             raise BadRequestError("a 'question' row needs a 'context' to answer from")
-        return QUESTION_TEMPLATE.format(context=row["context"][:max_context_chars], question=row["question"].strip())
+        shown = row["prompt_context"] if row.get("prompt_context") is not None else row["context"][:max_context_chars]
+        return QUESTION_TEMPLATE.format(context=shown, question=row["question"].strip())
     raise BadRequestError("missing column: the row needs 'prompt', 'messages', 'document' or 'question'")

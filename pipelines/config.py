@@ -31,6 +31,9 @@ class GenerationConfig(DecodeConfig):
     default_task: str | None = Field(None, description="task of rows without one (picks the quality metric)")
     instruction: str | None = Field(None, description="edit instruction for `document` rows without their own")
     max_context_chars: int = Field(6000, ge=1, description="context characters put into a `question` row's prompt")
+    compress_context: float | None = Field(None, ge=1, description="a `question` row's prompt carries its first "
+                                           "max_context_chars of context compressed this many times (in tokens)")
+    compression_model: str | None = Field(None, description="model scoring the compression (default: the target)")
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float | None = Field(None, gt=0, description="default: a fair share that leaves CPU for reads")
     num_gpus_per_actor: float = Field(0.0, ge=0)
@@ -66,7 +69,8 @@ class GenerationConfig(DecodeConfig):
     # part of it either: a resume with a larger limit does not redo the rows that succeeded.
     OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = (
         "job", "model", "drafter", "drafter_dtype", "dtype", "device", "max_new_tokens", "temperature", "top_p",
-        "top_k", "seed", "method_options", "task_template", "default_task", "instruction", "max_context_chars")
+        "top_k", "seed", "method_options", "task_template", "default_task", "instruction", "max_context_chars",
+        "compress_context", "compression_model")
 
     def key_by_method(self) -> dict[str, str]:
         """method -> hash of the method and OUTPUT_FIELDS (stored on every output row as `decode_key`)."""
@@ -116,4 +120,7 @@ class GenerationConfig(DecodeConfig):
             return self.cpus_per_actor
         if self.num_gpus_per_actor > 0:
             return 1.0
-        return max(0.25, (cluster_cpus - 0.5) / self.num_actors)
+        # The light stages' share: reads and prompts (0.25 each), and the compression actor when there is one;
+        # requests over the cluster's CPUs leave an actor unscheduled and the job waiting forever.
+        reserved = 0.5 + (0.25 if self.compress_context is not None else 0.0)
+        return max(0.25, (cluster_cpus - reserved) / self.num_actors)

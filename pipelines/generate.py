@@ -105,6 +105,22 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
     # Ray 2.60 takes max_restarts / max_task_retries only as **ray_remote_args, deprecated for 2.64 (which has no
     # named parameter for them yet): pinned Ray, warning silenced; revisit when upgrading.
     warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=Warning)
+    if config.compress_context is not None:
+        from operators.compress_context import CompressContext
+
+        # Its own actor with a scoring model (the prompt stage stays tokenizer-only); one forward per window of
+        # context, small beside decoding a row, so one actor keeps up.
+        requests = requests.map_batches(
+            CompressContext,
+            fn_constructor_kwargs={"model": config.compression_model or config.model, "ratio": config.compress_context,
+                                   "max_context_chars": config.max_context_chars, "dtype": config.dtype},
+            batch_format="pandas",
+            batch_size=config.ray_batch_rows(),
+            compute=ray.data.ActorPoolStrategy(size=1),
+            num_cpus=LIGHT_TASK_CPUS,
+            max_restarts=-1,
+            max_task_retries=3,
+        )
     prompts = requests.map_batches(
         BuildPrompts,
         fn_constructor_kwargs={"model": config.model, "task_template": config.task_template,

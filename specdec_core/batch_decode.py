@@ -26,7 +26,7 @@ from .decode import (
     DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
-from .drafters.base import Draft, Drafter, RequestContext
+from .drafters.base import Draft, Drafter, RequestContext, empty_draft
 from .drafters.pld_plus import default_hidden_layer
 from .induction_heads import load_or_discover, top_heads
 from .target_signals import Signals, hand_over, wanted
@@ -205,7 +205,11 @@ class BatchDecoder:
         self._retire_overdue()
         if not self.rows:
             return
-        self._propose(self.rows)
+        if self.budget.drafting_due():
+            self._propose(self.rows)
+        else:
+            for row in self.rows:
+                row.draft = empty_draft()
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
             return
@@ -307,6 +311,7 @@ class BatchDecoder:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
                               [r.state.generator for r in rows])
         done = []
+        starts = torch.tensor([0] + [1 + len(r.draft) for r in rows]).cumsum(0).tolist()  # row -> its first logit
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
@@ -332,6 +337,9 @@ class BatchDecoder:
                 self.stats.accepted_tokens += accepted
                 self.stats.new_tokens += kept
                 self.budget.observe(row.acceptance, draft.max_depth, result.num_accepted)
+                if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
+                    picked = [starts[index] + 1 + p for p in draft.probes]
+                    row.request.drafter.observe_logits(list(draft.probes), logits[picked])
                 row.request.drafter.observe(state.tokens, draft, result.num_accepted)
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"

@@ -6,6 +6,7 @@
   specbatch install-model gemma3-270m                   pip-install a registry model's packages
   specbatch models | specbatch methods                  list what is available
   specbatch discover-heads [--model M]                  rank a model's induction heads for pld_plus_a
+  specbatch build-index --input DIR --output IDX        a corpus index for rest / spectra+retrieval
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ EPILOG = """examples:
   specbatch --method pld --messages-file chat.json --json
   specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
   specbatch --method pld --context-file passages.txt --prompt "Question: ..."   copy from a separate document
-other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads"""
+other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads |
+  specbatch build-index"""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -92,6 +94,17 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
                         help="casd/casd_mixed (lossy): accept a context token when p > max(delta, p(EOS)) "
                              "(default 0.1)")
     parser.add_argument("--casd-top-k", type=int, default=5, help="casd_mixed: the token must be in the top k")
+    parser.add_argument("--retrieval-index", default=None, metavar="DIR",
+                        help="rest / spectra+retrieval: a corpus index directory (specdec_core.retrieval_index."
+                             "write_index builds one); an index built for another tokenizer is refused")
+    parser.add_argument("--spectra-n", type=int, default=5, help="spectra: n-gram length N (default 5)")
+    parser.add_argument("--spectra-pool", type=int, default=15,
+                        help="spectra: pool rows W the target extends in each verify forward (default 15; each adds "
+                             "N-1 tokens to the forward, so on a CPU fewer rows may pay better)")
+    parser.add_argument("--spectra-guesses", type=int, default=15, help="spectra: most guesses G per step (default 15)")
+    parser.add_argument("--spectra-tau", type=float, default=0.1,
+                        help="spectra: a pool row takes the target's plain argmax with probability tau, else its best "
+                             "token not yet in the forward dictionary (default 0.1)")
     parser.add_argument("--batch-size", type=int, default=batch_size_default, help=batch_size_help)
     parser.add_argument("--token-budget", type=int, default=None,
                         help="most tokens one batched forward may verify (rows x width); default: no cap")
@@ -102,19 +115,17 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
 def _options(args):
     from .methods import MethodOptions
 
-    return MethodOptions(
-        gamma=args.gamma,
-        copy_tokens=args.copy_tokens,
-        lookup_tokens=args.lookup_tokens,
-        draft_tokens=args.draft_tokens,
-        adaptive=args.adaptive,
-        candidates=args.candidates,
-        hidden_layer=args.hidden_layer,
-        similarity_threshold=args.similarity_threshold,
-        top_heads=args.top_heads,
-        casd_delta=args.casd_delta,
-        casd_top_k=args.casd_top_k,
-    )
+    return MethodOptions(gamma=args.gamma, copy_tokens=args.copy_tokens, lookup_tokens=args.lookup_tokens,
+                         draft_tokens=args.draft_tokens, **shared_method_options(args))
+
+
+def shared_method_options(args) -> dict:
+    """The MethodOptions fields that add_batch_options defines (the CLI's and every job's)."""
+    return dict(adaptive=args.adaptive, candidates=args.candidates, hidden_layer=args.hidden_layer,
+                similarity_threshold=args.similarity_threshold, top_heads=args.top_heads, casd_delta=args.casd_delta,
+                casd_top_k=args.casd_top_k, spectra_n=args.spectra_n, spectra_pool=args.spectra_pool,
+                spectra_guesses=args.spectra_guesses, spectra_tau=args.spectra_tau,
+                retrieval_index=args.retrieval_index)
 
 
 def _params(args):
@@ -338,8 +349,48 @@ def run_discover_heads(argv: list[str]) -> int:
     return 0
 
 
+def run_build_index(argv: list[str]) -> int:
+    """A retrieval corpus index for `rest` / `spectra+retrieval`, from texts as they are (no perplexity ranking)."""
+    from .model_registry import DEFAULT_MODEL
+
+    parser = OneLineParser(prog="specbatch build-index", description=(
+        "Tokenize a corpus with the target's tokenizer and save a suffix-array index that rest and "
+        "spectra+retrieval read (--retrieval-index DIR). Texts are taken as they are; empty or undecodable ones "
+        "are skipped and counted."))
+    parser.add_argument("--input", required=True,
+                        help="a JSONL file (one text per line in --text-field), a text file, or a directory")
+    parser.add_argument("--output", required=True, help="index directory (created; must be empty or an index)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target whose tokenizer the index uses")
+    parser.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
+    parser.add_argument("--glob", default="*.txt", help="directory: the files to read, recursively (e.g. '*.py')")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many texts")
+    args = parser.parse_args(argv)
+    try:
+        from transformers import AutoTokenizer
+
+        from .corpus_texts import read_texts
+        from .model_registry import check_model_available, resolve_model_path
+        from .retrieval_index import MANIFEST_FILE, tokenizer_fingerprint, write_index
+        from pathlib import Path
+
+        output = Path(args.output)
+        if output.exists() and any(output.iterdir()) and not (output / MANIFEST_FILE).exists():
+            raise SpecbatchError(f"{output} exists and is not an index: choose an empty or new directory")
+        check_model_available(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+        texts, skipped = read_texts(args.input, args.text_field, args.glob, args.limit)
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in texts]
+        manifest = write_index(output, ids, {"model": args.model, "tokenizer": tokenizer_fingerprint(tokenizer),
+                                             "source": str(args.input), "refined": False, "skipped": skipped})
+    except (SpecbatchError, ValueError, OSError) as exc:
+        print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"{manifest['texts']} texts, {manifest['tokens']} tokens ({skipped} skipped) indexed in {output}")
+    return 0
+
+
 COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods,
-            "discover-heads": run_discover_heads}
+            "discover-heads": run_discover_heads, "build-index": run_build_index}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from .errors import BadRequestError
 from .methods import MethodOptions, get_method
 from .model_runner import ModelRunner
 from .prompts import build_prompt_ids
+from .retrieval_index import check_index_tokenizer
 from .speculation_budget import SpeculationBudget, StepCostModel
 
 
@@ -42,6 +43,7 @@ class BatchItem:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.checked_indexes: set[str] = set()  # retrieval indexes whose tokenizer matches the target's
         self.target = ModelRunner.load(config.model, config.dtype, config.device)
         self.draft_model = None
         if config.drafter:
@@ -74,7 +76,11 @@ class Engine:
     def request(self, item: BatchItem, method: str, options: MethodOptions | None,
                 decoder: BatchDecoder) -> DecodeRequest:
         spec = get_method(method)
-        drafter = spec.build_drafter(options or MethodOptions(), decoder.draft_pool)
+        options = options or MethodOptions()
+        if options.retrieval_index and options.retrieval_index not in self.checked_indexes:
+            check_index_tokenizer(options.retrieval_index, self.tokenizer, self.config.model)
+            self.checked_indexes.add(options.retrieval_index)
+        drafter = spec.build_drafter(options, decoder.draft_pool)
         return DecodeRequest(item.key, list(item.prompt_ids), item.params, drafter, item.context_ids)
 
     def decode_batch(

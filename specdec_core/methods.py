@@ -14,7 +14,10 @@ from .drafters.draft_model import DraftModelDrafter, DraftModelPool
 from .drafters.fallback import FallbackDrafter
 from .drafters.pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
 from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.retrieval import RetrievalTreeDrafter
+from .drafters.spectra import SpectraDrafter
 from .errors import UnknownMethodError
+from .retrieval_index import load_index
 from .verification import ConditionalRule
 
 
@@ -44,6 +47,14 @@ class MethodOptions(BaseModel):
     tree_nodes: int = Field(32, ge=1, le=64, description="CASD: most nodes of a retrieved draft tree")
     similarity_threshold: float | None = Field(0.0, ge=-1.0, le=1.0, description="PLD+ (h): draft only from an "
                                                "occurrence whose cosine similarity exceeds this (None: any)")
+    spectra_n: int = Field(5, ge=2, le=16, description="SPECTRA: n-gram length N of the dictionaries and pool rows")
+    spectra_pool: int = Field(15, ge=0, le=64, description="SPECTRA: pool rows W the target extends each step (also "
+                                                          "the continuations kept per forward key)")
+    spectra_guesses: int = Field(15, ge=1, le=64, description="SPECTRA: most guesses G per step")
+    retrieval_index: str | None = Field(None, description="rest / spectra+retrieval: a corpus index directory "
+                                                          "(specdec_core/retrieval_index.py)")
+    spectra_tau: float = Field(0.1, ge=0.0, le=1.0, description="SPECTRA: a pool row takes the plain argmax when "
+                                                                "r <= tau, else the best token not yet a forward key")
 
 
 # The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
@@ -135,6 +146,31 @@ def _casd(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter
                               "distribution (LOSSY; greedy only)")
 def _casd_mixed(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return ContextTreeDrafter(ConditionalRule(options.casd_delta, options.casd_top_k), options.tree_nodes)
+
+
+@register("spectra", "SPECTRA-CORE: guesses from forward/backward n-gram dictionaries that a pool of W rows, "
+                     "extended by the verify forward itself, keeps filling (lossless)")
+def _spectra(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return SpectraDrafter(options.spectra_n, options.spectra_pool, options.spectra_guesses, options.spectra_tau)
+
+
+def _retriever(options: MethodOptions) -> RetrievalTreeDrafter:
+    if not options.retrieval_index:
+        raise UnknownMethodError("this method retrieves from a corpus index: pass --retrieval-index PATH")
+    return RetrievalTreeDrafter(load_index(options.retrieval_index), options.tree_nodes)
+
+
+@register("rest", "REST: a draft tree of the continuations of the longest suffix match in a corpus index "
+                  "(--retrieval-index; lossless)")
+def _rest(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _retriever(options)
+
+
+@register("spectra+retrieval", "SPECTRA with the corpus index's continuations filling the guesses left after its "
+                               "own (--retrieval-index; lossless)")
+def _spectra_retrieval(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return SpectraDrafter(options.spectra_n, options.spectra_pool, options.spectra_guesses, options.spectra_tau,
+                          retriever=_retriever(options))
 
 
 def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:

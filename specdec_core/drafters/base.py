@@ -28,6 +28,9 @@ class Draft:
     # Per-token source when one draft mixes sources (history and context branches of one tree); else `source`.
     token_sources: list[str] | None = None
     rule: object = None  # verification.ConditionalRule: verify this draft by CASD's lossy rule (None: exactly)
+    # Draft indices whose next-token logits the drafter reads (Drafter.reads_draft_logits): nodes it adds to learn
+    # from the target's forward (SPECTRA's pool rows), verified like any other node.
+    probes: list[int] | None = None
 
     def __post_init__(self):
         if self.parents is not None:
@@ -64,7 +67,8 @@ class Draft:
                      probs=self.probs[:length] if self.probs is not None else None,
                      parents=self.parents[:length] if self.parents is not None else None,
                      token_sources=self.token_sources[:length] if self.token_sources is not None else None,
-                     rule=self.rule)
+                     rule=self.rule,
+                     probes=[p for p in self.probes if p < length] if self.probes is not None else None)
 
     def source_of(self, index: int) -> str:
         return self.token_sources[index] if self.token_sources is not None else self.source
@@ -134,6 +138,9 @@ class Drafter(ABC):
     #: from the query of the newest committed token over every committed position, through observe_attention()
     needs_attention: bool = False
     attention_heads: dict[int, list[int]] | None = None
+    #: reads the target's next-token logits after the draft nodes it names in Draft.probes, from the verify forward
+    #: itself, through observe_logits() (before observe())
+    reads_draft_logits: bool = False
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         """Called once per request after prefill, with the prompt plus the first generated token."""
@@ -156,6 +163,10 @@ class Drafter(ABC):
         """needs_attention only: [length] the max over `attention_heads` of their attention weights from the query at
         position length - 1 (the token that produced the pending one) over positions 0..length-1; after prefill
         and after every step."""
+
+    def observe_logits(self, probes: list[int], logits: torch.Tensor) -> None:
+        """reads_draft_logits only: [len(probes), vocab] the target's logits after each draft node in `probes` (the
+        last draft's Draft.probes that the step verified, in order)."""
 
     def finish(self) -> None:
         """The request is over (done, failed or cancelled): free what the drafter holds. Default: nothing."""

@@ -15,7 +15,11 @@ def assert_input_contract(rows):
     assert len(ids) == len(set(ids)), "ids must be unique"
     for row in rows:
         assert isinstance(row["id"], str) and row["id"]
-        assert bool(row.get("prompt")) != bool(row.get("messages")), row["id"]
+        # Exactly one way to the prompt: a ready prompt, chat messages, or a question (composed with its context).
+        ways = [bool(row.get(name)) for name in ("prompt", "messages", "question")]
+        assert ways.count(True) == 1, row["id"]
+        if row.get("question"):
+            assert row.get("context"), row["id"]
 
 
 def test_rename_identifier_touches_names_only():
@@ -65,7 +69,7 @@ def test_rag_rows_carry_the_whole_paper_as_context():
     rows = rag_rows(6)
     assert len(rows) == 6
     assert_input_contract(rows)
-    assert all(len(r["context"]) > len(r["prompt"]) - 200 for r in rows)
+    assert all(len(r["context"]) > 6000 and r["question"].endswith("?") and "prompt" not in r for r in rows)
     assert {r["id"].rsplit("-", 1)[1] for r in rows} == {"challenge", "approach", "outcome"}
 
 

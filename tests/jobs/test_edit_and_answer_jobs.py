@@ -52,21 +52,35 @@ def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
     assert edited["diff"] == out[("edit-rename", "ar")]["diff"]
 
 
-def test_answer_job_scores_answers_by_token_f1(tmp_path):
+def test_answer_job_scores_answers_by_token_f1_with_a_compressed_context(tmp_path):
+    """--compress-context 2: the prompt carries about half the context's tokens (the question whole), the job scores
+    as usual."""
+    from transformers import AutoTokenizer
+
+    from operators.task_prompts import compose_prompt
+    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.prompts import build_prompt_ids
+
     proc = run("answer_questions.py", "--output", str(tmp_path / "qa"), "--method", "ar", "--method", "pld",
-               "--limit", "1", "--max-new-tokens", "16", "--dtype", "float32")
+               "--limit", "1", "--max-new-tokens", "16", "--dtype", "float32", "--compress-context", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = rows_of(tmp_path / "qa")
     assert set(out) == {("qa-bridge-year", "ar"), ("qa-bridge-year", "pld")}
     answer = out[("qa-bridge-year", "pld")]
     assert answer["error"] is None and answer["task"] == "qa" and answer["quality_metric"] == "token_f1"
     assert 0.0 <= answer["quality"] <= 1.0 and answer["diff"] is None
+    row = json.loads((ROOT / "samples" / "questions.jsonl").read_text().splitlines()[0])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    whole = len(build_prompt_ids(tokenizer, prompt=compose_prompt(row)))
+    context = len(tokenizer(row["context"][:6000], add_special_tokens=False)["input_ids"])
+    assert abs((whole - answer["prompt_tokens"]) - context / 2) <= 0.15 * context, (whole, answer["prompt_tokens"])
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("job, args, fragment", [
     ("edit_documents.py", ["--instruction"], "expected one argument"),
     ("answer_questions.py", ["--max-context-chars", "0"], "max_context_chars"),
+    ("answer_questions.py", ["--compress-context", "0.5"], "compress_context"),
     ("edit_documents.py", ["--input", "/no/such.jsonl"], "input not found"),
 ])
 def test_job_specific_bad_arguments_fail_fast(job, args, fragment, tmp_path):

@@ -37,6 +37,8 @@ VARIANTS = {
     "pld_plus_a-b3": ("pld_plus_a", MethodOptions(), 3, False),
     "casd_strict-b8-budget": ("casd_strict", MethodOptions(), 8, True),
     "pld_plus_h-b8-budget": ("pld_plus_h", MethodOptions(hidden_layer=4, adaptive=True), 8, True),
+    "spectra-b3": ("spectra", MethodOptions(), 3, False),
+    "spectra-small-b8-budget": ("spectra", MethodOptions(spectra_n=4, spectra_pool=4, spectra_guesses=4), 8, True),
 }
 
 
@@ -117,11 +119,11 @@ def test_a_row_failing_mid_batch_errors_alone(engine, reference):
 def test_context_drafts_and_mixed_drafters_in_one_batch(engine, reference):
     """Each row gets as its `context` a document holding its own answer (so context drafts are long and accepted),
     and the rows of ONE batch use different drafters (ar, pld and copyspec reading the context, copyspec with
-    candidates, PLD+): every row still equals ar, and the context copies are counted as their own source."""
+    candidates, PLD+, SPECTRA): every row still equals ar, and the context copies are counted as their own source."""
     decoder = engine.decoder(batch_size=8, speculation_budget=False)
     plans = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
              ("pld_plus_h", MethodOptions()), ("casd_strict", MethodOptions()), ("pld_plus_a", MethodOptions()),
-             ("ar", MethodOptions())]
+             ("ar", MethodOptions()), ("spectra", MethodOptions(spectra_pool=6))]
     methods = {}
     for index, item in enumerate(items(engine)):
         method, options = plans[index % len(plans)]
@@ -139,3 +141,22 @@ def test_context_drafts_and_mixed_drafters_in_one_batch(engine, reference):
             from_context += results[name]["accepted_by_source"].get("context", 0)
             assert results[name]["copied_tokens"] >= results[name]["accepted_by_source"].get("context", 0)
     assert from_context > 40, from_context
+
+
+@pytest.mark.parametrize("method", ["rest", "spectra+retrieval"])
+def test_retrieval_methods_equal_ar(engine, reference, tmp_path, method):
+    """A corpus index for the default model holding the later parts of some answers and unrelated text: rows that
+    retrieve (and rows that find nothing) still equal ar."""
+    from specdec_core.retrieval_index import load_index, tokenizer_fingerprint, write_index
+
+    texts = [reference[name]["output_token_ids"][48:] for name in list(reference)[::2]]
+    texts.append(engine.tokenizer("The quick brown fox jumps over the lazy dog. " * 20)["input_ids"])
+    write_index(tmp_path / "index", texts, {"model": engine.config.model,
+                                            "tokenizer": tokenizer_fingerprint(engine.tokenizer)})
+    load_index.cache_clear()
+    options = MethodOptions(retrieval_index=str(tmp_path / "index"), spectra_pool=6)
+    got = dict(engine.decode_batch(items(engine), method, options, batch_size=3, speculation_budget=False))
+    for name, ar in reference.items():
+        assert got[name]["error"] is None, got[name]["error"]
+        assert got[name]["output_token_ids"] == ar["output_token_ids"], (method, name)
+    assert sum(got[name]["accepted_by_source"].get("retrieval", 0) for name in reference) > 0

@@ -248,3 +248,24 @@ def check_pairs(runner, pairs, heads):
     for tokens, weights in pairs:
         assert len(weights) == len(tokens) - 1  # every committed position; the pending token is not read yet
         torch.testing.assert_close(weights, eager_attention(runner, tokens[:-1], heads), atol=1e-5, rtol=1e-4)
+
+
+def test_head_discovery_on_the_default_model_is_deterministic_and_saved_once(engine, tmp_path, monkeypatch):
+    """Two discoveries (a small prompt set) rank the heads identically and find copying heads; the saved ranking is
+    read back instead of discovered again."""
+    from specdec_core import induction_heads
+
+    prompts = induction_heads.discovery_prompts(engine.tokenizer, count=2)
+    first = induction_heads.discover(engine.target, prompts, new_tokens=24)
+    second = induction_heads.discover(engine.target, prompts, new_tokens=24)
+    assert first == second
+    assert first["events"] > 0 and first["heads"][0][2] > 0
+    assert len(first["heads"]) == engine.target.num_layers * engine.target.model.config.num_attention_heads
+    monkeypatch.setattr(induction_heads, "discovery_prompts", lambda tokenizer: prompts)
+    path = tmp_path / "heads.json"
+    calls = []
+    real = induction_heads.discover
+    monkeypatch.setattr(induction_heads, "discover",
+                        lambda runner, found_prompts: calls.append(1) or real(runner, found_prompts, new_tokens=24))
+    assert induction_heads.load_or_discover(engine.target, path)["heads"] == first["heads"]
+    assert induction_heads.load_or_discover(engine.target, path)["heads"] == first["heads"] and calls == [1]

@@ -174,3 +174,23 @@ def test_rows_whose_drafts_were_refused_are_explored_now_and_then():
     widths = [b.choose_width([chain(4)] * 4, estimates) for _ in range(32)]
     assert widths.count(2) == 2 and widths[15] == 2 and widths[31] == 2 and set(widths) == {1, 2}
     assert budget(lambda rows, width: float(width), explore_every=0).choose_width([chain(4)] * 4, estimates) == 1
+
+
+def test_refused_drafting_rests_until_the_next_exploring_step():
+    """After rest_after refused steps the rows stop proposing; the step before exploration proposes again (it needs
+    drafts), and the exploring step keeps its cadence of one in explore_every."""
+    b = budget(lambda rows, width: float(width))
+    estimates = [AcceptanceEstimate(accepted=0, rejections=5)] * 4
+    plan = []  # per step: (proposed?, width)
+    for _ in range(32):
+        if b.drafting_due():
+            plan.append((True, b.choose_width([chain(4)] * 4, estimates)))
+        else:
+            plan.append((False, b.choose_width([[]] * 4, estimates)))  # no drafts: width 1
+    proposed = [p for p, _ in plan]
+    assert proposed[:4] == [True] * 4 and proposed[4:15] == [False] * 11 and proposed[15]
+    assert [w for _, w in plan].count(2) == 2 and plan[15] == (True, 2) and plan[31] == (True, 2)
+    assert sum(proposed) == 10  # 2 x (4 refused + 1 exploring) of 32 steps
+    always = budget(lambda rows, width: float(width), rest_after=0)
+    assert all(always.drafting_due() for _ in range(40))
+    assert all(budget(lambda rows, width: float(width), enabled=False).drafting_due() for _ in range(40))

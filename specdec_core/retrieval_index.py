@@ -1,0 +1,115 @@
+"""A retrieval corpus in the target's tokens, searchable by prefix (REST; SPECTRA-RETRIEVAL, §3.2).
+
+The texts are joined with a separator (-1, no token id) into one int32 array, a suffix array orders its suffixes,
+and both are saved as .npy files that every decode actor memory-maps (the page cache holds one copy per machine).
+`manifest.json` says what the index was built from and for which tokenizer; loading checks it, so an index built
+for another tokenizer is refused with one clear line instead of drafting wrong ids.
+
+    directory/
+      tokens.npy        int32 [n]   texts in token ids, -1 between texts
+      suffixes.npy      int64 [n]   suffix array over tokens.npy (drafters/suffix_array.py)
+      manifest.json     format, model, tokenizer fingerprint, texts, tokens, source, created_at, ...
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .drafters.suffix_array import SuffixArray, build_suffix_array
+from .errors import BadRequestError
+
+FORMAT = 1
+SEPARATOR = -1  # between texts: no match or continuation crosses it
+TOKENS_FILE, SUFFIXES_FILE, MANIFEST_FILE = "tokens.npy", "suffixes.npy", "manifest.json"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's vocabulary (token -> id): equal fingerprints mean equal token ids."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def join_texts(texts: Iterable[Sequence[int]]) -> np.ndarray:
+    """Token lists -> one int32 array with SEPARATOR after each text."""
+    pieces = []
+    for ids in texts:
+        pieces.append(np.asarray(ids, dtype=np.int32))
+        pieces.append(np.array([SEPARATOR], dtype=np.int32))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+def write_index(directory: str | Path, texts: Iterable[Sequence[int]], manifest: dict) -> dict:
+    """Build and save an index; files are written under temporary names and renamed, so a reader never sees a half
+    index. -> the manifest written (with sizes and created_at filled in)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens = join_texts(texts)
+    suffixes = build_suffix_array(tokens.astype(np.int64))
+    manifest = {**manifest, "format": FORMAT, "texts": int((tokens == SEPARATOR).sum()),
+                "tokens": int((tokens != SEPARATOR).sum()), "created_at": datetime.now(timezone.utc).isoformat()}
+    for name, array in ((TOKENS_FILE, tokens), (SUFFIXES_FILE, suffixes)):
+        partial = directory / f".{name}.partial"
+        with open(partial, "wb") as handle:
+            np.save(handle, array)
+        os.replace(partial, directory / name)
+    partial = directory / f".{MANIFEST_FILE}.partial"
+    partial.write_text(json.dumps(manifest, indent=1))
+    os.replace(partial, directory / MANIFEST_FILE)  # last: its presence means the index is complete
+    return manifest
+
+
+class RetrievalIndex(SuffixArray):
+    """A saved index, memory-mapped; a SuffixArray whose continuations stop at the end of their text."""
+
+    def __init__(self, tokens: np.ndarray, order: np.ndarray, manifest: dict):
+        self.tokens, self.order, self.manifest = tokens, order, manifest
+
+    def continuations(self, lo: int, hi: int, length: int, depth: int, limit: int) -> list[list[int]]:
+        cut = []
+        for branch in super().continuations(lo, hi, length, depth, limit):
+            end = branch.index(SEPARATOR) if SEPARATOR in branch else len(branch)
+            if end:
+                cut.append(branch[:end])
+        return cut
+
+    def _has_continuation(self, lo: int, hi: int, length: int) -> bool:
+        after = self.order[lo:hi] + length
+        after = after[after < len(self.tokens)]
+        return bool(len(after)) and bool((self.tokens[after] != SEPARATOR).any())
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST_FILE
+    if not path.exists():
+        raise BadRequestError(f"retrieval index {directory}: no {MANIFEST_FILE} (not an index, or its build did not "
+                              "finish)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise BadRequestError(f"retrieval index {directory}: format {manifest.get('format')}, this version reads "
+                              f"{FORMAT}: rebuild it")
+    return manifest
+
+
+def check_index_tokenizer(directory: str | Path, tokenizer, model_name: str) -> None:
+    """One clear error when the index's token ids are not the target's."""
+    manifest = read_manifest(directory)
+    if manifest.get("tokenizer") != tokenizer_fingerprint(tokenizer):
+        raise BadRequestError(f"retrieval index {directory} was built for the tokenizer of "
+                              f"{manifest.get('model')!r}, not {model_name!r}'s: rebuild it for this model")
+
+
+@functools.lru_cache(maxsize=4)
+def load_index(directory: str) -> RetrievalIndex:
+    """Memory-mapped, once per process (every request of an actor shares it)."""
+    manifest = read_manifest(directory)
+    tokens = np.load(Path(directory) / TOKENS_FILE, mmap_mode="r")
+    order = np.load(Path(directory) / SUFFIXES_FILE, mmap_mode="r")
+    return RetrievalIndex(tokens, order, manifest)
