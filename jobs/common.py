@@ -79,7 +79,10 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, method_options=MethodOptions(**shared_method_options(args)),
+        seed=args.seed, method_options=MethodOptions(**{
+            **shared_method_options(args),
+            # Actors may not share the driver's working directory: the index by its absolute path.
+            "retrieval_index": os.path.abspath(args.retrieval_index) if args.retrieval_index else None}),
         task_template=task_template, batch_size=args.batch_size, token_budget=args.token_budget,
         speculation_budget=args.speculation_budget,
         default_task=default_task,
@@ -133,6 +136,13 @@ def preflight(config) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
         check_index_tokenizer(config.method_options.retrieval_index, tokenizer, config.model)
+        from specdec_core.retrieval_index import load_index
+
+        try:
+            load_index(config.method_options.retrieval_index)
+        except (OSError, ValueError) as exc:  # a missing or corrupt array file
+            raise SpecbatchError(f"retrieval index {config.method_options.retrieval_index} cannot be read: "
+                                 f"{exc}") from None
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],

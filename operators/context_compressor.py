@@ -43,6 +43,9 @@ class SelfInformationCompressor:
     def __init__(self, model, tokenizer, window: int = 1024):
         if window < 2:
             raise ValueError("window must be at least 2 tokens")
+        if tokenizer is not None and not getattr(tokenizer, "is_fast", False):
+            raise ValueError("context compression maps tokens to words by character offsets: it needs a fast "
+                             "(Rust) tokenizer")
         self.model, self.tokenizer, self.window = model, tokenizer, window
 
     def token_information(self, ids: list[int]) -> np.ndarray:

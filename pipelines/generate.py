@@ -109,34 +109,15 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         from operators.compress_context import CompressContext
 
         # Its own actor with a scoring model (the prompt stage stays tokenizer-only); one forward per window of
-        # context, small beside decoding a row, so one actor keeps up.
-        requests = requests.map_batches(
-            CompressContext,
-            fn_constructor_kwargs={"model": config.compression_model or config.model, "ratio": config.compress_context,
-                                   "max_context_chars": config.max_context_chars, "dtype": config.dtype},
-            batch_format="pandas",
-            batch_size=config.ray_batch_rows(),
-            compute=ray.data.ActorPoolStrategy(size=1),
-            num_cpus=LIGHT_TASK_CPUS,
-            max_restarts=-1,
-            max_task_retries=3,
-        )
-    prompts = requests.map_batches(
-        BuildPrompts,
-        fn_constructor_kwargs={"model": config.model, "task_template": config.task_template,
-                               "max_prompt_tokens": config.max_prompt_tokens,
-                               "max_context_tokens": config.max_context_tokens,
-                               "instruction": config.instruction, "max_context_chars": config.max_context_chars,
-                               "default_task": config.default_task, "done": done, "methods": config.methods},
-        batch_format="pandas",
-        batch_size=config.ray_batch_rows(),
-        compute=ray.data.ActorPoolStrategy(size=1),
-        num_cpus=LIGHT_TASK_CPUS,
-        # Tokenizing cannot crash a worker on one row the way decoding can (limits are checked by length first),
-        # so a few retries cover a lost node, and a repeating crash fails the job instead of retrying forever.
-        max_restarts=-1,
-        max_task_retries=3,
-    )
+        # context, small beside decoding a row with a small model.
+        requests = one_light_actor(requests, CompressContext, config, {
+            "model": config.compression_model or config.model, "ratio": config.compress_context,
+            "max_context_chars": config.max_context_chars, "dtype": config.dtype})
+    prompts = one_light_actor(requests, BuildPrompts, config, {
+        "model": config.model, "task_template": config.task_template, "max_prompt_tokens": config.max_prompt_tokens,
+        "max_context_tokens": config.max_context_tokens, "instruction": config.instruction,
+        "max_context_chars": config.max_context_chars, "default_task": config.default_task, "done": done,
+        "methods": config.methods})
     return prompts.map_batches(
         DecodeRequests,
         fn_constructor_kwargs={
@@ -158,6 +139,17 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         max_restarts=-1,
         max_task_retries=max_task_retries(config.ray_batch_rows(), len(config.methods)) if journal else -1,
     )
+
+
+def one_light_actor(dataset, stage, config: GenerationConfig, kwargs: dict):
+    """A stage on one small actor (a quarter CPU) that sees every row. Its work cannot crash a worker on one row the
+    way decoding can (limits are checked by length first), so a few retries cover a lost node, and a repeating crash
+    fails the job instead of retrying forever."""
+    import ray.data
+
+    return dataset.map_batches(stage, fn_constructor_kwargs=kwargs, batch_format="pandas",
+                               batch_size=config.ray_batch_rows(), compute=ray.data.ActorPoolStrategy(size=1),
+                               num_cpus=LIGHT_TASK_CPUS, max_restarts=-1, max_task_retries=3)
 
 
 def new_crash_journal():

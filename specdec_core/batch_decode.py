@@ -336,7 +336,10 @@ class BatchDecoder:
                 self.stats.verified_tokens += len(draft)
                 self.stats.accepted_tokens += accepted
                 self.stats.new_tokens += kept
-                self.budget.observe(row.acceptance, draft.max_depth, result.num_accepted)
+                # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
+                offered = _reach(draft)[-1] if draft.probes and len(draft) else draft.max_depth
+                if offered or not draft.probes:
+                    self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
                 if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
                     picked = [starts[index] + 1 + p for p in draft.probes]
                     row.request.drafter.observe_logits(list(draft.probes), logits[picked])
@@ -371,7 +374,18 @@ class BatchDecoder:
 
 
 def _reach(draft: Draft) -> list[int]:
-    """[n - 1] -> how deep the draft cut to n tokens can accept (a chain: n; a tree: its deepest of n nodes)."""
+    """[n - 1] -> how deep the draft cut to n tokens can accept (a chain: n; a tree: its deepest of n nodes). Probe
+    branches (Draft.probes: verified to learn from, as SPECTRA's pool rows) add no reach: the budget does not expect
+    them to be accepted."""
+    if draft.probes:
+        learning = draft.probe_nodes()
+        node_depths = depths(draft.parents) if draft.parents is not None else list(range(1, len(draft) + 1))
+        deepest, reach = 0, []
+        for index, depth in enumerate(node_depths):
+            if index not in learning:
+                deepest = max(deepest, depth)
+            reach.append(deepest)
+        return reach
     return prefix_depths(draft.parents) if draft.parents is not None else list(range(1, len(draft) + 1))
 
 

@@ -53,6 +53,7 @@ def write_index(directory: str | Path, texts: Iterable[Sequence[int]], manifest:
     directory.mkdir(parents=True, exist_ok=True)
     tokens = join_texts(texts)
     suffixes = build_suffix_array(tokens.astype(np.int64))
+    (directory / MANIFEST_FILE).unlink(missing_ok=True)  # a rebuild: readers refuse the index until it is whole
     manifest = {**manifest, "format": FORMAT, "texts": int((tokens == SEPARATOR).sum()),
                 "tokens": int((tokens != SEPARATOR).sum()), "created_at": datetime.now(timezone.utc).isoformat()}
     for name, array in ((TOKENS_FILE, tokens), (SUFFIXES_FILE, suffixes)):
@@ -72,18 +73,33 @@ class RetrievalIndex(SuffixArray):
     def __init__(self, tokens: np.ndarray, order: np.ndarray, manifest: dict):
         self.tokens, self.order, self.manifest = tokens, order, manifest
 
+    # Among the suffixes that start with a match, those followed by the end of the array or by SEPARATOR sort first
+    # (shorter suffixes first, -1 below every token): the ones with a continuation are a tail of [lo, hi), found by
+    # binary search instead of reading every occurrence (a common 2-gram occurs ~1e5 times in a large corpus).
+
+    def _followed(self, index: int, length: int) -> bool:
+        after = int(self.order[index]) + length
+        return after < len(self.tokens) and int(self.tokens[after]) != SEPARATOR
+
+    def _first_followed(self, lo: int, hi: int, length: int) -> int:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._followed(mid, length):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _has_continuation(self, lo: int, hi: int, length: int) -> bool:
+        return hi > lo and self._followed(hi - 1, length)
+
     def continuations(self, lo: int, hi: int, length: int, depth: int, limit: int) -> list[list[int]]:
+        lo = self._first_followed(lo, hi, length)
         cut = []
         for branch in super().continuations(lo, hi, length, depth, limit):
             end = branch.index(SEPARATOR) if SEPARATOR in branch else len(branch)
-            if end:
-                cut.append(branch[:end])
+            cut.append(branch[:end])  # non-empty: every occurrence from lo on is followed by a token
         return cut
-
-    def _has_continuation(self, lo: int, hi: int, length: int) -> bool:
-        after = self.order[lo:hi] + length
-        after = after[after < len(self.tokens)]
-        return bool(len(after)) and bool((self.tokens[after] != SEPARATOR).any())
 
 
 def read_manifest(directory: str | Path) -> dict:
@@ -106,9 +122,16 @@ def check_index_tokenizer(directory: str | Path, tokenizer, model_name: str) -> 
                               f"{manifest.get('model')!r}, not {model_name!r}'s: rebuild it for this model")
 
 
-@functools.lru_cache(maxsize=4)
 def load_index(directory: str) -> RetrievalIndex:
-    """Memory-mapped, once per process (every request of an actor shares it)."""
+    """Memory-mapped, once per process and build (every request of an actor shares it; a rebuilt index, with a
+    new manifest, is loaded afresh)."""
+    manifest_path = Path(directory) / MANIFEST_FILE
+    stamp = manifest_path.stat().st_mtime_ns if manifest_path.exists() else None
+    return _load_index(str(Path(directory).resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_index(directory: str, stamp: int | None) -> RetrievalIndex:
     manifest = read_manifest(directory)
     tokens = np.load(Path(directory) / TOKENS_FILE, mmap_mode="r")
     order = np.load(Path(directory) / SUFFIXES_FILE, mmap_mode="r")

@@ -196,8 +196,8 @@ class SpeculationBudget:
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""
-        if not self.enabled or not self.rest_after or self.idle_steps < self.rest_after:
-            return True
+        if not self.enabled or not self.rest_after or not self.explore_every or self.idle_steps < self.rest_after:
+            return True  # (without exploration a rest would never end)
         if self.explore_every and self.idle_steps + 1 >= self.explore_every:
             return True  # this step explores: it needs drafts
         self.idle_steps += 1

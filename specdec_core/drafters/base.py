@@ -70,6 +70,17 @@ class Draft:
                      rule=self.rule,
                      probes=[p for p in self.probes if p < length] if self.probes is not None else None)
 
+    def probe_nodes(self) -> set[int]:
+        """The draft indices on the branches that end at a probe (root to probe): nodes verified to learn from, not
+        expected to be accepted."""
+        nodes: set[int] = set()
+        for probe in self.probes or ():
+            node = probe
+            while node >= 0 and node not in nodes:
+                nodes.add(node)
+                node = self.parents[node] if self.parents is not None else node - 1
+        return nodes
+
     def source_of(self, index: int) -> str:
         return self.token_sources[index] if self.token_sources is not None else self.source
 

@@ -20,7 +20,7 @@ from ..draft_tree import frequency_trie
 from ..errors import BadRequestError
 from ..verification import ConditionalRule
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, empty_draft
-from .suffix_array import SuffixArray
+from .suffix_array import SuffixArray, shared_suffix_array
 
 PROMPT_POOL_SOURCE = "copy"  # a row without a context retrieves from its own prompt
 
@@ -50,7 +50,7 @@ class ContextTreeDrafter(Drafter):
                                       "use temperature 0, or casd_strict to sample")
             self.rule = replace(self.rule, eos_ids=tuple(sorted(request.eos_token_ids)))
         if request.context_ids:
-            self.index, self.source = SuffixArray(request.context_ids), CONTEXT_SOURCE
+            self.index, self.source = shared_suffix_array(request.context_ids), CONTEXT_SOURCE
         else:
             self.index, self.source = SuffixArray(tokens[: request.prompt_len]), PROMPT_POOL_SOURCE
 

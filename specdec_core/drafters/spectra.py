@@ -22,7 +22,9 @@ Choices where the paper is silent (each said here so it can be revisited): the p
 the prompt (as Lookahead); a row feeds the dictionaries only once all its tokens were predicted by the target
 (earlier its n-grams hold the random seed tokens); a forward key keeps at most W continuations (newest kept,
 a repeat moves to the front; Appendix B's "W = 15 maintained per key"); dictionaries are per request. Pool rows
-whose last node a speculation budget cut from the step are not extended that step.
+whose last node a speculation budget cut from the step are not extended that step (a budget that refuses every
+draft therefore starves the pool: measured in the note of issue 10); rows take turns when not all fit. Probe
+branches add nothing to the budget's expected gain or acceptance estimates (batch_decode._reach).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class SpectraDrafter(Drafter):
         self.predicted: list[int] = []  # per row: how many of its tokens the target predicted (warm-up)
         self.probe_row: dict[int, int] = {}  # the last draft's probed node -> its pool row
         self.retriever = retriever  # retrieval.RetrievalTreeDrafter: external guesses fill up to G (§3.2)
+        self.first_row = 0  # the pool row probed first next step
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -121,7 +124,11 @@ class SpectraDrafter(Drafter):
         nodes, parents, origins = build_trie_with_origins(internal + external)
         sources = [SPECTRA_SOURCE if o < len(internal) else RETRIEVAL_SOURCE for o in origins]
         probes, self.probe_row = [], {}
-        for row, chain in enumerate(self.candidates):
+        # Rows take turns: when not all fit (the guesses and max_tokens leave less room than W rows), the next step
+        # starts after the last row probed, so every row keeps advancing.
+        for step in range(len(self.candidates)):
+            row = (self.first_row + step) % len(self.candidates)
+            chain = self.candidates[row]
             if len(nodes) + len(chain) > max_tokens:
                 break  # the rows that do not fit wait for a later step
             start = len(nodes)
@@ -130,6 +137,8 @@ class SpectraDrafter(Drafter):
             sources.extend([SPECTRA_SOURCE] * len(chain))
             probes.append(len(nodes) - 1)
             self.probe_row[len(nodes) - 1] = row
+        if self.candidates:
+            self.first_row = (self.first_row + len(probes)) % len(self.candidates)
         if not nodes:
             return empty_draft()
         return Draft(tokens=nodes, source=SPECTRA_SOURCE, parents=parents, token_sources=sources,

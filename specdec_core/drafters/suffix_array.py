@@ -7,6 +7,7 @@ rounds stop when every suffix has its own rank, ~log2 of the longest repeat): ab
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,3 +97,23 @@ class SuffixArray:
         if len(starts) > limit:
             starts = starts[np.linspace(0, len(starts) - 1, limit).astype(np.int64)]
         return [self.tokens[s : s + depth].tolist() for s in np.sort(starts)]
+
+
+_RECENT: "OrderedDict[tuple[int, int], SuffixArray]" = OrderedDict()
+RECENT_LIMIT = 8
+
+
+def shared_suffix_array(tokens: Sequence[int]) -> SuffixArray:
+    """The suffix array of `tokens`, shared by requests with the same document (a RAG set asks several questions of
+    one paper: measured, building the array for each of them cost casd_strict ~15 % of a fast pass); the few most
+    recent documents are kept."""
+    key = (len(tokens), hash(tuple(tokens)))
+    found = _RECENT.get(key)
+    if found is not None and np.array_equal(found.tokens, np.asarray(tokens, dtype=np.int64)):
+        _RECENT.move_to_end(key)
+        return found
+    built = SuffixArray(tokens)
+    _RECENT[key] = built
+    while len(_RECENT) > RECENT_LIMIT:
+        _RECENT.popitem(last=False)
+    return built

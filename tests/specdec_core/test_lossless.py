@@ -153,7 +153,6 @@ def test_retrieval_methods_equal_ar(engine, reference, tmp_path, method):
     texts.append(engine.tokenizer("The quick brown fox jumps over the lazy dog. " * 20)["input_ids"])
     write_index(tmp_path / "index", texts, {"model": engine.config.model,
                                             "tokenizer": tokenizer_fingerprint(engine.tokenizer)})
-    load_index.cache_clear()
     options = MethodOptions(retrieval_index=str(tmp_path / "index"), spectra_pool=6)
     got = dict(engine.decode_batch(items(engine), method, options, batch_size=3, speculation_budget=False))
     for name, ar in reference.items():

@@ -21,7 +21,6 @@ from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tin
 def build(tmp_path, texts, name="index"):
     directory = tmp_path / name
     write_index(directory, texts, {"model": "tiny-llama", "tokenizer": tokenizer_fingerprint(DigitsTokenizer())})
-    load_index.cache_clear()
     return load_index(str(directory))
 
 
@@ -88,7 +87,6 @@ def test_build_index_command_reads_a_directory_skips_bad_texts_and_refuses_a_for
     assert "2 texts" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert manifest["texts"] == 2 and manifest["skipped"] == 2 and manifest["refined"] is False
-    load_index.cache_clear()
     assert load_index(str(tmp_path / "idx")).manifest["model"] == "smollm2-135m"
     # Rebuilding into an index directory is fine; a directory holding anything else is never touched.
     assert main(["build-index", "--input", str(corpus), "--output", str(tmp_path / "idx"), "--glob", "*.py"]) == 0
