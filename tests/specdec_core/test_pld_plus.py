@@ -257,8 +257,6 @@ def test_head_discovery_on_the_default_model_is_deterministic_and_saved_once(eng
 
     prompts = induction_heads.discovery_prompts(engine.tokenizer, count=2)
     first = induction_heads.discover(engine.target, prompts, new_tokens=24)
-    second = induction_heads.discover(engine.target, prompts, new_tokens=24)
-    assert first == second
     assert first["events"] > 0 and first["heads"][0][2] > 0
     assert len(first["heads"]) == engine.target.num_layers * engine.target.model.config.num_attention_heads
     monkeypatch.setattr(induction_heads, "discovery_prompts", lambda tokenizer: prompts)
@@ -267,5 +265,6 @@ def test_head_discovery_on_the_default_model_is_deterministic_and_saved_once(eng
     real = induction_heads.discover
     monkeypatch.setattr(induction_heads, "discover",
                         lambda runner, found_prompts: calls.append(1) or real(runner, found_prompts, new_tokens=24))
-    assert induction_heads.load_or_discover(engine.target, path)["heads"] == first["heads"]
-    assert induction_heads.load_or_discover(engine.target, path)["heads"] == first["heads"] and calls == [1]
+    second = induction_heads.load_or_discover(engine.target, path)  # a second discovery, then saved
+    assert second == first and calls == [1]
+    assert induction_heads.load_or_discover(engine.target, path) == first and calls == [1]  # read back
