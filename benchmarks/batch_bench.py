@@ -88,7 +88,7 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
     by the target model when asked (operators/compress_context.py; untimed, like the prompt stage)."""
     from operators.context_compressor import SelfInformationCompressor
     from operators.read_requests import workload_rows
-    from operators.task_prompts import compose_prompt
+    from operators.task_prompts import DEFAULT_MAX_CONTEXT_CHARS, compose_prompt
     from specdec_core.decode import DecodeParams
     from specdec_core.engine import BatchItem
 
@@ -96,7 +96,7 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
     compressor = SelfInformationCompressor(engine.target.model, engine.tokenizer) if compress_context else None
     for row in rows:
         if compressor is not None and row.get("question") is not None:
-            row["prompt_context"] = compressor.compress(row["context"][:6000], compress_context)
+            row["prompt_context"] = compressor.compress(row["context"][:DEFAULT_MAX_CONTEXT_CHARS], compress_context)
         if row.get("prompt") is None and not row.get("messages"):
             row["prompt"] = compose_prompt(row)
     params = DecodeParams(max_new_tokens=max_new_tokens)

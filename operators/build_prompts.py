@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from .requests_schema import requests_table
+from .requests_schema import batch_rows, requests_table
 from .skip_done import todo_methods
 from .task_prompts import compose_prompt
 
@@ -102,8 +102,7 @@ class BuildPrompts:
         from specdec_core.errors import SpecbatchError
 
         rows = []
-        for row in batch.to_dict("records"):
-            row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        for row in batch_rows(batch):
             self.mark_duplicate(row)  # before the resume filter: a duplicate's own id is what was written
             if self.done:
                 row["todo_methods"] = todo_methods(row, self.done, self.methods)

@@ -7,7 +7,7 @@ uncut) and keeps 1/R of its tokens; the question and the `context` column (the c
 
 from __future__ import annotations
 
-from .requests_schema import requests_table
+from .requests_schema import batch_rows, requests_table
 
 
 class CompressContext:
@@ -36,9 +36,7 @@ class CompressContext:
             row["input_error"] = f"context compression failed: {type(exc).__name__}: {exc}"
 
     def __call__(self, batch):
-        rows = []
-        for row in batch.to_dict("records"):
-            row = {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+        rows = batch_rows(batch)
+        for row in rows:
             self.compress_row(row)
-            rows.append(row)
         return requests_table(rows)

@@ -32,6 +32,12 @@ REQUESTS_SCHEMA = pa.schema([
 ])
 
 
+def batch_rows(batch) -> list[dict]:
+    """A pandas batch of the requests table -> row dicts, pandas' NaN for a missing value back to None."""
+    return [{k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+            for row in batch.to_dict("records")]
+
+
 def requests_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pydict({f.name: [row.get(f.name) for row in rows] for f in REQUESTS_SCHEMA},
                                 schema=REQUESTS_SCHEMA)

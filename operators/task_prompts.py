@@ -9,7 +9,11 @@ EDIT_TEMPLATE = "{instruction}\nReturn the complete edited document and nothing 
 QUESTION_TEMPLATE = "Answer the question using the passages.\n\nPassages:\n{context}\n\nQuestion: {question}"
 
 
-def compose_prompt(row: dict, instruction: str | None = None, max_context_chars: int = 6000) -> str:
+DEFAULT_MAX_CONTEXT_CHARS = 6000
+
+
+def compose_prompt(row: dict, instruction: str | None = None,
+                   max_context_chars: int = DEFAULT_MAX_CONTEXT_CHARS) -> str:
     """The prompt text of a `document` or `question` row (a row's own instruction wins over the run's).
 
     Only the first max_context_chars of the context go into the prompt, or the row's `prompt_context` where the

@@ -54,17 +54,23 @@ class ContextTreeDrafter(Drafter):
         else:
             self.index, self.source = SuffixArray(tokens[: request.prompt_len]), PROMPT_POOL_SOURCE
 
-    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        budget = min(self.node_budget, max_tokens)
-        if self.index is None or budget <= 0:
-            return empty_draft()
+    def retrieve(self, tokens: Sequence[int], depth: int) -> list[list[int]]:
+        """The `depth` tokens after each occurrence (up to max_occurrences) of the longest suffix of `tokens`
+        (min_match..max_match tokens) in the pool; [] when none occurs."""
+        if self.index is None:
+            return []
         tail = np.asarray(tokens[-self.max_match :], dtype=np.int64)
         match = self.index.longest_suffix_match(tail, self.min_match)
         if match is None:
-            return empty_draft()
+            return []
         length, lo, hi = match
-        branches = self.index.continuations(lo, hi, length, self.depth, self.max_occurrences)
-        draft_tokens, parents = frequency_trie(branches, budget)
+        return self.index.continuations(lo, hi, length, depth, self.max_occurrences)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        budget = min(self.node_budget, max_tokens)
+        if budget <= 0:
+            return empty_draft()
+        draft_tokens, parents = frequency_trie(self.retrieve(tokens, self.depth), budget)
         if not draft_tokens:
             return empty_draft()
         return Draft(tokens=draft_tokens, source=self.source, from_context=True, parents=parents, rule=self.rule)

@@ -14,6 +14,7 @@ product over the candidates.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,8 +63,10 @@ class RankedLookupDrafter(Drafter):
         self._tokens = np.zeros(0, dtype=np.int64)
         self._size = 0
 
+    @abstractmethod
     def _rank(self, history: np.ndarray) -> int | None:
-        raise NotImplementedError
+        """The occurrence j (history[j] == history[-1], j < len - 1) to copy after, or None: what (h) and (a)
+        differ in."""
 
     def _as_array(self, tokens: Sequence[int]) -> np.ndarray:
         # A growing numpy copy (the sequence is append-only): each step converts only the new tokens.

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-import numpy as np
-
 from .base import Draft, Drafter, RequestContext
 from .casd import ContextTreeDrafter
 
@@ -40,13 +38,8 @@ class RetrievalTreeDrafter(ContextTreeDrafter):
         guesses."""
         if limit <= 0:
             return []
-        tail = np.asarray(tokens[-self.max_match:], dtype=np.int64)
-        match = self.corpus.longest_suffix_match(tail, self.min_match)
-        if match is None:
-            return []
-        length, lo, hi = match
         found: list[list[int]] = []
-        for branch in self.corpus.continuations(lo, hi, length, depth, self.max_occurrences):
+        for branch in self.retrieve(tokens, depth):
             if branch and branch not in found:
                 found.append(branch)
                 if len(found) == limit:

@@ -151,12 +151,14 @@ class SpectraDrafter(Drafter):
     def observe_logits(self, probes: list[int], logits: torch.Tensor) -> None:
         """logits [len(probes), vocab]: the target's next-token logits after each probed pool row that the step
         verified (a budget may have cut some)."""
-        seen = torch.tensor(list(self.dictionaries.forward), dtype=torch.long)  # keys before this step's updates
+        seen = None  # the forward dictionary's keys, gathered when a row first needs them
         for node, scores in zip(probes, logits):
             row = self.probe_row.get(node)
             if row is None:
                 continue
-            if len(seen) and self.random.random() < self.force_unseen:
+            if self.dictionaries.forward and self.random.random() < self.force_unseen:
+                if seen is None:
+                    seen = torch.tensor(list(self.dictionaries.forward), dtype=torch.long)
                 scores = scores.clone()
                 scores[seen[seen < scores.shape[-1]]] = float("-inf")
             gram = self.candidates[row] + [int(torch.argmax(scores))]
