@@ -46,6 +46,9 @@ def hardware(device: str) -> str:
     return f"CPU flags: {found}, threads {torch.get_num_threads()}"
 
 
+INDEXES: dict[str, str] = {}  # --index NAME=DIR: the retrieval indexes methods name with index=NAME
+
+
 def parse_method(text: str):
     """'copyspec:candidates=3,adaptive@16,32' -> ('copyspec', MethodOptions(candidates=3, adaptive=True)); the
     batch sizes after '@' are read by `method_sizes`."""
@@ -58,6 +61,11 @@ def parse_method(text: str):
         if key == "budget":  # read by `speculation_budget_on`, not a method option
             if value not in ("on", "off"):
                 raise ValueError(f"budget={value!r}: use budget=on or budget=off")
+            continue
+        if key == "index":  # a retrieval index named by --index NAME=DIR
+            if value not in INDEXES:
+                raise ValueError(f"index={value!r}: name it with --index {value}=DIR")
+            options["retrieval_index"] = INDEXES[value]
             continue
         options[key] = True if value == "" else None if value == "none" else float(value) if "." in value \
             else int(value)
@@ -212,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--compress-context", type=float, default=None, metavar="R",
                         help="rag: the prompt carries its 6,000 context characters compressed R times (tokens)")
+    parser.add_argument("--index", action="append", default=[], metavar="NAME=DIR",
+                        help="a retrieval index (jobs/refine_corpus.py, specbatch build-index) that methods name "
+                             "with the option index=NAME, e.g. --index refined=out/index --methods rest:index=refined")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
@@ -225,6 +236,9 @@ def main() -> int:
     from specdec_core.engine import Engine, EngineConfig
 
     args = build_parser().parse_args()
+    for spec in args.index:
+        name, _, directory = spec.partition("=")
+        INDEXES[name] = os.path.abspath(directory)
     for text in args.methods:
         parse_method(text)  # a bad method option fails before the model loads
     torch.set_num_threads(os.cpu_count() or 1)

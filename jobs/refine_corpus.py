@@ -53,10 +53,10 @@ def build_parser():
                         help="a longer text is scored in windows of this many tokens (default %(default)s)")
     parser.add_argument("--overlap", type=int, default=128,
                         help="context tokens each later window starts with (default %(default)s)")
-    parser.add_argument("--tokens-per-forward", type=int, default=8192,
+    parser.add_argument("--tokens-per-forward", type=int, default=1024,
                         help="padded tokens per scoring forward (default %(default)s)")
     parser.add_argument("--max-text-tokens", type=int, default=1 << 20, help="a longer text is an error row")
-    parser.add_argument("--rows-per-call", type=int, default=64,
+    parser.add_argument("--rows-per-call", type=int, default=256,
                         help="texts per actor call, also what a crash can lose (default %(default)s)")
     parser.add_argument("--num-actors", type=int, default=1, help="scoring actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)

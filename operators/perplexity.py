@@ -8,6 +8,10 @@ the first token it scores, so every scored token (past the first window) sees at
 and each token is scored exactly once. Windows of all texts in a call are sorted by length and packed into forwards
 of at most `tokens_per_forward` padded tokens (right padding, so positions need no shift); the LM head runs only on
 the positions that are scored, in chunks, never on padding and never as one [batch, T, vocab] tensor.
+
+Forwards of ~1,024 padded tokens are the default: measured on a 2-core AVX2 CPU (SmolLM2-135M, fp32, ACLSum
+paragraphs), 512-1,024 tokens per forward scored 330-410 tok/s and 8,192 only 210-260 (the activations of a large
+forward fall out of the cache); a GPU wants far larger forwards (--tokens-per-forward).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class TextScore:
 class PerplexityScorer:
     """Scores token lists with a loaded ModelRunner (its base model and LM head, Gemma's soft-capping included)."""
 
-    def __init__(self, runner, window: int = 1024, overlap: int = 128, tokens_per_forward: int = 8192):
+    def __init__(self, runner, window: int = 1024, overlap: int = 128, tokens_per_forward: int = 1024):
         text_windows(0, 0, window, overlap)  # checks the arguments
         self.runner, self.window, self.overlap, self.tokens_per_forward = runner, window, overlap, tokens_per_forward
         self.pad_id = runner.tokenizer.pad_token_id if runner.tokenizer.pad_token_id is not None else 0

@@ -19,7 +19,7 @@ class ScorePerplexity:
     """text rows (pandas) -> SCORES_SCHEMA rows (Arrow)."""
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", window: int = 1024,
-                 overlap: int = 128, tokens_per_forward: int = 8192, max_text_tokens: int = 1 << 20,
+                 overlap: int = 128, tokens_per_forward: int = 1024, max_text_tokens: int = 1 << 20,
                  torch_threads: int = 1):
         import torch
 

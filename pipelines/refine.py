@@ -51,9 +51,9 @@ class RefineConfig(BaseModel):
     seed: int = 0
     window: int = Field(1024, ge=2)
     overlap: int = Field(128, ge=0)
-    tokens_per_forward: int = Field(8192, ge=1)
+    tokens_per_forward: int = Field(1024, ge=1)
     max_text_tokens: int = Field(1 << 20, ge=2)
-    rows_per_call: int = Field(64, ge=1)
+    rows_per_call: int = Field(256, ge=1)
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float | None = Field(None, gt=0)
     num_gpus_per_actor: float = Field(0.0, ge=0)
@@ -223,6 +223,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
         done = done_keys(out) if config.resume else frozenset()
         before = read_scores(out, ["key", "scored_tokens", "error"]).num_rows
         cpus = config.actor_cpus(float(ray.cluster_resources().get("CPU", 1)))
+        quiet_data_context()
         texts = read_corpus(config.input, config.text_field, config.id_field, config.glob, config.limit, done,
                             LIGHT_TASK_CPUS)
         scored = texts.map_batches(
@@ -232,7 +233,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
                                    "tokens_per_forward": config.tokens_per_forward,
                                    "max_text_tokens": config.max_text_tokens,
                                    "torch_threads": max(1, round(cpus))},
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors),
+            compute=ray.data.ActorPoolStrategy(size=config.num_actors),
             num_cpus=cpus, num_gpus=config.num_gpus_per_actor or None,
             # A lost actor is restarted and its call redone (its rows are written only when the call finishes);
             # a call that crashes its actor again and again fails the job rather than looping.
@@ -247,6 +248,18 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
             "tokens": int(np.nansum(np.array(totals.column("token_count").to_pylist(), dtype=np.float64))),
             "kept": manifest["texts"], "kept_tokens": manifest["tokens"], "max_kept_ppl": manifest["max_kept_ppl"],
             "scoring_s": scoring_s, "wall_s": time.perf_counter() - started, "index": str(out / INDEX_DIR)}
+
+
+def quiet_data_context() -> None:
+    """Ray Data's statistics collection runs beside the scoring on the same CPUs (its stats actor and the driver's
+    executor took ~20 % of a 2-core machine in a profile); the job reports its own numbers."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    for flag in ("enable_auto_log_stats", "enable_stats_summary_collection", "enable_per_node_metrics",
+                 "enable_get_object_locations_for_metrics"):
+        if hasattr(context, flag):
+            setattr(context, flag, False)
 
 
 class ScoreProgress:

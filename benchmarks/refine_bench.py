@@ -1,0 +1,120 @@
+"""Corpus refinement throughput: the whole refine_corpus.py job against the model's raw batched forward on the same
+texts (issue 10's target: the job reaches >= 80 % of it).
+
+    python benchmarks/refine_bench.py --input corpus:aclsum --limit 1500 --output /tmp/refine_bench
+
+Raw forward: the same texts, tokenized, cut into the same windows and packed into the same forwards as the job's
+scorer (operators/perplexity.py), each forward a plain `model(input_ids, attention_mask)` with full logits, in this
+process with the actor's thread count; nothing else is timed (no reading, tokenizing, loss, Ray, writing). The job
+runs as a subprocess (embedded Ray, one scoring actor) and is timed from launch to exit (Ray start, model load, index
+build included), and by its own scoring time. Both run one after the other, never at once. Tokens = the texts'
+tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def corpus_tokens(source: str, limit: int, tokenizer, glob: str) -> list[list[int]]:
+    """The first `limit` texts the job reads, tokenized as its scorer does (error rows dropped)."""
+    from operators.read_corpus import corpus_items, parse_item
+
+    ids = []
+    for item in corpus_items(source, glob):
+        for row in parse_item(item):
+            if len(ids) + 1 > limit:
+                return [t for t in ids if t is not None]
+            tokens = tokenizer(row["text"], add_special_tokens=False)["input_ids"] if row["error"] is None else None
+            ids.append(tokens if tokens is not None and len(tokens) >= 2 else None)
+    return [t for t in ids if t is not None]
+
+
+def raw_forward_seconds(runner, token_lists, window: int, overlap: int, tokens_per_forward: int) -> float:
+    import torch
+
+    from operators.perplexity import PerplexityScorer, pack_windows
+
+    scorer = PerplexityScorer(runner, window, overlap, tokens_per_forward)
+    batches = pack_windows(scorer.windows(token_lists), tokens_per_forward)
+    inputs = []
+    for batch in batches:
+        width = batch[0].length
+        ids = torch.full((len(batch), width), scorer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, w in enumerate(batch):
+            ids[row, : w.length] = torch.tensor(token_lists[w.text][w.begin:w.end])
+            mask[row, : w.length] = 1
+        inputs.append((ids, mask))
+    with torch.inference_mode():
+        runner.model(input_ids=inputs[0][0][:1, :16], attention_mask=inputs[0][1][:1, :16])  # warm-up
+        started = time.perf_counter()
+        for ids, mask in inputs:
+            runner.model(input_ids=ids, attention_mask=mask).logits.float()
+        return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", default="corpus:aclsum")
+    parser.add_argument("--glob", default="*.txt")
+    parser.add_argument("--limit", type=int, default=1500)
+    parser.add_argument("--output", required=True, help="the job's output directory (must not exist)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--overlap", type=int, default=128)
+    parser.add_argument("--tokens-per-forward", type=int, default=1024)
+    parser.add_argument("--keep-fraction", type=float, default=0.5)
+    args = parser.parse_args()
+
+    import torch
+
+    from benchmarks.batch_bench import hardware
+    from specdec_core.model_runner import ModelRunner
+
+    torch.set_num_threads(os.cpu_count() or 1)  # the job's one actor gets round(CPUs - 0.5) threads: all of them
+    runner = ModelRunner.load(args.model, args.dtype, "cpu")
+    token_lists = corpus_tokens(args.input, args.limit, runner.tokenizer, args.glob)
+    tokens = sum(len(t) for t in token_lists)
+    raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
+    del runner
+
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), "--input", args.input,
+                           "--glob", args.glob, "--limit", str(args.limit), "--output", args.output, "--model",
+                           args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
+                           str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
+                           "--keep-fraction", str(args.keep_fraction)], capture_output=True, text=True, cwd=ROOT)
+    job_s = time.perf_counter() - started
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = {"input": args.input, "texts": len(token_lists), "tokens": tokens, "job_tokens": summary["tokens"],
+              "raw_forward_s": round(raw_s, 1), "raw_tok_s": round(tokens / raw_s, 1),
+              "job_wall_s": round(job_s, 1), "job_tok_s": round(tokens / job_s, 1),
+              "job_scoring_s": summary["scoring_s"], "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
+              "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
+              "kept": summary["kept"], "kept_tokens": summary["kept_tokens"], "max_kept_ppl": summary["max_kept_ppl"]}
+    print(f"# {args.model}, dtype {args.dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
+          f"{args.tokens_per_forward} tokens per forward, one run")
+    print(json.dumps(result))
+    print(f"raw batched forward {result['raw_tok_s']} tok/s; job end to end {result['job_tok_s']} tok/s "
+          f"({result['job_vs_raw']:.2f}x raw), its scoring stage {result['job_scoring_tok_s']} tok/s "
+          f"({result['scoring_vs_raw']:.2f}x raw)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
