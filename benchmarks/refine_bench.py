@@ -88,6 +88,7 @@ def main() -> int:
     token_lists = corpus_tokens(args.input, args.limit, runner.tokenizer, args.glob)
     tokens = sum(len(t) for t in token_lists)
     raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
+    dtype = runner.dtype_name  # what --dtype auto became (the job's actor resolves it the same way)
     del runner
 
     started = time.perf_counter()
@@ -107,7 +108,7 @@ def main() -> int:
               "job_scoring_s": summary["scoring_s"], "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
               "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
               "kept": summary["kept"], "kept_tokens": summary["kept_tokens"], "max_kept_ppl": summary["max_kept_ppl"]}
-    print(f"# {args.model}, dtype {args.dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
+    print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
           f"{args.tokens_per_forward} tokens per forward, one run")
     print(json.dumps(result))
     print(f"raw batched forward {result['raw_tok_s']} tok/s; job end to end {result['job_tok_s']} tok/s "
