@@ -1,0 +1,165 @@
+"""Which tokens two tokenizers share: the map TLI and the union baseline draft through (heterogeneous-vocabulary
+speculative decoding, Timor et al., §4).
+
+Two tokens are the same when they stand for the same bytes: each token is turned into the bytes it decodes to, with
+the tokenizer's own space marker undone (byte-level BPE's 'Ġ' and its whole byte alphabet, SentencePiece's '▁',
+byte-fallback tokens '<0x0A>'), so a 'Ġthe' of one and a '▁the' of the other match. Comparing raw token strings, as
+Hugging Face's universal assisted generation does after swapping the leading marker, misses tokens whose other bytes
+are spelled differently (a byte-level 'Ċ' is '\\n'). Special tokens never match by bytes: they map by role (BOS to
+BOS, EOS to EOS, ...) or by identical text.
+
+The map is built once per pair and cached under $SPECBATCH_CACHE/vocab_maps/ by both tokenizers' fingerprints.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .model_registry import cache_root
+from .retrieval_index import tokenizer_fingerprint
+
+BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@functools.lru_cache(maxsize=1)
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): character -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _decoder_steps(tokenizer) -> list[dict]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return []
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+
+
+def special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return ids
+
+
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """[vocab] the bytes each token stands for (None: a special token, or an id the tokenizer does not use)."""
+    vocab = tokenizer.get_vocab()
+    size = max(vocab.values()) + 1
+    out: list[bytes | None] = [None] * size
+    specials = special_ids(tokenizer)
+    steps = _decoder_steps(tokenizer)
+    byte_level = any(step.get("type") == "ByteLevel" for step in steps)
+    replacements = [(step["pattern"].get("String"), step["content"]) for step in steps
+                    if step.get("type") == "Replace" and step.get("pattern", {}).get("String") is not None]
+    byte_fallback = any(step.get("type") == "ByteFallback" for step in steps)
+    alphabet = byte_level_alphabet()
+    for token, token_id in vocab.items():
+        if token_id in specials:
+            continue
+        if byte_level:
+            if all(ch in alphabet for ch in token):
+                out[token_id] = bytes(alphabet[ch] for ch in token)
+            continue
+        match = BYTE_FALLBACK.match(token) if byte_fallback else None
+        if match:
+            out[token_id] = bytes([int(match.group(1), 16)])
+            continue
+        text = token
+        for pattern, content in replacements:
+            text = text.replace(pattern, content)
+        if not steps:  # no backend description (a slow tokenizer): its own single-token decoding
+            text = tokenizer.convert_tokens_to_string([token])
+        out[token_id] = text.encode("utf-8")
+    return out
+
+
+@dataclass
+class VocabMapping:
+    """Token ids of a draft tokenizer (D) and a target tokenizer (T) that stand for the same thing."""
+
+    draft_to_target: np.ndarray  # int64 [|D|]: the target id of each draft token, -1 outside the intersection
+    target_to_draft: np.ndarray  # int64 [|T|]: the draft id of each target token, -1 outside the intersection
+
+    @property
+    def shared(self) -> int:
+        return int((self.draft_to_target >= 0).sum())
+
+    def overlap(self) -> dict:
+        """The paper's Table 9: |T ∩ D| and its share of each vocabulary."""
+        return {"shared": self.shared, "target_vocab": len(self.target_to_draft),
+                "draft_vocab": len(self.draft_to_target),
+                "shared_of_target": self.shared / max(1, len(self.target_to_draft)),
+                "shared_of_draft": self.shared / max(1, len(self.draft_to_target))}
+
+    def shared_draft_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.draft_to_target >= 0)
+
+
+def build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = None,
+                  target_vocab: int | None = None) -> VocabMapping:
+    """`*_vocab`: the models' embedding sizes when they exceed the tokenizers' (padding ids map to nothing)."""
+    draft_bytes, target_bytes = token_bytes(draft_tokenizer), token_bytes(target_tokenizer)
+    draft_size = max(len(draft_bytes), draft_vocab or 0)
+    target_size = max(len(target_bytes), target_vocab or 0)
+    by_bytes = {}
+    for target_id, data in enumerate(target_bytes):
+        if data is not None and data not in by_bytes:
+            by_bytes[data] = target_id
+    draft_to_target = np.full(draft_size, -1, dtype=np.int64)
+    target_to_draft = np.full(target_size, -1, dtype=np.int64)
+
+    def link(draft_id: int, target_id: int) -> None:
+        if draft_to_target[draft_id] < 0 and target_to_draft[target_id] < 0:
+            draft_to_target[draft_id], target_to_draft[target_id] = target_id, draft_id
+
+    for role in SPECIAL_ROLES:  # BOS to BOS, EOS to EOS, ... whatever each calls them
+        draft_id, target_id = getattr(draft_tokenizer, f"{role}_id", None), getattr(target_tokenizer, f"{role}_id", None)
+        if draft_id is not None and target_id is not None:
+            link(int(draft_id), int(target_id))
+    target_specials = {target_tokenizer.convert_ids_to_tokens(i): i for i in special_ids(target_tokenizer)}
+    for draft_id in special_ids(draft_tokenizer):
+        target_id = target_specials.get(draft_tokenizer.convert_ids_to_tokens(draft_id))
+        if target_id is not None:
+            link(draft_id, target_id)
+    for draft_id, data in enumerate(draft_bytes):
+        target_id = by_bytes.get(data) if data is not None else None
+        if target_id is not None:
+            link(draft_id, target_id)
+    return VocabMapping(draft_to_target, target_to_draft)
+
+
+def load_or_build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = None,
+                          target_vocab: int | None = None, cache_dir: Path | None = None) -> VocabMapping:
+    """The pair's mapping from the cache, else built and saved (atomically: a reader never sees half a file)."""
+    directory = Path(cache_dir) if cache_dir is not None else cache_root() / "vocab_maps"
+    name = (f"{tokenizer_fingerprint(draft_tokenizer)}-{draft_vocab or 0}--"
+            f"{tokenizer_fingerprint(target_tokenizer)}-{target_vocab or 0}.npz")
+    path = directory / name
+    if path.exists():
+        with np.load(path) as saved:
+            return VocabMapping(saved["draft_to_target"], saved["target_to_draft"])
+    mapping = build_mapping(draft_tokenizer, target_tokenizer, draft_vocab, target_vocab)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{name}.{os.getpid()}.partial.npz"
+    np.savez(partial, draft_to_target=mapping.draft_to_target, target_to_draft=mapping.target_to_draft)
+    os.replace(partial, path)
+    return mapping
