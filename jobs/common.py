@@ -120,6 +120,7 @@ def preflight(config) -> None:
     check_model_available(config.model)
     if config.drafter:
         check_model_available(config.drafter)
+        check_drafter_vocabulary(config)
     if config.compression_model:
         check_model_available(config.compression_model)
     from specdec_core.methods import get_method
@@ -143,6 +144,24 @@ def preflight(config) -> None:
         except (OSError, ValueError) as exc:  # a missing or corrupt array file
             raise SpecbatchError(f"retrieval index {config.method_options.retrieval_index} cannot be read: "
                                  f"{exc}") from None
+
+
+def check_drafter_vocabulary(config) -> None:
+    """`draft` / `copyspec+draft` with a drafter of another tokenizer would fail every row: one line instead."""
+    same_vocabulary_methods = [m for m in config.methods if m in ("draft", "copyspec+draft")]
+    if not same_vocabulary_methods:
+        return
+    from transformers import AutoTokenizer
+
+    from specdec_core.errors import SpecbatchError
+    from specdec_core.model_registry import resolve_model_path
+
+    target = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
+    drafter = AutoTokenizer.from_pretrained(resolve_model_path(config.drafter))
+    if target.get_vocab() != drafter.get_vocab():
+        raise SpecbatchError(f"--drafter {config.drafter} has a different tokenizer from --model {config.model}: "
+                             f"{' and '.join(same_vocabulary_methods)} verify the drafter's token ids as the "
+                             "target's; use --method slem, which drafts across vocabularies")
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from .batch_decode import BatchDecoder, DecodeRequest
 from .decode import DecodeParams, DecodeResult
+from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
 from .methods import MethodOptions, get_method
@@ -50,7 +51,9 @@ class Engine:
             self.draft_model = ModelRunner.load(
                 config.drafter, config.drafter_dtype or self.target.dtype_name, self.target.device
             )
-            check_same_vocabulary(self.target, self.draft_model)
+        # Another tokenizer: only the cross-vocabulary methods (slem) can use it; `draft` refuses it per request.
+        self.same_vocabulary = self.draft_model is None or same_vocabulary(self.target, self.draft_model)
+        self._vocab_mapping = None
         # Step costs are a property of the machine and the model: measured once, shared by every batch.
         self.step_costs = StepCostModel()
 
@@ -70,8 +73,22 @@ class Engine:
         budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
         decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s)
         # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
-        decoder.draft_pool = DraftModelPool(self.draft_model) if self.draft_model is not None else None
+        if self.draft_model is None:
+            decoder.draft_pool = None
+        elif self.same_vocabulary:
+            decoder.draft_pool = DraftModelPool(self.draft_model)
+        else:
+            decoder.draft_pool = CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping())
         return decoder
+
+    def vocab_mapping(self):
+        """The drafter's and the target's shared tokens (built once per pair, cached on disk)."""
+        if self._vocab_mapping is None:
+            from .vocab_mapping import load_or_build_mapping
+
+            self._vocab_mapping = load_or_build_mapping(self.draft_model.tokenizer, self.target.tokenizer,
+                                                        self.draft_model.vocab_size, self.target.vocab_size)
+        return self._vocab_mapping
 
     def request(self, item: BatchItem, method: str, options: MethodOptions | None,
                 decoder: BatchDecoder) -> DecodeRequest:
@@ -153,10 +170,6 @@ class Engine:
         return self.generate_ids(self.prompt_ids(prompt, messages, raw), method, params, options)
 
 
-def check_same_vocabulary(target: ModelRunner, draft: ModelRunner) -> None:
-    """`draft` verifies the drafter's token ids as the target's: that needs the same tokenizer."""
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise BadRequestError(
-            f"draft model {draft.name!r} has a different tokenizer from the target {target.name!r}: same-vocabulary "
-            "drafting needs identical token ids (drafters with another vocabulary are not supported yet)"
-        )
+def same_vocabulary(target: ModelRunner, draft: ModelRunner) -> bool:
+    """Identical token ids: the drafter's tokens can be verified as the target's as they are."""
+    return target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .drafters.base import Drafter, NoDrafter
 from .drafters.casd import ContextTreeDrafter
 from .drafters.copyspec import CopySpecDrafter
+from .drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
 from .drafters.draft_model import DraftModelDrafter, DraftModelPool
 from .drafters.fallback import FallbackDrafter
 from .drafters.pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
@@ -181,6 +182,10 @@ def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:
 def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | None) -> DraftModelDrafter:
     if draft_model is None:
         raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
+    if isinstance(draft_model, CrossVocabPool):
+        raise UnknownMethodError(f"draft model {draft_model.runner.name!r} has a different tokenizer from the "
+                                 "target: draft and copyspec+draft verify its token ids as the target's; use slem, "
+                                 "which drafts across vocabularies")
     return DraftModelDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
 
 
@@ -192,6 +197,16 @@ def _copyspec(options: MethodOptions, draft_model: DraftModelPool | None) -> Dra
 @register("draft", "speculative decoding with a same-vocabulary draft model (δ tokens per step)", True)
 def _draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return _draft_model_drafter(options, draft_model)
+
+
+@register("slem", "SLEM: a draft model with ANY tokenizer drafts text, re-tokenized into the target's tokens and "
+                  "verified by exact match (lossless; Timor et al. Alg. 2)", True)
+def _slem(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    if draft_model is None:
+        raise UnknownMethodError("slem needs a draft model: pass --drafter NAME")
+    if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: nothing to translate
+        return _draft_model_drafter(options, draft_model)
+    return SlemDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
 
 
 @register("copyspec+draft", "CopySpec when the index matches, else the draft model (CopySpec §3.3)", True)

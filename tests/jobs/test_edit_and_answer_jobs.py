@@ -82,6 +82,7 @@ def test_answer_job_scores_answers_by_token_f1_with_a_compressed_context(tmp_pat
     ("answer_questions.py", ["--max-context-chars", "0"], "max_context_chars"),
     ("answer_questions.py", ["--compress-context", "0.5"], "compress_context"),
     ("edit_documents.py", ["--input", "/no/such.jsonl"], "input not found"),
+    ("summarize.py", ["--method", "draft", "--drafter", "gemma3-270m"], "use --method slem"),
 ])
 def test_job_specific_bad_arguments_fail_fast(job, args, fragment, tmp_path):
     proc = run(job, "--output", str(tmp_path), *args, timeout=100)

@@ -1,0 +1,136 @@
+"""SLEM (Timor et al., Algorithm 2): a draft model with ANOTHER tokenizer drafts text; the text is re-tokenized into
+the target's vocabulary and verified as any one-hot draft (greedy: exact match; sampling: the target's own draws
+compared with it), so the output is the target's own, whatever the drafter proposes.
+
+The drafter's rows live in a `CrossVocabPool`: the draft model's slot cache, stepped for all rows in one batched
+forward like the same-vocabulary pool (draft_model.py), plus the translation after each flush.
+
+Carrying the accepted tokens back into the drafter's tokens: each step the row's generated target tokens are decoded
+to text and that text is re-encoded with the drafter's tokenizer, from the prompt/output boundary on. The pool keeps
+the longest prefix its cache shares with the new drafter sequence and feeds only the rest (draft_model.py), so a
+re-encoding that changes the last few drafter tokens (a word that grew, a tokenizer that is not injective, §3.2)
+costs a short cache cut instead of a wrong context: this is the look-behind alignment, done against the cache.
+Re-encoding never inserts BOS or other special tokens (add_special_tokens=False). The prompt is translated once:
+its text runs are re-encoded, and its special tokens (chat markers, BOS) become the drafter's where the two
+tokenizers share them by role or by text (vocab_mapping.py), and are dropped otherwise.
+
+Draft text -> target tokens: the draft's text is appended to the text of the last few committed target tokens and
+encoded together; when that encoding starts with exactly those committed tokens, the rest is the draft (a boundary
+the target tokenizer would merge differently is found this way); otherwise the draft text is encoded alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..model_runner import ModelRunner
+from ..vocab_mapping import VocabMapping, special_ids
+from .base import Draft, Drafter, RequestContext
+from .draft_length import DraftLength
+from .draft_model import CAPACITY_SLACK, DraftModelPool
+
+SOURCE = "draft_model"
+LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary
+REPLACEMENT = "\ufffd"  # a decoded fragment that ends inside a UTF-8 character
+
+
+class CrossVocabPool(DraftModelPool):
+    """A draft model whose tokenizer differs from the target's; its drafters' drafts are translated after the
+    batched drafting."""
+
+    def __init__(self, runner: ModelRunner, target_tokenizer, mapping: VocabMapping):
+        super().__init__(runner)
+        self.target_tokenizer = target_tokenizer
+        self.mapping = mapping
+        self.target_specials = special_ids(target_tokenizer)
+
+    def flush(self) -> None:
+        pending = list(self._pending)
+        super().flush()
+        for p in pending:
+            p.drafter.translate(p.draft)
+
+    # ------------------------------------------------------------------------------------------- text <-> ids
+    def target_text(self, ids: Sequence[int]) -> str:
+        return self.target_tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def draft_text(self, ids: Sequence[int]) -> str:
+        return self.runner.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def draft_ids(self, text: str) -> list[int]:
+        return self.runner.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def target_ids(self, text: str) -> list[int]:
+        return self.target_tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def translate_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Target prompt ids -> drafter ids: text runs re-encoded, special tokens mapped or dropped."""
+        out: list[int] = []
+        run: list[int] = []
+        for token in list(prompt_ids) + [None]:
+            if token is None or token in self.target_specials:
+                out += self.draft_ids(self.target_text(run))
+                run = []
+                if token is not None and self.mapping.target_to_draft[token] >= 0:
+                    out.append(int(self.mapping.target_to_draft[token]))
+            else:
+                run.append(token)
+        return out
+
+
+class SlemDrafter(Drafter):
+    """One row of SLEM: drafts `num_tokens` drafter tokens per step, proposes their text in the target's tokens."""
+
+    def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16):
+        self.pool = pool
+        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK))
+        self.cached: list[int] = []  # drafter tokens the slot holds (kept by the pool)
+        self.synced = 0
+        self._prompt: list[int] = []  # the prompt in the drafter's tokens
+        self._step: tuple[list[int], str, list[int], int] | None = None  # (committed target ids, their text, ...)
+
+    def start(self, tokens: Sequence[int], request: RequestContext) -> None:
+        super().start(tokens, request)
+        self.pool.attach(self)
+        self._prompt = self.pool.translate_prompt(tokens[: request.prompt_len])
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        budget = min(self.length.current, max_tokens)
+        if budget <= 0:
+            return Draft(tokens=[], source=SOURCE)
+        generated = list(tokens[self.request.prompt_len:])  # target ids, the pending one included
+        text = self.pool.target_text(generated)
+        draft_generated = self.pool.draft_ids(text)
+        self._step = (generated, text, draft_generated, max_tokens)
+        return self.pool.request(self, self._prompt + draft_generated, budget)
+
+    def translate(self, draft: Draft) -> None:
+        """After the pool drafted (drafter ids in draft.tokens): replace them, in place, by target ids."""
+        if self._step is None or not draft.tokens:
+            draft.tokens[:] = []
+            draft.probs = None
+            return
+        generated, text, draft_generated, max_tokens = self._step
+        full = self.pool.draft_text(draft_generated + draft.tokens)
+        proposal = full[len(text):] if full.startswith(text) else self.pool.draft_text(draft.tokens)
+        if REPLACEMENT in proposal:  # an unfinished character: propose the text before it
+            proposal = proposal[: proposal.index(REPLACEMENT)]
+        draft.tokens[:] = self.target_tokens(generated, proposal)[:max_tokens]
+        draft.probs = None  # one-hot in the target's vocabulary: verified by exact match / the target's draws
+
+    def target_tokens(self, generated: list[int], proposal: str) -> list[int]:
+        if not proposal:
+            return []
+        behind = generated[-LOOK_BEHIND:]
+        if behind:
+            joint = self.pool.target_ids(self.pool.target_text(behind) + proposal)
+            if joint[: len(behind)] == behind and len(joint) > len(behind):
+                return joint[len(behind):]
+        return self.pool.target_ids(proposal)
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        if draft.source == SOURCE:
+            self.length.update(len(draft), num_accepted)
+
+    def finish(self) -> None:
+        self.pool.release(self)

@@ -1,0 +1,102 @@
+"""SLEM (issue 11): a drafter with another tokenizer, its drafts re-tokenized into the target's vocabulary; greedy
+outputs equal `ar` (fp32) for SmolLM2 -> Gemma3 and Gemma3 -> SmolLM2, alone and in a mixed batch; tokenizer edge
+cases; `draft` refuses such a drafter. Real models (gemma3-270m is installed by `make install`)."""
+
+import pytest
+
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
+from specdec_core.engine import BatchItem, Engine, EngineConfig
+from specdec_core.methods import MethodOptions
+from tests.prompts import ARTICLE, CODE_RENAME
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+MESSAGES = {
+    "rename": [{"role": "user", "content": "Rename `values` to `samples` in this code and return the whole code.\n\n"
+                                          + CODE_RENAME}],
+    "summary": [{"role": "user", "content": "Summarize in two sentences:\n\n" + ARTICLE}],
+    "chat": [{"role": "user", "content": "List three uses of the  Python  `zip` function, with   examples. Ünïcödé 🙂"}],
+}
+
+
+def engine_pair(target: str, drafter: str) -> Engine:
+    return Engine(EngineConfig(model=target, dtype="float32", device="cpu", drafter=drafter, drafter_dtype="float32"))
+
+
+def run_batch(engine, items, methods, batch_size):
+    decoder = engine.decoder(batch_size=batch_size, speculation_budget=False)
+    for item, method in zip(items, methods):
+        decoder.submit(engine.request(item, method, MethodOptions(), decoder))
+    return {request.key: engine.result_dict(methods[[i.key for i in items].index(request.key)], request.params,
+                                            result) for request, result in decoder.run()}
+
+
+def check_pair(engine, names, new_tokens):
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))  # the GGUF-converted Gemma ships none
+    items = [BatchItem(name, engine.prompt_ids(messages=MESSAGES[name]) if chat
+                       else engine.prompt_ids(prompt=MESSAGES[name][0]["content"]),  # BOS + text
+                       DecodeParams(max_new_tokens=new_tokens)) for name in names]
+    reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params)["output_token_ids"]
+                 for item in items}
+    accepted = 0
+    for item in items:  # alone
+        result = engine.generate_ids(item.prompt_ids, "slem", item.params)
+        assert result["output_token_ids"] == reference[item.key], item.key
+        accepted += result["accepted_tokens"]
+    methods = ["slem", "pld", "slem"][: len(items)]  # one batch, rows with different drafters
+    batched = run_batch(engine, items, methods, batch_size=len(items))
+    for item in items:
+        assert batched[item.key]["error"] is None and batched[item.key]["output_token_ids"] == reference[item.key]
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def smol_target():
+    return engine_pair("smollm2-135m", "gemma3-270m")
+
+
+def test_slem_with_a_gemma_drafter_equals_smollm2_ar(smol_target):
+    accepted = check_pair(smol_target, ["rename", "summary", "chat"], 40)
+    assert accepted > 20, accepted  # the translated drafts are accepted, not only verified
+
+
+def test_slem_with_a_smollm2_drafter_equals_gemma_ar():
+    accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["rename", "chat"], 24)
+    assert accepted > 5, accepted
+
+
+def test_draft_refuses_a_drafter_with_another_tokenizer(smol_target):
+    item = BatchItem("x", smol_target.prompt_ids(prompt="hello"), DecodeParams(max_new_tokens=4))
+    decoder = smol_target.decoder()
+    with pytest.raises(Exception, match="different tokenizer.*slem"):
+        smol_target.request(item, "draft", MethodOptions(), decoder)
+
+
+@pytest.mark.parametrize("text", ["a    b\t\tc  ", "héllo wörld 🙂 世界", "\n\n    indented()\n", " leading space",
+                                  "x = {'k': [1, 2]}  # comment"])
+def test_draft_text_reaches_the_target_as_the_same_text(smol_target, text):
+    pool = smol_target.decoder().draft_pool
+    assert isinstance(pool, CrossVocabPool)
+    drafter = SlemDrafter(pool)
+    committed = smol_target.tokenizer("def f():\n    return", add_special_tokens=False)["input_ids"]
+    ids = drafter.target_tokens(committed, text)
+    assert pool.target_text(committed + ids) == pool.target_text(committed) + text
+    assert pool.target_text(pool.target_ids(text)) == text  # runs of spaces and unicode survive the round trip
+    # Re-encoding a fragment never adds BOS or any special token.
+    specials = set(pool.runner.tokenizer.all_special_ids)
+    assert not specials & set(pool.draft_ids(text))
+
+
+def test_prompt_translation_keeps_the_text_and_maps_special_tokens(smol_target):
+    pool = smol_target.decoder().draft_pool
+    prompt = smol_target.prompt_ids(messages=MESSAGES["chat"])
+    translated = pool.translate_prompt(prompt)
+    gemma = pool.runner.tokenizer
+    assert gemma.decode(translated, skip_special_tokens=True) \
+        == smol_target.tokenizer.decode(prompt, skip_special_tokens=True)
+    assert translated[0] == gemma.bos_token_id  # SmolLM2's <|im_start|> is its BOS: Gemma's <bos>
+    # A special token of the drafter appears only where a target special token maps to it; the others are dropped.
+    mapped = {int(pool.mapping.target_to_draft[t]) for t in prompt
+              if t in pool.target_specials and pool.mapping.target_to_draft[t] >= 0}
+    assert {t for t in translated if t in set(gemma.all_special_ids)} <= mapped
