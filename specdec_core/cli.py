@@ -7,6 +7,7 @@
   specbatch models | specbatch methods                  list what is available
   specbatch discover-heads [--model M]                  rank a model's induction heads for pld_plus_a
   specbatch build-index --input DIR --output IDX        a corpus index for rest / spectra+retrieval
+  specbatch vocab-overlap --drafter D --model M         tokens a drafter with another tokenizer shares (slem)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ EPILOG = """examples:
   specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
   specbatch --method pld --context-file passages.txt --prompt "Question: ..."   copy from a separate document
 other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads |
-  specbatch build-index"""
+  specbatch build-index | specbatch vocab-overlap"""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -389,8 +390,36 @@ def run_build_index(argv: list[str]) -> int:
     return 0
 
 
+def run_vocab_overlap(argv: list[str]) -> int:
+    """How much of a target's vocabulary a drafter shares (Timor et al., Table 9), building the cached mapping."""
+    parser = OneLineParser(prog="specbatch vocab-overlap", description=(
+        "Count the tokens a drafter and a target share (equal by the bytes they stand for; special tokens by role "
+        "or text) and cache the pair's mapping, which slem and the cross-vocabulary drafters use."))
+    parser.add_argument("--drafter", required=True, help="registry name or HF directory")
+    parser.add_argument("--model", required=True, help="the target: registry name or HF directory")
+    args = parser.parse_args(argv)
+    try:
+        from transformers import AutoTokenizer
+
+        from .model_registry import check_model_available, resolve_model_path
+        from .vocab_mapping import load_or_build_mapping
+
+        for name in (args.drafter, args.model):
+            check_model_available(name)
+        draft = AutoTokenizer.from_pretrained(resolve_model_path(args.drafter))
+        target = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+        overlap = load_or_build_mapping(draft, target).overlap()
+    except (SpecbatchError, ValueError, OSError) as exc:
+        print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"{args.drafter} -> {args.model}: {overlap['shared']} shared tokens, "
+          f"{overlap['shared_of_target']:.1%} of the target's {overlap['target_vocab']}, "
+          f"{overlap['shared_of_draft']:.1%} of the drafter's {overlap['draft_vocab']}")
+    return 0
+
+
 COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods,
-            "discover-heads": run_discover_heads, "build-index": run_build_index}
+            "discover-heads": run_discover_heads, "build-index": run_build_index, "vocab-overlap": run_vocab_overlap}
 
 
 def main(argv: list[str] | None = None) -> int:

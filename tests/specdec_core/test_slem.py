@@ -100,3 +100,12 @@ def test_prompt_translation_keeps_the_text_and_maps_special_tokens(smol_target):
     mapped = {int(pool.mapping.target_to_draft[t]) for t in prompt
               if t in pool.target_specials and pool.mapping.target_to_draft[t] >= 0}
     assert {t for t in translated if t in set(gemma.all_special_ids)} <= mapped
+
+
+def test_vocab_overlap_command_reports_the_pair(capsys):
+    from specdec_core.cli import main
+
+    assert main(["vocab-overlap", "--drafter", "gemma3-270m", "--model", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    shared = int(out.split(": ", 1)[1].split(" shared")[0])
+    assert "of the target's 49152" in out and 40000 < shared < 49152, out  # most SmolLM2 tokens are Gemma's too
