@@ -101,8 +101,12 @@ class SlemDrafter(Drafter):
         generated = list(tokens[self.request.prompt_len:])  # target ids, the pending one included
         text = self.pool.target_text(generated)
         draft_generated = self.pool.draft_ids(text)
+        sequence = self._prompt + draft_generated
+        if not sequence:  # nothing the drafter could read (a prompt of special tokens it lacks, nothing generated)
+            self._step = None
+            return Draft(tokens=[], source=SOURCE)
         self._step = (generated, text, draft_generated, max_tokens)
-        return self.pool.request(self, self._prompt + draft_generated, budget)
+        return self.pool.request(self, sequence, budget)
 
     def translate(self, draft: Draft) -> None:
         """After the pool drafted (drafter ids in draft.tokens): replace them, in place, by target ids."""
