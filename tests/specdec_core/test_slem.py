@@ -17,6 +17,10 @@ MESSAGES = {
                                           + CODE_RENAME}],
     "summary": [{"role": "user", "content": "Summarize in two sentences:\n\n" + ARTICLE}],
     "chat": [{"role": "user", "content": "List three uses of the  Python  `zip` function, with   examples. Ünïcödé 🙂"}],
+    # The GGUF-converted Gemma has no chat template and answers the two long raw prompts above with EOS at once:
+    # a completion it continues for many tokens.
+    "code": [{"role": "user", "content": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b"
+                                          "\n\n\ndef mul(a, b):\n"}],
 }
 
 
@@ -40,9 +44,10 @@ def check_pair(engine, names, new_tokens):
     reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params)["output_token_ids"]
                  for item in items}
     accepted = 0
-    for item in items:  # alone
-        result = engine.generate_ids(item.prompt_ids, "slem", item.params)
-        assert result["output_token_ids"] == reference[item.key], item.key
+    for item in items:  # alone; the speculation budget off: its timing-driven choice to skip drafting would make the
+        # accepted count depend on the machine's load
+        [(_, result)] = engine.decode_batch([item], "slem", batch_size=1, speculation_budget=False)
+        assert result["error"] is None and result["output_token_ids"] == reference[item.key], item.key
         accepted += result["accepted_tokens"]
     methods = ["slem", "pld", "slem"][: len(items)]  # one batch, rows with different drafters
     batched = run_batch(engine, items, methods, batch_size=len(items))
@@ -62,8 +67,8 @@ def test_slem_with_a_gemma_drafter_equals_smollm2_ar(smol_target):
 
 
 def test_slem_with_a_smollm2_drafter_equals_gemma_ar():
-    accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["rename", "chat"], 24)
-    assert accepted > 5, accepted
+    accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["code", "chat"], 24)
+    assert accepted > 8, accepted
 
 
 def test_draft_refuses_a_drafter_with_another_tokenizer(smol_target):
