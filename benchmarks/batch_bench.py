@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
+    parser.add_argument("--drafter", default=None,
+                        help="a draft model for draft / slem / tli / union (any tokenizer for the last three)")
     parser.add_argument("--json", default=None, help="also write every result here")
     return parser
 
@@ -242,9 +244,14 @@ def main() -> int:
     for text in args.methods:
         parse_method(text)  # a bad method option fails before the model loads
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter))
     device = engine.target.device
-    header = (f"{args.model}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
+    drafter = ""
+    if args.drafter:
+        overlap = None if engine.same_vocabulary else engine.vocab_mapping().overlap()
+        drafter = (f", drafter {args.drafter}" + (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%}"
+                                                 f" of the target's vocabulary)" if overlap else ""))
+    header = (f"{args.model}{drafter}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
               f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
               + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))
     print(f"# {header}", flush=True)

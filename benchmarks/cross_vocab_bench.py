@@ -1,11 +1,14 @@
-"""Drafters with another tokenizer (issue 11): our `slem` against Hugging Face's universal assisted generation
-(`generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)`), both at batch 1, with plain greedy
-`generate` and our `ar` as the baselines; one run, side by side.
+"""Drafters with another tokenizer (issue 11): our `slem`, `tli` and `union` against Hugging Face's universal
+assisted generation (`generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)`), all at batch 1, with
+plain greedy `generate` and our `ar` as the baselines; one run, side by side. (Batched: benchmarks/batch_bench.py
+--drafter D --methods slem@8 against HF batched greedy.)
 
     python benchmarks/cross_vocab_bench.py --model qwen2.5-coder-1.5b --drafter smollm2-135m --requests 4
+    python benchmarks/cross_vocab_bench.py --workload summarization --temperature 1 --systems ar tli union
 
-Prompts: HumanEval's first N (raw completion prompts, the same ids for every system). Every system decodes
---max-new-tokens greedily; `= ar` counts outputs identical to our ar.
+Prompts: HumanEval's first N (raw completion prompts) or the summarization workload's (chat template), the same ids
+for every system. HF systems decode --max-new-tokens greedily; ours greedily too, or with --temperature T sampled
+(seed = the request's index), where `= ar` is not defined. `= ar` counts greedy outputs identical to our ar.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="slem's drafter tokens per step")
-    parser.add_argument("--adaptive", action="store_true", help="slem adapts its draft length")
-    parser.add_argument("--no-budget", action="store_true", help="slem verifies every draft (no speculation budget)")
-    parser.add_argument("--systems", nargs="+", default=["ar", "slem", "hf_greedy", "hf_universal_assisted"])
+    parser.add_argument("--draft-tokens", type=int, default=4, help="drafter tokens per step (slem, tli, union)")
+    parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
+    parser.add_argument("--no-budget", action="store_true", help="verify every draft (no speculation budget)")
+    parser.add_argument("--systems", nargs="+", default=["ar", "slem", "hf_greedy", "hf_universal_assisted"],
+                        choices=["ar", "slem", "tli", "union", "hf_greedy", "hf_universal_assisted"])
+    parser.add_argument("--workload", default="humaneval", choices=["humaneval", "summarization"])
+    parser.add_argument("--temperature", type=float, default=0.0, help="our systems sample at T (HF stays greedy)")
     args = parser.parse_args()
 
     import torch
@@ -40,13 +46,18 @@ def main() -> int:
     from corpora.code_edit import humaneval_rows
     from specdec_core.decode import DecodeParams
     from specdec_core.engine import Engine, EngineConfig
+    from specdec_core.sampling import SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter))
     target, draft = engine.target, engine.draft_model
-    prompts = [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-               for row in humaneval_rows(args.requests)]
-    params = DecodeParams(max_new_tokens=args.max_new_tokens)
+    if args.workload == "humaneval":
+        prompts = [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+                   for row in humaneval_rows(args.requests)]
+    else:
+        from benchmarks.batch_bench import workload_items
+
+        prompts = [item.prompt_ids for item in workload_items(engine, args.workload, args.requests, 1, 1)]
     overlap = engine.vocab_mapping().overlap() if not engine.same_vocabulary else None
 
     from specdec_core.engine import BatchItem
@@ -56,7 +67,9 @@ def main() -> int:
 
     def ours(method):
         outputs, started, forwards = [], time.perf_counter(), 0
-        for ids in prompts:  # batch 1, one request after the other
+        for index, ids in enumerate(prompts):  # batch 1, one request after the other
+            params = DecodeParams(max_new_tokens=args.max_new_tokens,
+                                  sampling=SamplingParams(temperature=args.temperature, seed=index))
             [(_, result)] = list(engine.decode_batch([BatchItem(0, ids, params)], method, options, batch_size=1,
                                                      speculation_budget=not args.no_budget))
             outputs.append(result["output_token_ids"])
@@ -77,8 +90,8 @@ def main() -> int:
         return outputs, time.perf_counter() - started, None
 
     results = {}
-    systems = {"ar": lambda: ours("ar"), "slem": lambda: ours("slem"), "hf_greedy": lambda: hf(False),
-               "hf_universal_assisted": lambda: hf(True)}
+    systems = {"ar": lambda: ours("ar"), "slem": lambda: ours("slem"), "tli": lambda: ours("tli"),
+               "union": lambda: ours("union"), "hf_greedy": lambda: hf(False), "hf_universal_assisted": lambda: hf(True)}
     for name in args.systems:
         run = systems[name]
         outputs, wall, forwards = run()
@@ -87,18 +100,21 @@ def main() -> int:
                          "mean_accepted_length": round(tokens / forwards, 2) if forwards else None,
                          "outputs": outputs}
         print(json.dumps({"system": name, **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
-    reference = results["ar"]["outputs"]
-    print(f"\n# {args.model} <- {args.drafter}, dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} HumanEval "
-          f"prompts x {args.max_new_tokens} new tokens, batch 1, one run; slem {args.draft_tokens} drafter tokens"
+    reference = results["ar"]["outputs"] if "ar" in results and not args.temperature else None
+    print(f"\n# {args.model} <- {args.drafter}, dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
+          f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, one run, ours at T="
+          f"{args.temperature:g}; {args.draft_tokens} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}{', no budget' if args.no_budget else ''}; vocabulary overlap "
           f"{overlap}\n")
     peer = results.get("hf_universal_assisted")
     print("| system | tok/s | x ar | x HF assisted | MAL | = ar |\n|---|---|---|---|---|---|")
+    base = results.get("ar") or next(iter(results.values()))
     for name, r in results.items():
-        same = sum(a[: len(b)] == b[: len(a)] for a, b in zip(r["outputs"], reference))
-        print(f"| {name} | {r['tok_s']} | {r['tok_s'] / results['ar']['tok_s']:.2f} | "
+        same = (f"{sum(a[: len(b)] == b[: len(a)] for a, b in zip(r['outputs'], reference))}/{len(prompts)}"
+                if reference is not None else "n/a")
+        print(f"| {name} | {r['tok_s']} | {r['tok_s'] / base['tok_s']:.2f} | "
               f"{r['tok_s'] / peer['tok_s'] if peer else float('nan'):.2f} | {r['mean_accepted_length'] or ''} | "
-              f"{same}/{len(prompts)} |")
+              f"{same} |")
     return 0
 
 

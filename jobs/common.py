@@ -161,7 +161,7 @@ def check_drafter_vocabulary(config) -> None:
     if target.get_vocab() != drafter.get_vocab():
         raise SpecbatchError(f"--drafter {config.drafter} has a different tokenizer from --model {config.model}: "
                              f"{' and '.join(same_vocabulary_methods)} verify the drafter's token ids as the "
-                             "target's; use --method slem, which drafts across vocabularies")
+                             "target's; use --method slem, tli, union or slrs, which draft across vocabularies")
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],

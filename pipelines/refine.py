@@ -15,7 +15,6 @@ A resumed job scores only texts without a score; the selection and the index are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pydantic import BaseModel, Field, model_validator
 from specdec_core.errors import SpecbatchError
 from specdec_core.model_registry import DEFAULT_MODEL
 
-from .parquet_sink import TEMPORARY_PREFIX, write_atomically
+from .parquet_sink import TEMPORARY_PREFIX, KeyedPartSink, write_atomically
 
 LIGHT_TASK_CPUS = 0.25
 SETTINGS_FILE, SCORES_DIR, CORPUS_FILE, INDEX_DIR, SUCCESS_MARKER = (
@@ -109,27 +108,6 @@ def check_output(config: RefineConfig, settings: dict) -> None:
     if changed:
         raise SpecbatchError(f"--resume: {out} was scored with other settings ({', '.join(f'{k}: {before.get(k)!r}' for k in changed)}); "
                              "use the same ones or another --output")
-
-
-class ScoresSink:
-    """Writes each block of scored rows to scores/part-<hash of its keys>.parquet (a retried call replaces its own
-    file instead of adding a copy)."""
-
-    def __new__(cls, directory: str):
-        from ray.data import Datasink
-
-        class _Sink(Datasink):
-            def write(self, blocks, ctx) -> int:
-                written = 0
-                for block in blocks:
-                    table = block if isinstance(block, pa.Table) else pa.table(block)
-                    if table.num_rows:
-                        digest = hashlib.sha256("\n".join(sorted(table.column("key").to_pylist())).encode())
-                        write_atomically(table, Path(directory) / f"part-{digest.hexdigest()[:24]}.parquet")
-                        written += table.num_rows
-                return written
-
-        return _Sink()
 
 
 def read_scores(output: str | Path, columns: list[str] | None = None) -> pa.Table:
@@ -239,7 +217,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
             # a call that crashes its actor again and again fails the job rather than looping.
             max_restarts=-1, max_task_retries=3)
         with ScoreProgress(scores_dir):
-            scored.write_datasink(ScoresSink(str(scores_dir)), ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+            scored.write_datasink(KeyedPartSink(str(scores_dir)), ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
         scoring_s = time.perf_counter() - started
         totals = read_scores(out, ["key", "scored_tokens", "token_count", "error"])
         manifest = finish(config, settings)

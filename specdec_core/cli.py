@@ -7,7 +7,7 @@
   specbatch models | specbatch methods                  list what is available
   specbatch discover-heads [--model M]                  rank a model's induction heads for pld_plus_a
   specbatch build-index --input DIR --output IDX        a corpus index for rest / spectra+retrieval
-  specbatch vocab-overlap --drafter D --model M         tokens a drafter with another tokenizer shares (slem)
+  specbatch vocab-overlap --drafter D --model M         tokens a drafter with another tokenizer shares (slem, tli, slrs)
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def run_vocab_overlap(argv: list[str]) -> int:
     """How much of a target's vocabulary a drafter shares (Timor et al., Table 9), building the cached mapping."""
     parser = OneLineParser(prog="specbatch vocab-overlap", description=(
         "Count the tokens a drafter and a target share (equal by the bytes they stand for; special tokens by role "
-        "or text) and cache the pair's mapping, which slem and the cross-vocabulary drafters use."))
+        "or text) and cache the pair's mapping, which slem, tli, union and slrs use."))
     parser.add_argument("--drafter", required=True, help="registry name or HF directory")
     parser.add_argument("--model", required=True, help="the target: registry name or HF directory")
     args = parser.parse_args(argv)

@@ -11,6 +11,8 @@ from .drafters.base import Drafter, NoDrafter
 from .drafters.casd import ContextTreeDrafter
 from .drafters.copyspec import CopySpecDrafter
 from .drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
+from .drafters.slrs import SlrsDrafter
+from .drafters.tli import TliDrafter, UnionDrafter
 from .drafters.draft_model import DraftModelDrafter, DraftModelPool
 from .drafters.fallback import FallbackDrafter
 from .drafters.pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
@@ -184,8 +186,8 @@ def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | N
         raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
     if isinstance(draft_model, CrossVocabPool):
         raise UnknownMethodError(f"draft model {draft_model.runner.name!r} has a different tokenizer from the "
-                                 "target: draft and copyspec+draft verify its token ids as the target's; use slem, "
-                                 "which drafts across vocabularies")
+                                 "target: draft and copyspec+draft verify its token ids as the target's; use slem, tli, "
+                                 "union or slrs, which draft across vocabularies")
     return DraftModelDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
 
 
@@ -202,11 +204,34 @@ def _draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafte
 @register("slem", "SLEM: a draft model with ANY tokenizer drafts text, re-tokenized into the target's tokens and "
                   "verified by exact match (lossless; Timor et al. Alg. 2)", True)
 def _slem(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _cross_vocab("slem", SlemDrafter, options, draft_model)
+
+
+def _cross_vocab(name: str, drafter_class, options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     if draft_model is None:
-        raise UnknownMethodError("slem needs a draft model: pass --drafter NAME")
-    if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: nothing to translate
+        raise UnknownMethodError(f"{name} needs a draft model: pass --drafter NAME")
+    if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: every token is shared
         return _draft_model_drafter(options, draft_model)
-    return SlemDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
+    return drafter_class(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
+
+
+@register("tli", "TLI: a draft model with ANY tokenizer samples only the tokens both vocabularies share, verified "
+                 "by speculative sampling (lossless at any temperature; Timor et al. Alg. 4)", True)
+def _tli(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _cross_vocab("tli", TliDrafter, options, draft_model)
+
+
+@register("union", "the union-of-vocabularies baseline for tli: the drafter samples its whole vocabulary, a token "
+                   "the target lacks is always rejected (lossless; Timor et al. Alg. 1)", True)
+def _union(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _cross_vocab("union", UnionDrafter, options, draft_model)
+
+
+@register("slrs", "SLRS with a one-token lookahead: a draft model with ANY tokenizer samples a token; the first target "
+                  "token of its text is verified against the string-level probability psi (lossless at any "
+                  "temperature; Timor et al. Alg. 3)", True)
+def _slrs(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _cross_vocab("slrs", SlrsDrafter, options, draft_model)
 
 
 @register("copyspec+draft", "CopySpec when the index matches, else the draft model (CopySpec §3.3)", True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .model_registry import cache_root
 from .retrieval_index import tokenizer_fingerprint
@@ -113,6 +114,13 @@ class VocabMapping:
     def shared_draft_ids(self) -> np.ndarray:
         return np.flatnonzero(self.draft_to_target >= 0)
 
+    @functools.cached_property
+    def shared_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft ids [S], their target ids [S]) of the shared tokens, as tensors for indexing distributions
+        (built once: drafters index with them at every draft position)."""
+        draft_ids = self.shared_draft_ids()
+        return torch.as_tensor(draft_ids), torch.as_tensor(self.draft_to_target[draft_ids])
+
 
 def build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = None,
                   target_vocab: int | None = None) -> VocabMapping:
@@ -163,3 +171,44 @@ def load_or_build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | 
     np.savez(partial, draft_to_target=mapping.draft_to_target, target_to_draft=mapping.target_to_draft)
     os.replace(partial, path)
     return mapping
+
+
+def build_first_tokens(draft_tokenizer, target_tokenizer, mapping: VocabMapping) -> np.ndarray:
+    """int64 [|D|]: the first target token of each draft token's text tokenized alone with the target's tokenizer
+    (SLRS with a one-token lookahead proposes it), -1 where there is none: a byte-fallback or partial-UTF-8 token
+    that is no text on its own, an unused id. Special tokens go where the vocabulary map sends them."""
+    first = np.full(len(mapping.draft_to_target), -1, dtype=np.int64)
+    ids, texts = [], []
+    for draft_id, data in enumerate(token_bytes(draft_tokenizer)):
+        if data is None:
+            continue
+        try:
+            texts.append(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        ids.append(draft_id)
+    encoded = target_tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    for draft_id, target_ids in zip(ids, encoded):
+        if target_ids:
+            first[draft_id] = target_ids[0]
+    for draft_id in special_ids(draft_tokenizer):
+        if draft_id < len(first):
+            first[draft_id] = mapping.draft_to_target[draft_id]
+    return first
+
+
+def load_or_build_first_tokens(draft_tokenizer, target_tokenizer, mapping: VocabMapping, draft_vocab: int | None = None,
+                               target_vocab: int | None = None, cache_dir: Path | None = None) -> np.ndarray:
+    """build_first_tokens, cached beside the pair's vocabulary map."""
+    directory = Path(cache_dir) if cache_dir is not None else cache_root() / "vocab_maps"
+    name = (f"first-{tokenizer_fingerprint(draft_tokenizer)}-{draft_vocab or 0}--"
+            f"{tokenizer_fingerprint(target_tokenizer)}-{target_vocab or 0}.npy")
+    path = directory / name
+    if path.exists():
+        return np.load(path)
+    first = build_first_tokens(draft_tokenizer, target_tokenizer, mapping)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{name}.{os.getpid()}.partial.npy"
+    np.save(partial, first)
+    os.replace(partial, path)
+    return first

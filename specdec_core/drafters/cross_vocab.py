@@ -10,9 +10,7 @@ speculative-sampling verifier (verification.verify_speculative_sampling, unchang
   that column, and its residual keeps only the first |T| columns.
 Theorem 4.1: TLI's acceptance rate sum min(p, q'') is never below the union's sum min(p, q') (q'' >= q' on T).
 
-Scope today: these distributions and their exactness (tests/specdec_core/test_cross_vocab.py). The drafter that runs
-a different-vocabulary model in the batched loop (its own cache, the accepted text carried back into its tokens) is
-not built yet; see issue 11's notes.
+The drafters that sample from these in the batched loop are drafters/tli.py.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ from ..vocab_mapping import VocabMapping
 
 
 def _target_index(mapping: VocabMapping, device) -> tuple[torch.Tensor, torch.Tensor]:
-    draft_ids = torch.as_tensor(mapping.shared_draft_ids(), device=device)  # [S]
-    target_ids = torch.as_tensor(mapping.draft_to_target[mapping.shared_draft_ids()], device=device)  # [S]
-    return draft_ids, target_ids
+    draft_ids, target_ids = mapping.shared_pairs  # [S], [S]
+    return draft_ids.to(device), target_ids.to(device)
 
 
 def tli_distribution(q: torch.Tensor, mapping: VocabMapping) -> torch.Tensor | None:

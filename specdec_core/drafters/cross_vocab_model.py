@@ -21,13 +21,17 @@ the target tokenizer would merge differently is found this way); otherwise the d
 
 from __future__ import annotations
 
+import functools
+from abc import abstractmethod
 from collections.abc import Sequence
+
+import torch
 
 from ..model_runner import ModelRunner
 from ..vocab_mapping import VocabMapping, special_ids
 from .base import Draft, Drafter, RequestContext
 from .draft_length import DraftLength
-from .draft_model import CAPACITY_SLACK, DraftModelPool
+from .draft_model import CAPACITY_SLACK, DraftModelPool, choose_token
 
 SOURCE = "draft_model"
 LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary
@@ -43,6 +47,15 @@ class CrossVocabPool(DraftModelPool):
         self.target_tokenizer = target_tokenizer
         self.mapping = mapping
         self.target_specials = special_ids(target_tokenizer)
+
+    @functools.cached_property
+    def first_tokens(self) -> torch.Tensor:
+        """[|D|] the first target token of each draft token's text (SLRS), -1 where none; built once per pair."""
+        from ..vocab_mapping import load_or_build_first_tokens
+
+        return torch.as_tensor(load_or_build_first_tokens(
+            self.runner.tokenizer, self.target_tokenizer, self.mapping, self.runner.vocab_size,
+            len(self.mapping.target_to_draft)))
 
     def flush(self) -> None:
         pending = list(self._pending)
@@ -78,8 +91,10 @@ class CrossVocabPool(DraftModelPool):
         return out
 
 
-class SlemDrafter(Drafter):
-    """One row of SLEM: drafts `num_tokens` drafter tokens per step, proposes their text in the target's tokens."""
+class CrossVocabDrafter(Drafter):
+    """One row of a draft model with another tokenizer: the accepted text is carried back into the drafter's tokens
+    each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
+    draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
 
     def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16):
         self.pool = pool
@@ -108,8 +123,26 @@ class SlemDrafter(Drafter):
         self._step = (generated, text, draft_generated, max_tokens)
         return self.pool.request(self, sequence, budget)
 
+    def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
+        """The drafter's next token, in its own vocabulary (logits [|D|]): its argmax or a draw from q."""
+        return choose_token(self.request, logits, probs)
+
+    @abstractmethod
     def translate(self, draft: Draft) -> None:
         """After the pool drafted (drafter ids in draft.tokens): replace them, in place, by target ids."""
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        if draft.source == SOURCE:
+            self.length.update(len(draft), num_accepted)
+
+    def finish(self) -> None:
+        self.pool.release(self)
+
+
+class SlemDrafter(CrossVocabDrafter):
+    """SLEM: drafts `num_tokens` drafter tokens per step and proposes their TEXT in the target's tokens (one-hot)."""
+
+    def translate(self, draft: Draft) -> None:
         if self._step is None or not draft.tokens:
             draft.tokens[:] = []
             draft.probs = None
@@ -131,10 +164,3 @@ class SlemDrafter(Drafter):
             if joint[: len(behind)] == behind and len(joint) > len(behind):
                 return joint[len(behind):]
         return self.pool.target_ids(proposal)
-
-    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == SOURCE:
-            self.length.update(len(draft), num_accepted)
-
-    def finish(self) -> None:
-        self.pool.release(self)

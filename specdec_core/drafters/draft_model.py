@@ -97,9 +97,11 @@ class DraftModelPool(DraftPool):
             fed_rows, fed_tokens = [], []
             for i in active:
                 p = pending[i]
-                token = self._choose(p, logits[i])
+                token, more = p.drafter.choose(logits[i], p.probs)
+                if token is None:  # the drafter cannot draft here: the draft ends before this position
+                    continue
                 p.draft.tokens.append(token)
-                if len(p.draft.tokens) < p.budget:
+                if more and len(p.draft.tokens) < p.budget:
                     fed_rows.append(i)
                     fed_tokens.append(token)
             active = fed_rows
@@ -159,14 +161,16 @@ class DraftModelPool(DraftPool):
             self.cache.set_length(row, self.cache.lengths[row] + len(tokens))
         return logits
 
-    @staticmethod
-    def _choose(p: _Pending, logits: torch.Tensor) -> int:
-        request = p.drafter.request
-        if request.sampling.greedy:
-            return int(torch.argmax(logits).item())
-        q = logits_to_probs(logits, request.sampling)  # [vocab]
-        p.probs.append(q)
-        return int(torch.multinomial(q, 1, generator=request.generator).item())
+
+
+def choose_token(request: RequestContext, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int, bool]:
+    """The draft model's next token for a row: its argmax (greedy) or a draw from q, whose row is appended to `probs`
+    for the verifier. -> (token, whether drafting may go on after it). logits: [vocab]."""
+    if request.sampling.greedy:
+        return int(torch.argmax(logits).item()), True
+    q = logits_to_probs(logits, request.sampling)  # [vocab]
+    probs.append(q)
+    return int(torch.multinomial(q, 1, generator=request.generator).item()), True
 
 
 class DraftModelDrafter(Drafter):
@@ -186,6 +190,11 @@ class DraftModelDrafter(Drafter):
         if budget <= 0:
             return Draft(tokens=[], source=SOURCE)
         return self.pool.request(self, tokens, budget)
+
+    def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
+        """The pool asks each row's drafter for its next draft token (its own rule: cross-vocabulary drafters
+        restrict it); None ends the draft before this position."""
+        return choose_token(self.request, logits, probs)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if draft.source == SOURCE:

@@ -1,13 +1,18 @@
 """Different-vocabulary drafting (issue 11, first part): the vocabulary map, and TLI / union distributions that keep
 the unchanged speculative-sampling verifier exact (χ² on synthetic vocabularies), with Theorem 4.1."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from specdec_core.drafters.cross_vocab import (
     acceptance_rate, outside_id, tli_distribution, union_distribution, union_token,
 )
-from specdec_core.sampling import make_generator
+from specdec_core.drafters.base import Draft, RequestContext
+from specdec_core.drafters.slrs import SlrsDrafter
+from specdec_core.drafters.tli import TliDrafter, UnionDrafter
+from specdec_core.sampling import SamplingParams, make_generator
 from specdec_core.verification import verify_speculative_sampling
 from specdec_core.vocab_mapping import VocabMapping, build_mapping, load_or_build_mapping, token_bytes
 from tests.specdec_core.test_verification import chi2_p_value
@@ -17,6 +22,9 @@ MAPPING = VocabMapping(draft_to_target=torch.tensor([2, 0, 5, 1, -1, -1, -1]).nu
                        target_to_draft=torch.tensor([1, 3, 0, -1, -1, 2]).numpy())
 P = torch.tensor([0.30, 0.05, 0.20, 0.15, 0.10, 0.20])  # the target's next-token distribution
 Q = torch.tensor([0.25, 0.10, 0.05, 0.10, 0.30, 0.15, 0.05])  # the drafter's
+# SLRS: the first target token of each draft token's text. D's 4 starts with T's 3 (which D lacks), D's 5 is a longer
+# token starting with T's 2, D's 6 is no text on its own (a partial UTF-8 byte).
+FIRST = torch.tensor([2, 0, 5, 1, 3, 2, -1])
 
 
 def first_tokens(method: str, trials: int = 20000, seed: int = 0) -> tuple[torch.Tensor, float]:
@@ -46,6 +54,64 @@ def test_tli_and_union_drafts_leave_the_target_distribution_exact(method):
     assert chi2_p_value(counts, P) > 1e-3, counts
     expected = acceptance_rate(P, tli_distribution(Q, MAPPING) if method == "tli" else union_distribution(Q, MAPPING))
     assert rate == pytest.approx(expected, abs=0.015)
+
+
+def drafted_chains(method: str, trials: int = 12000, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafters of the batched loop (drafters/tli.py), with a stub pool: two-token drafts chosen from the
+    drafter's logits log Q at each position, translated to target ids, verified against P at each position.
+    -> counts of the first emitted token, counts of the second (when the first was accepted)."""
+    generator = make_generator(seed)
+    drafter = {"tli": TliDrafter, "union": UnionDrafter, "slrs": SlrsDrafter}[method](
+        SimpleNamespace(mapping=MAPPING, first_tokens=FIRST))
+    drafter.request = RequestContext(prompt_len=0, sampling=SamplingParams(temperature=1.0), generator=generator)
+    drafter._step = None
+    first, second = torch.zeros(len(P)), torch.zeros(len(P))
+    target_rows = torch.stack([P, P, P])  # [3, |T|]
+    for _ in range(trials):
+        drafter._targets = []  # what propose() starts SLRS's step with
+        tokens, probs = [], []
+        while len(tokens) < 2:
+            token, more = drafter.choose(Q.log(), probs)
+            if token is None:
+                break
+            tokens.append(token)
+            if not more:
+                break
+        draft = Draft(tokens=tokens, source="draft_model", probs=torch.stack(probs) if probs else None)
+        drafter.translate(draft)
+        result = verify_speculative_sampling(draft.tokens, target_rows[: len(draft) + 1], generator, draft.probs)
+        emitted = draft.tokens[: result.num_accepted] + [result.next_token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("method", ["tli", "union", "slrs"])
+def test_the_loop_drafters_chains_leave_the_target_distribution_exact(method):
+    first, second = drafted_chains(method)
+    assert second.sum() > 1000  # chains of two were drafted and their first token accepted
+    assert chi2_p_value(first, P) > 1e-3, first
+    assert chi2_p_value(second, P) > 1e-3, second
+
+
+def test_greedy_tli_drafts_the_best_shared_token_and_union_stops_at_one_the_target_lacks():
+    logits = Q.log()  # argmax: draft token 4, which the target lacks; the best shared one is 0 (target id 2)
+    context = RequestContext(prompt_len=0, sampling=SamplingParams(temperature=0.0))
+    tli, union = TliDrafter(SimpleNamespace(mapping=MAPPING)), UnionDrafter(SimpleNamespace(mapping=MAPPING))
+    tli.request = union.request = context
+    token, more = tli.choose(logits, [])
+    assert (token, more) == (0, True) and MAPPING.draft_to_target[token] == 2
+    assert union.choose(logits, []) == (None, False)
+
+
+def test_slrs_string_distribution_counts_every_draft_token_under_its_first_target_token():
+    drafter = SlrsDrafter(SimpleNamespace(mapping=MAPPING, first_tokens=FIRST))
+    psi = drafter.string_distribution(Q)  # [|T| + 1]
+    assert psi.tolist() == pytest.approx([0.10, 0.10, 0.25 + 0.15, 0.30, 0.0, 0.05, 0.05])
+    assert tli_distribution(Q, MAPPING)[3] == 0  # T's 3, which the drafter lacks: only SLRS can propose it
+    drafter.request, drafter._targets = RequestContext(prompt_len=0, sampling=SamplingParams(temperature=0.0)), []
+    assert drafter.choose(Q.log(), []) == (0, True) and drafter._targets == [2]  # greedy: argmax psi, fed as D's 0
 
 
 def test_a_biased_emission_fails_the_same_check():

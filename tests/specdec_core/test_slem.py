@@ -1,10 +1,12 @@
-"""SLEM (issue 11): a drafter with another tokenizer, its drafts re-tokenized into the target's vocabulary; greedy
-outputs equal `ar` (fp32) for SmolLM2 -> Gemma3 and Gemma3 -> SmolLM2, alone and in a mixed batch; tokenizer edge
-cases; `draft` refuses such a drafter. Real models (gemma3-270m is installed by `make install`)."""
+"""Drafters with another tokenizer on real models (issue 11; gemma3-270m is installed by `make install`): SLEM's
+greedy outputs equal `ar` (fp32) for SmolLM2 -> Gemma3 and Gemma3 -> SmolLM2, alone and in a mixed batch; so do TLI's,
+the union baseline's and SLRS's, whose seeded sampling runs complete reproducibly; tokenizer edge cases; `draft`
+refuses such a drafter."""
 
 import pytest
 
 from specdec_core.decode import DecodeParams
+from specdec_core.sampling import SamplingParams
 from specdec_core.drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
 from specdec_core.engine import BatchItem, Engine, EngineConfig
 from specdec_core.methods import MethodOptions
@@ -36,20 +38,24 @@ def run_batch(engine, items, methods, batch_size):
                                             result) for request, result in decoder.run()}
 
 
-def check_pair(engine, names, new_tokens):
+def make_items(engine, names, params):
     chat = bool(getattr(engine.tokenizer, "chat_template", None))  # the GGUF-converted Gemma ships none
-    items = [BatchItem(name, engine.prompt_ids(messages=MESSAGES[name]) if chat
-                       else engine.prompt_ids(prompt=MESSAGES[name][0]["content"]),  # BOS + text
-                       DecodeParams(max_new_tokens=new_tokens)) for name in names]
+    return [BatchItem(name, engine.prompt_ids(messages=MESSAGES[name]) if chat
+                      else engine.prompt_ids(prompt=MESSAGES[name][0]["content"]),  # BOS + text
+                      params) for name in names]
+
+
+def check_pair(engine, names, new_tokens, method="slem"):
+    items = make_items(engine, names, DecodeParams(max_new_tokens=new_tokens))
     reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params)["output_token_ids"]
                  for item in items}
     accepted = 0
     for item in items:  # alone; the speculation budget off: its timing-driven choice to skip drafting would make the
         # accepted count depend on the machine's load
-        [(_, result)] = engine.decode_batch([item], "slem", batch_size=1, speculation_budget=False)
+        [(_, result)] = engine.decode_batch([item], method, batch_size=1, speculation_budget=False)
         assert result["error"] is None and result["output_token_ids"] == reference[item.key], item.key
         accepted += result["accepted_tokens"]
-    methods = ["slem", "pld", "slem"][: len(items)]  # one batch, rows with different drafters
+    methods = [method, "pld", "slem"][: len(items)]  # one batch, rows with different drafters
     batched = run_batch(engine, items, methods, batch_size=len(items))
     for item in items:
         assert batched[item.key]["error"] is None and batched[item.key]["output_token_ids"] == reference[item.key]
@@ -69,6 +75,28 @@ def test_slem_with_a_gemma_drafter_equals_smollm2_ar(smol_target):
 def test_slem_with_a_smollm2_drafter_equals_gemma_ar():
     accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["code", "chat"], 24)
     assert accepted > 8, accepted
+
+
+@pytest.mark.parametrize("method", ["tli", "union", "slrs"])
+def test_tli_union_and_slrs_greedy_equal_smollm2_ar_alone_and_in_a_mixed_batch(smol_target, method):
+    accepted = check_pair(smol_target, ["rename", "chat"], 24, method)
+    assert accepted > 5, accepted
+
+
+def test_tli_union_and_slrs_sample_with_a_seed_reproducibly(smol_target):
+    """The sampling path (q'' / q' rows of the target's width, the OUTSIDE id fed to the target): a seeded row
+    completes and draws the same tokens twice; exactness itself is the χ² tests' (test_cross_vocab.py)."""
+    params = DecodeParams(max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=5))
+    items = make_items(smol_target, ["rename", "chat"], params)
+    for method in ("tli", "union", "slrs"):
+        runs = [dict(smol_target.decode_batch(items, method, batch_size=2, speculation_budget=False))
+                for _ in range(2)]
+        for key in ("rename", "chat"):
+            assert runs[0][key]["error"] is None and len(runs[0][key]["output_token_ids"]) > 0
+            assert runs[0][key]["output_token_ids"] == runs[1][key]["output_token_ids"], (method, key)
+        assert sum(r["accepted_tokens"] for r in runs[0].values()) > 0, method
+    mixed = run_batch(smol_target, items + make_items(smol_target, ["summary"], params), ["tli", "slrs", "ar"], 3)
+    assert all(r["error"] is None for r in mixed.values())
 
 
 def test_draft_refuses_a_drafter_with_another_tokenizer(smol_target):
