@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
     parser.add_argument("--no-budget", action="store_true", help="verify every draft (no speculation budget)")
     parser.add_argument("--systems", nargs="+", default=["ar", "slem", "hf_greedy", "hf_universal_assisted"],
-                        choices=["ar", "slem", "tli", "union", "hf_greedy", "hf_universal_assisted"])
+                        choices=["ar", "slem", "tli", "union", "slrs", "hf_greedy", "hf_universal_assisted"])
     parser.add_argument("--workload", default="humaneval", choices=["humaneval", "summarization"])
     parser.add_argument("--temperature", type=float, default=0.0, help="our systems sample at T (HF stays greedy)")
     args = parser.parse_args()
@@ -90,8 +90,8 @@ def main() -> int:
         return outputs, time.perf_counter() - started, None
 
     results = {}
-    systems = {"ar": lambda: ours("ar"), "slem": lambda: ours("slem"), "tli": lambda: ours("tli"),
-               "union": lambda: ours("union"), "hf_greedy": lambda: hf(False), "hf_universal_assisted": lambda: hf(True)}
+    systems = {name: (lambda name=name: ours(name)) for name in ("ar", "slem", "tli", "union", "slrs")}
+    systems.update(hf_greedy=lambda: hf(False), hf_universal_assisted=lambda: hf(True))
     for name in args.systems:
         run = systems[name]
         outputs, wall, forwards = run()
