@@ -249,8 +249,9 @@ def main() -> int:
     drafter = ""
     if args.drafter:
         overlap = None if engine.same_vocabulary else engine.vocab_mapping().overlap()
-        drafter = (f", drafter {args.drafter}" + (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%}"
-                                                 f" of the target's vocabulary)" if overlap else ""))
+        shares = (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%} of the target's "
+                  "vocabulary)") if overlap else ""
+        drafter = f", drafter {args.drafter}{shares}"
     header = (f"{args.model}{drafter}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
               f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
               + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))

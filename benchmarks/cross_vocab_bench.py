@@ -33,6 +33,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-tokens", type=int, default=4, help="drafter tokens per step (slem, tli, union)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
+    parser.add_argument("--draft-confidence", type=float, nargs="+", default=[0.0],
+                        help="stop a draft after a drafter token below this probability; several values run each "
+                             "of our drafting systems once per value")
     parser.add_argument("--no-budget", action="store_true", help="verify every draft (no speculation budget)")
     parser.add_argument("--systems", nargs="+", default=["ar", "slem", "hf_greedy", "hf_universal_assisted"],
                         choices=["ar", "slem", "tli", "union", "slrs", "hf_greedy", "hf_universal_assisted"])
@@ -63,9 +66,8 @@ def main() -> int:
     from specdec_core.engine import BatchItem
     from specdec_core.methods import MethodOptions
 
-    options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive)
-
-    def ours(method):
+    def ours(method, confidence=0.0):
+        options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive, draft_confidence=confidence)
         outputs, started, forwards = [], time.perf_counter(), 0
         for index, ids in enumerate(prompts):  # batch 1, one request after the other
             params = DecodeParams(max_new_tokens=args.max_new_tokens,
@@ -90,11 +92,15 @@ def main() -> int:
         return outputs, time.perf_counter() - started, None
 
     results = {}
-    systems = {name: (lambda name=name: ours(name)) for name in ("ar", "slem", "tli", "union", "slrs")}
+    systems = {"ar": lambda: ours("ar")}
+    for name in ("slem", "tli", "union", "slrs"):
+        for value in args.draft_confidence:
+            systems[name if len(args.draft_confidence) == 1 else f"{name}@conf{value:g}"] = \
+                (lambda name=name, value=value: ours(name, value))
     systems.update(hf_greedy=lambda: hf(False), hf_universal_assisted=lambda: hf(True))
-    for name in args.systems:
-        run = systems[name]
-        outputs, wall, forwards = run()
+    chosen = [key for name in args.systems for key in systems if key == name or key.startswith(name + "@")]
+    for name in chosen:
+        outputs, wall, forwards = systems[name]()
         tokens = sum(len(o) for o in outputs)
         results[name] = {"tokens": tokens, "wall_s": round(wall, 1), "tok_s": round(tokens / wall, 2),
                          "mean_accepted_length": round(tokens / forwards, 2) if forwards else None,
@@ -104,7 +110,9 @@ def main() -> int:
     print(f"\n# {args.model} <- {args.drafter}, dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
           f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, one run, ours at T="
           f"{args.temperature:g}; {args.draft_tokens} drafter tokens per step"
-          f"{', adaptive' if args.adaptive else ''}{', no budget' if args.no_budget else ''}; vocabulary overlap "
+          f"{', adaptive' if args.adaptive else ''}"
+          f"{', draft confidence ' + str(args.draft_confidence[0]) if len(args.draft_confidence) == 1 else ''}"
+          f"{', no budget' if args.no_budget else ''}; vocabulary overlap "
           f"{overlap}\n")
     peer = results.get("hf_universal_assisted")
     print("| system | tok/s | x ar | x HF assisted | MAL | = ar |\n|---|---|---|---|---|---|")

@@ -38,6 +38,9 @@ class MethodOptions(BaseModel):
     draft_tokens: int = Field(4, ge=1, description="draft model: tokens drafted per step (δ)")
     max_draft_tokens: int = Field(16, ge=1, description="draft model adaptive: upper bound on δ")
     adaptive: bool = Field(False, description="grow the draft length after full acceptance, shrink after rejections")
+    draft_confidence: float = Field(0.0, ge=0.0, le=1.0, description="slem/tli/union/slrs: stop drafting after a "
+                                    "token the draft model gave less than this probability (HF's assistant "
+                                    "confidence threshold; 0 = draft the full length)")
     candidates: int = Field(1, ge=1, le=16, description="copyspec/pld: distinct earlier continuations drafted as "
                                                         "branches of one tree (1 = a single chain)")
     hidden_layer: int | None = Field(None, ge=0, description="PLD+ (h): the target layer whose hidden states rank "
@@ -186,8 +189,8 @@ def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | N
         raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
     if isinstance(draft_model, CrossVocabPool):
         raise UnknownMethodError(f"draft model {draft_model.runner.name!r} has a different tokenizer from the "
-                                 "target: draft and copyspec+draft verify its token ids as the target's; use slem, tli, "
-                                 "union or slrs, which draft across vocabularies")
+                                 "target: draft and copyspec+draft verify its token ids as the target's; use slem, "
+                                 "tli, union or slrs, which draft across vocabularies")
     return DraftModelDrafter(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
 
 
@@ -212,7 +215,8 @@ def _cross_vocab(name: str, drafter_class, options: MethodOptions, draft_model: 
         raise UnknownMethodError(f"{name} needs a draft model: pass --drafter NAME")
     if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: every token is shared
         return _draft_model_drafter(options, draft_model)
-    return drafter_class(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens)
+    return drafter_class(draft_model, options.draft_tokens, options.adaptive, options.max_draft_tokens,
+                         options.draft_confidence)
 
 
 @register("tli", "TLI: a draft model with ANY tokenizer samples only the tokens both vocabularies share, verified "

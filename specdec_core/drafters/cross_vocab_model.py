@@ -96,9 +96,11 @@ class CrossVocabDrafter(Drafter):
     each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
     draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
 
-    def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16):
+    def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16,
+                 confidence: float = 0.0):
         self.pool = pool
         self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK))
+        self.confidence = confidence  # drafting stops after a token the draft model was less sure of than this
         self.cached: list[int] = []  # drafter tokens the slot holds (kept by the pool)
         self.synced = 0
         self._prompt: list[int] = []  # the prompt in the drafter's tokens
@@ -125,7 +127,14 @@ class CrossVocabDrafter(Drafter):
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         """The drafter's next token, in its own vocabulary (logits [|D|]): its argmax or a draw from q."""
-        return choose_token(self.request, logits, probs)
+        token, more = choose_token(self.request, logits, probs)
+        return token, more and self.sure_of(logits, token)
+
+    def sure_of(self, logits: torch.Tensor, token: int) -> bool:
+        """Whether the draft model gave `token` at least `confidence` probability (at temperature 1): a draft goes
+        on only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule
+        that looks only at the drafter's side keeps every method lossless."""
+        return self.confidence <= 0 or float(torch.softmax(logits.float(), dim=-1)[token]) >= self.confidence
 
     @abstractmethod
     def translate(self, draft: Draft) -> None:

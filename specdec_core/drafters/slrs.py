@@ -51,13 +51,14 @@ class SlrsDrafter(CrossVocabDrafter):
             target = int(torch.argmax(psi[:-1]))
             fed = int(mapping.target_to_draft[target])  # the drafter token with t's text, if it has one
             self._targets.append(target)
-            return (fed, True) if fed >= 0 else (0, False)  # 0 is never fed: drafting ends
+            # 0 is a placeholder that is never fed (drafting ends): translate() proposes t itself
+            return (fed, self.sure_of(logits, fed)) if fed >= 0 else (0, False)
         q = logits_to_probs(logits, sampling)  # [|D|]
         token = int(torch.multinomial(q, 1, generator=self.request.generator).item())
         probs.append(self.string_distribution(q))
         first = int(self.pool.first_tokens[token])
         self._targets.append(first if first >= 0 else outside_id(mapping))
-        return token, first >= 0 and int(mapping.draft_to_target[token]) == first
+        return token, first >= 0 and int(mapping.draft_to_target[token]) == first and self.sure_of(logits, token)
 
     def translate(self, draft: Draft) -> None:
         limit = self._step[3] if self._step is not None else len(draft.tokens)

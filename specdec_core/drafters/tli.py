@@ -34,14 +34,16 @@ class TliDrafter(CrossVocabDrafter):
         shared = shared[shared < logits.shape[-1]]
         sampling = self.request.sampling
         if sampling.greedy:
-            return int(shared[torch.argmax(logits[shared])]), True
+            token = int(shared[torch.argmax(logits[shared])])
+            return token, self.sure_of(logits, token)
         q = logits_to_probs(logits, sampling)  # [|D|]
         on_target = tli_distribution(_full_width(q, len(mapping.draft_to_target)), mapping)  # [|T|] or None
         if on_target is None:
             return None, False
         target = int(torch.multinomial(on_target, 1, generator=self.request.generator).item())
         probs.append(on_target)
-        return int(mapping.target_to_draft[target]), True
+        token = int(mapping.target_to_draft[target])
+        return token, self.sure_of(logits, token)
 
     def translate(self, draft: Draft) -> None:
         draft_to_target = self.pool.mapping.draft_to_target
@@ -61,11 +63,11 @@ class UnionDrafter(TliDrafter):
         sampling = self.request.sampling
         if sampling.greedy:
             token = int(torch.argmax(logits).item())
-            return (token, True) if mapping.draft_to_target[token] >= 0 else (None, False)
+            return (token, self.sure_of(logits, token)) if mapping.draft_to_target[token] >= 0 else (None, False)
         q = logits_to_probs(logits, sampling)  # [|D|]
         token = int(torch.multinomial(q, 1, generator=self.request.generator).item())
         probs.append(union_distribution(_full_width(q, len(mapping.draft_to_target)), mapping))  # [|T| + 1]
-        return token, bool(mapping.draft_to_target[token] >= 0)
+        return token, bool(mapping.draft_to_target[token] >= 0) and self.sure_of(logits, token)
 
 
 def _full_width(q: torch.Tensor, width: int) -> torch.Tensor:

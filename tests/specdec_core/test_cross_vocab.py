@@ -105,6 +105,14 @@ def test_greedy_tli_drafts_the_best_shared_token_and_union_stops_at_one_the_targ
     assert union.choose(logits, []) == (None, False)
 
 
+def test_drafting_stops_after_a_token_the_draft_model_was_unsure_of():
+    context = RequestContext(prompt_len=0, sampling=SamplingParams(temperature=0.0))
+    for confidence, goes_on in ((0.0, True), (0.2, True), (0.5, False)):  # the best shared token has q = 0.25
+        drafter = TliDrafter(SimpleNamespace(mapping=MAPPING), confidence=confidence)
+        drafter.request = context
+        assert drafter.choose(Q.log(), []) == (0, goes_on), confidence
+
+
 def test_slrs_string_distribution_counts_every_draft_token_under_its_first_target_token():
     drafter = SlrsDrafter(SimpleNamespace(mapping=MAPPING, first_tokens=FIRST))
     psi = drafter.string_distribution(Q)  # [|T| + 1]
