@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-tokens", type=int, default=4, help="drafter tokens per step (slem, tli, union)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
-    parser.add_argument("--draft-confidence", type=float, nargs="+", default=[0.0],
+    parser.add_argument("--draft-confidence", type=float, nargs="+", default=[0.4],
                         help="stop a draft after a drafter token below this probability; several values run each "
                              "of our drafting systems once per value")
     parser.add_argument("--no-budget", action="store_true", help="verify every draft (no speculation budget)")
