@@ -280,14 +280,10 @@ class BatchDecoder:
         visible = torch.zeros(len(rows), width, width, dtype=torch.bool)
         chain = torch.ones(width, width, dtype=torch.bool).tril()
         index = []
-        vocab = self.target.vocab_size
         for b, row in enumerate(rows):
             draft = row.draft
             count = 1 + len(draft)
             input_ids[b, :count] = torch.tensor([row.state.tokens[-1], *draft.tokens])
-            # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what
-            # its node reads is never used: it is fed as id 0 instead of indexing past the embedding.
-            input_ids[b, :count].masked_fill_(input_ids[b, :count] >= vocab, 0)
             if draft.parents is None:
                 offsets[b] = torch.arange(width)
                 visible[b, :count, :count] = chain[:count, :count]
@@ -295,6 +291,9 @@ class BatchDecoder:
                 offsets[b, 1:count] = torch.tensor(depths(draft.parents))
                 visible[b] = ancestor_mask(draft.parents, width)
             index.extend((b, t) for t in range(count))
+        # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what its
+        # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
+        input_ids.masked_fill_(input_ids >= self.target.vocab_size, 0)
         return input_ids, lengths[:, None] + offsets, visible, torch.tensor(index)
 
     def _measure_width(self, width: int) -> float:

@@ -39,9 +39,11 @@ class SlrsDrafter(CrossVocabDrafter):
 
     def string_distribution(self, q: torch.Tensor) -> torch.Tensor:
         """q [|D|] -> psi [|T| + 1]: each draft token's mass on its first target token (OUTSIDE: none)."""
-        first = self.pool.first_tokens[: q.shape[-1]]  # [|D|]
         outside = outside_id(self.pool.mapping)
-        index = torch.where(first >= 0, first, torch.full_like(first, outside))
+        if getattr(self, "_columns", None) is None:  # once per request, not per drafted token: -1 -> OUTSIDE
+            first = self.pool.first_tokens
+            self._columns = torch.where(first >= 0, first, torch.full_like(first, outside))
+        index = self._columns[: q.shape[-1]]  # [|D|]
         return torch.zeros(outside + 1, dtype=q.dtype).index_add_(0, index, q[: len(index)])
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:

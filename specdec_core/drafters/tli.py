@@ -30,11 +30,12 @@ class TliDrafter(CrossVocabDrafter):
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         mapping = self.pool.mapping
-        shared, _ = mapping.shared_pairs  # draft ids [S]
-        shared = shared[shared < logits.shape[-1]]
         sampling = self.request.sampling
         if sampling.greedy:
-            token = int(shared[torch.argmax(logits[shared])])
+            if getattr(self, "_shared", None) is None:  # once per request, not per drafted token
+                shared, _ = mapping.shared_pairs  # draft ids [S]
+                self._shared = shared[shared < logits.shape[-1]]
+            token = int(self._shared[torch.argmax(logits[self._shared])])
             return token, self.sure_of(logits, token)
         q = logits_to_probs(logits, sampling)  # [|D|]
         on_target = tli_distribution(_full_width(q, len(mapping.draft_to_target)), mapping)  # [|T|] or None
