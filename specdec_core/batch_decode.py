@@ -213,8 +213,8 @@ class BatchDecoder:
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
             return
-        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows],
-                                         self._measure_width, context=max(self.cache.lengths))
+        context = max(self.cache.lengths)
+        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context)
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
             row.draft = row.draft.truncated(width - 1)
@@ -226,7 +226,7 @@ class BatchDecoder:
                                            **signals.forward_kwargs())  # [N, vocab]
         count = len(rows)
         self._commit(rows, logits, signals)
-        self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started)
+        self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started, context)
 
     def _retire_overdue(self) -> None:
         if self.row_timeout_s is None:
@@ -295,20 +295,6 @@ class BatchDecoder:
         # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
         input_ids.masked_fill_(input_ids >= self.target.vocab_size, 0)
         return input_ids, lengths[:, None] + offsets, visible, torch.tensor(index)
-
-    def _measure_width(self, width: int) -> float:
-        """Time a [B, width] forward on the live rows without committing anything (cost calibration)."""
-        rows = len(self.rows)
-        lengths = torch.tensor(self.cache.lengths)
-        input_ids = torch.zeros(rows, width, dtype=torch.long)
-        positions = lengths[:, None] + torch.arange(width)
-        visible = torch.ones(width, width, dtype=torch.bool).tril()[None].expand(rows, width, width)
-        index = torch.tensor([(b, t) for b in range(rows) for t in range(width)])
-        self.target.synchronize()
-        started = time.perf_counter()
-        self.target.forward_slots(self.cache, input_ids, positions, visible, index)
-        self.target.synchronize()  # a GPU returns before the work is done
-        return time.perf_counter() - started
 
     def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],

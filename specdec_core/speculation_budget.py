@@ -11,14 +11,13 @@ usual geometric model, Leviathan et al. §3.1), and the cost is cost(B, T) / cos
 The step takes the T with the most expected tokens per unit of cost; T = 1 (no drafts) always competes, so a batch
 whose drafts are not accepted decodes as batched `ar` does. An optional token budget caps B x T.
 
-Costs are measured, not assumed: the first time a (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024,
-4,096, ... cached positions)) pair is seen, a few forwards of widths 1..17 run on the live rows (their results are
-thrown away: nothing is committed to the cache) and the ratio table is kept for the rest of the run. The context
-matters: a long cache makes every step pay for attention whatever its width, so extra tokens cost relatively less.
-Measured on the avx512_bf16 CPU (SmolLM2, batch 16): with one table per batch bucket, calibrated on ~1,000-token code
-prompts, speculation on ~150-token open questions ran at 0.78-0.89x batched ar (steps 1.5x dearer than the table
-said). Measured here: 16 rows, 9 tokens each cost ~1.2x 16 rows of 1 token on an
-avx512_bf16 CPU; on a GPU the ratio stays near 1 up to much larger B x T.
+Costs are measured, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
+an affine cost per extra token of width learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256,
+1,024, 4,096, ... cached positions)). The context matters: a long cache makes every step pay for attention whatever
+its width, so extra tokens cost relatively less. Measured on the avx512_bf16 CPU (SmolLM2, batch 16): with one table
+per batch bucket, calibrated on ~1,000-token code prompts, speculation on ~150-token open questions ran at
+0.78-0.89x batched ar (steps 1.5x dearer than the table said); 16 rows of 9 tokens cost ~1.2x 16 rows of 1 token
+there. On this AVX2-only CPU in fp32 the same is ~2.6x; on a GPU the ratio stays near 1 up to much larger B x T.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 17)
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward the decoder's pooled estimate
 
 
@@ -76,53 +74,66 @@ def expected_tokens(rate: float, draft_len: int) -> float:
 
 @dataclass
 class StepCostModel:
-    """cost(B, T) / cost(B, 1) by (batch bucket, context bucket), measured with `measure(width) -> seconds` on the
-    live batch."""
+    """cost(B, T) / cost(B, 1) = 1 + slope x (T - 1) per (batch bucket, context bucket), learned from the decode
+    steps themselves: no forward is ever spent on measuring.
 
-    ratios: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
+    Why affine: on a CPU a step pays a fixed part (reading the weights, attention over the cache) plus a part per
+    token computed. Calibrated on this AVX2-only CPU (fp32, SmolLM2, 16 rows, ~1,000 cached tokens): ratios 1.18 /
+    1.53 / 1.85 / 2.60 / 4.47 at T = 2 / 3 / 5 / 9 / 17, i.e. a slope of 0.18-0.26 per token, 0.22 end to end.
+    Why online: the calibration this replaced ran 13 throw-away forwards of widths up to 17 per bucket, which cost
+    5.5-8.5 s of a 55-75 s batch-16 pass (10-12 %): alone enough to put pld at 0.90x batched `ar` on summaries.
+    Every step's seconds are real work, so each wide step also refines the slope at the widths the budget uses (on a
+    GPU, flat at small T and steeper later, the slope is learned where it matters and corrected when T grows).
+
+    Estimator: slope = sum of (ratio - 1) over sum of (T - 1) across the observed wide steps, decayed per step, so a
+    wide step weighs more than a noisy T = 2 one; a plain step's seconds (EMA) is the unit. A bucket with no wide step
+    yet borrows the slope of a bucket with at least as many rows and at most as long a context (its slope is at
+    least as steep, so borrowing can only under-speculate), else starts from `prior_slope`.
+    """
+
+    plain_s: dict[tuple[int, int], float] = field(default_factory=dict)  # bucket -> EMA seconds of a plain step
+    extra: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # bucket -> [sum ratio-1, sum T-1]
+    prior_slope: float = 0.15  # between the bf16 CPU's 0.04-0.19 and this AVX2 CPU's 0.22: corrected within steps
+    alpha: float = 0.25  # EMA weight of a new plain step
+    decay: float = 0.9  # weight kept by older wide-step observations at each new one
     fixed: Callable[[int, int], float] | None = None  # tests: a known cost function instead of measurements
 
-    def ratio(self, rows: int, width: int, measure: Callable[[int], float] | None, context: int = 0) -> float:
+    def ratio(self, rows: int, width: int, context: int = 0) -> float:
         if self.fixed is not None:
             return self.fixed(rows, width) / self.fixed(rows, 1)
+        if width <= 1:
+            return 1.0
+        return 1.0 + self.slope(rows, context) * (width - 1)
+
+    def knows_plain(self, rows: int, context: int = 0) -> bool:
+        """Whether a plain step was timed in this bucket (the unit every ratio is measured in)."""
+        return self.fixed is not None or (batch_bucket(rows), context_bucket(context)) in self.plain_s
+
+    def slope(self, rows: int, context: int = 0) -> float:
         bucket = (batch_bucket(rows), context_bucket(context))
-        table = self.ratios.get(bucket) or self._conservative_table(bucket)
-        if table is None:
-            if measure is None:
-                return float(width)  # no way to measure: assume cost grows with width (never over-speculates)
-            table = self.ratios[bucket] = self._calibrate(measure)
-        return _interpolate(table, width)
+        if bucket not in self.extra:
+            usable = [key for key in self.extra if key[0] >= bucket[0] and key[1] <= bucket[1]]
+            if not usable:
+                return self.prior_slope
+            bucket = min(usable, key=lambda key: (key[0], -key[1]))
+        ratio_sum, width_sum = self.extra[bucket]
+        return max(0.0, ratio_sum / width_sum)
 
-    def _conservative_table(self, bucket: tuple[int, int]) -> dict[int, float] | None:
-        """A table measured with at least as many rows and at most as long a context, if any: its ratios are at
-        least this bucket's, so using it can only under-speculate. Measured on the avx512_bf16 CPU (SmolLM2, width
-        17 over width 1): 1.6 / 1.5 / 2.5 / 2.9 / 4.0 at 1 / 2 / 4 / 8 / 16 rows of ~100 cached tokens, 1.2-1.6
-        with ~1,000 cached tokens. Without this, a pass calibrated again for every bucket its rows drained through
-        (16, 8, 4, 2, 1) and every context bucket they grew into: 65 forwards, 19% of a 32-question pass."""
-        rows, context = bucket
-        usable = [key for key in self.ratios if key[0] >= rows and key[1] <= context]
-        if not usable:
-            return None
-        return self.ratios[min(usable, key=lambda key: (key[0], -key[1]))]
-
-    @staticmethod
-    def _calibrate(measure: Callable[[int], float]) -> dict[int, float]:
-        measure(1)  # warm-up (first-call allocations)
-        times = {width: min(measure(width) for _ in range(2)) for width in CALIBRATION_WIDTHS}
-        base = times[1]
-        return {width: max(1.0, t / base) for width, t in times.items()}
-
-
-def _interpolate(table: dict[int, float], width: int) -> float:
-    widths = sorted(table)
-    if width <= widths[0]:
-        return table[widths[0]]
-    for low, high in zip(widths, widths[1:]):
-        if width <= high:
-            return table[low] + (table[high] - table[low]) * (width - low) / (high - low)
-    # Past the largest measured width: extend the last segment's slope.
-    low, high = widths[-2], widths[-1]
-    return table[high] + (table[high] - table[low]) * (width - high) / (high - low)
+    def observe(self, rows: int, width: int, seconds: float, context: int = 0) -> None:
+        """A finished step's wall time (forward + verification) at this width."""
+        if seconds <= 0 or self.fixed is not None:
+            return
+        bucket = (batch_bucket(rows), context_bucket(context))
+        if width == 1:
+            old = self.plain_s.get(bucket)
+            self.plain_s[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+            return
+        plain = self.plain_s.get(bucket)
+        if plain is None:
+            return  # no unit yet: a plain step in this bucket comes first (MeasuredPayoff.probe_due)
+        sums = self.extra.setdefault(bucket, [self.prior_slope, 1.0])  # the prior counts as one token's worth
+        sums[0] = self.decay * sums[0] + max(0.0, seconds / plain - 1.0)
+        sums[1] = self.decay * sums[1] + (width - 1)
 
 
 @dataclass
@@ -181,7 +192,7 @@ class SpeculationBudget:
     token_budget: int | None = None  # most B x T tokens per forward (padding included); None = no cap
     enabled: bool = True  # False: verify every draft as proposed (still capped by token_budget)
     pooled: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    planning_s: float = 0.0  # time spent choosing widths, calibration forwards included
+    planning_s: float = 0.0  # time spent choosing widths
     payoff: MeasuredPayoff = field(default_factory=MeasuredPayoff)
     check_payoff: bool = True  # False: trust the model alone (tests with a fixed cost function)
     # Exploration: after this many steps in a row that had drafts but verified none, verify one token per row.
@@ -203,8 +214,7 @@ class SpeculationBudget:
         self.idle_steps += 1
         return False
 
-    def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate],
-                     measure: Callable[[int], float] | None = None, context: int = 0) -> int:
+    def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0) -> int:
         """T for this step (1 = no drafts verified). reaches[r][n - 1] = the deepest path row r's draft cut to n
         tokens can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its proposal.
         `context` = the longest live row's cached positions (costs are measured per context bucket)."""
@@ -217,8 +227,8 @@ class SpeculationBudget:
             return 1
         if not self.enabled:
             return longest + 1
-        if self.check_payoff and self.payoff.probe_due(rows):
-            return 1  # a plain step now and then keeps the measured comparison current
+        if self.check_payoff and (self.payoff.probe_due(rows) or not self.cost.knows_plain(rows, context)):
+            return 1  # a plain step now and then keeps the measured comparison (and the cost model's unit) current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
         rates = [e.rate(prior) for e in estimates]
@@ -240,7 +250,7 @@ class SpeculationBudget:
                     depth[r] = reach[drafted - 1]
                     power[r] *= rates[r]
                     gain += power[r]
-            ratio = self.cost.ratio(rows, width, measure, context)
+            ratio = self.cost.ratio(rows, width, context)
             value = gain / (self.payoff.scaled(rows, ratio) if self.check_payoff else ratio)
             if value > best_value:
                 best, best_value = width, value
@@ -251,8 +261,10 @@ class SpeculationBudget:
             return 2  # one draft token per row: every drafting row's estimate gets a fresh observation
         return best
 
-    def record_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
-        """A finished step: its width, the tokens its rows kept and its wall time (forward + verification)."""
+    def record_step(self, rows: int, width: int, tokens: int, seconds: float, context: int = 0) -> None:
+        """A finished step: its width, the tokens its rows kept and its wall time (forward + verification);
+        `context` as for `choose_width` (the longest row's cached positions before the step)."""
+        self.cost.observe(rows, width, seconds, context)
         if self.enabled and self.check_payoff:
             self.payoff.record(rows, width, tokens, seconds)
 

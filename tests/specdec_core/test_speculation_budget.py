@@ -9,17 +9,6 @@ def chain(k):
     return list(range(1, k + 1))
 
 
-def recording_measure():
-    """-> (the widths measured, a measure function costing 1 + 0.05 per token of width)."""
-    calls = []
-
-    def measure(width):
-        calls.append(width)
-        return 1.0 + 0.05 * width
-
-    return calls, measure
-
-
 def budget(cost, **kwargs):
     return SpeculationBudget(cost=StepCostModel(fixed=cost), **kwargs)
 
@@ -104,30 +93,40 @@ def test_incremental_gain_equals_the_geometric_sums():
         assert abs(values[chosen] - best) < 1e-9, (reaches, chosen, values)
 
 
-def test_a_bigger_batch_or_shorter_context_table_is_reused_not_recalibrated():
-    calls, measure = recording_measure()
-    model = StepCostModel()
-    model.ratio(16, 5, measure, context=100)  # calibrates (16, 256)
-    count = len(calls)
-    model.ratio(3, 5, measure, context=100)  # rows drained to bucket 4: the 16-row table is conservative
-    model.ratio(16, 5, measure, context=2000)  # context grew: the shorter-context table is conservative
-    assert len(calls) == count and set(model.ratios) == {(16, 256)}
-    model.ratio(32, 5, measure, context=100)  # more rows than ever measured: must measure
-    assert len(calls) > count and set(model.ratios) == {(16, 256), (32, 256)}
+def test_step_costs_are_learned_from_the_steps_themselves():
+    """No forward is spent on measuring: plain steps set the unit, wide steps the slope per extra token."""
+    model = StepCostModel(prior_slope=0.15)
+    assert not model.knows_plain(16, 100) and model.ratio(16, 9, 100) == 1 + 0.15 * 8  # the prior
+    model.observe(16, 5, 0.30, context=100)  # a wide step before any plain one has no unit: ignored
+    assert model.ratio(16, 9, 100) == 1 + 0.15 * 8
+    model.observe(16, 1, 0.10, context=100)
+    assert model.knows_plain(16, 100)
+    for _ in range(60):
+        model.observe(16, 9, 0.10 * (1 + 0.2 * 8), context=100)  # 9 tokens cost 2.6x one: slope 0.2
+    assert abs(model.slope(16, 100) - 0.2) < 1e-3 and abs(model.ratio(16, 3, 100) - 1.4) < 2e-3
+    # A wide step weighs by its width: one noisy T = 2 step moves the slope less than a T = 9 one would.
+    model.observe(16, 2, 0.10 * 1.6, context=100)
+    assert 0.2 < model.slope(16, 100) < 0.22
 
 
-def test_calibration_measures_once_per_bucket():
-    calls, measure = recording_measure()
-    model = StepCostModel()
-    assert model.ratio(3, 9, measure) == (1.0 + 0.45) / (1.0 + 0.05)
-    count = len(calls)
-    model.ratio(4, 5, measure)  # same bucket (4): no new measurement
-    assert len(calls) == count
-    model.ratio(5, 5, measure)  # bucket 8: more rows than the 4-row table saw
-    assert len(calls) > count
-    count = len(calls)
-    model.ratio(5, 5, measure, context=200)  # batch bucket 8, context bucket 256: measured already
-    assert len(calls) == count and set(model.ratios) == {(4, 256), (8, 256)}
+def test_a_new_bucket_borrows_a_conservative_slope_or_starts_from_the_prior():
+    model = StepCostModel(prior_slope=0.15)
+    model.observe(16, 1, 0.10, context=100)
+    for _ in range(60):
+        model.observe(16, 5, 0.10 * (1 + 0.3 * 4), context=100)
+    # Fewer rows (bucket 4) or a longer context: the 16-row, short-context slope is at least as steep.
+    assert abs(model.slope(3, 100) - 0.3) < 1e-3 and abs(model.slope(16, 2000) - 0.3) < 1e-3
+    # More rows than ever seen, or a shorter context than any measured: nothing conservative, the prior.
+    assert model.slope(32, 100) == 0.15
+    assert not model.knows_plain(3, 100)  # the unit is per bucket: a plain step comes first there
+
+
+def test_the_first_step_of_a_bucket_is_plain_and_sets_the_unit():
+    b = SpeculationBudget()
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
+    assert b.choose_width([chain(8)] * 4, high, context=100) == 1
+    b.record_step(4, 1, tokens=4, seconds=0.10, context=100)
+    assert b.choose_width([chain(8)] * 4, high, context=100) > 1  # prior slope 0.15, acceptance 0.9: drafts pay
 
 
 def test_context_buckets_grow_by_four():
