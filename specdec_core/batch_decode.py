@@ -205,19 +205,22 @@ class BatchDecoder:
         self._retire_overdue()
         if not self.rows:
             return
-        if self.budget.drafting_due():
-            self._propose(self.rows)
-        else:
-            for row in self.rows:
-                row.draft = empty_draft()
+        # A seeded sampling row's draws depend on how many draft tokens it verifies, so its drafts never go through
+        # the budget, whose choices follow the clock: it always drafts and verifies what its drafter proposed, and
+        # reproduces whatever shares its batch, run after run (the batch pays for its width).
+        for row in self.rows:
+            row.draft = empty_draft()
+        self._propose(self.rows if self.budget.drafting_due() else [r for r in self.rows if _pinned(r)])
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
             return
         context = max(self.cache.lengths)
         width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context)
+        width = max([width] + [1 + len(r.draft) for r in rows if _pinned(r)])
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
-            row.draft = row.draft.truncated(width - 1)
+            if not _pinned(row):
+                row.draft = row.draft.truncated(width - 1)
         width = 1 + max(len(r.draft) for r in rows)
         started, before = time.perf_counter(), self.stats.new_tokens
         input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
@@ -241,7 +244,7 @@ class BatchDecoder:
             self._retire(overdue)
 
     def _propose(self, rows: list[Row]) -> None:
-        """Every row's draft. Drafters that share a pool (a draft model) are collected, then drafted together."""
+        """Each of `rows`' drafts (all live rows, or the pinned ones while drafting rests). Drafters that share a pool (a draft model) are collected, then drafted together."""
         pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
         for pool in pools.values():
             pool.collecting = True
@@ -266,7 +269,8 @@ class BatchDecoder:
                         row.error = f"{type(exc).__name__}: {exc}"
                         failed.append(index)
         if failed:
-            self._retire(failed)
+            live = {id(row): index for index, row in enumerate(self.rows)}  # `rows` may be a subset of self.rows
+            self._retire([live[id(rows[index])] for index in failed])
 
     def _step_inputs(self, rows: list[Row], width: int):
         """-> input_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
@@ -360,6 +364,12 @@ class BatchDecoder:
             last = self.rows.pop()
             if index < len(self.rows):
                 self.rows[index] = last
+
+
+def _pinned(row: Row) -> bool:
+    """A seeded sampling row: its draft is verified as proposed (see BatchDecoder.step)."""
+    sampling = row.request.params.sampling
+    return not sampling.greedy and sampling.seed is not None
 
 
 def _reach(draft: Draft) -> list[int]:

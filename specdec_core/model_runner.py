@@ -169,8 +169,8 @@ class ModelRunner:
         b, num_new = input_ids.shape
         cache.bind(num_new, rows)
         lengths = torch.tensor(cache.bound_lengths())  # [b]
-        mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
-                               self.dtype)
+        mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
+            self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         hooks = []
         try:
             for layer in captured or ():
@@ -183,7 +183,7 @@ class ModelRunner:
                 input_ids=input_ids.to(self.device),
                 position_ids=positions.to(self.device),
                 attention_mask={k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict)
-                else mask.to(self.device),
+                else mask.to(self.device) if mask is not None else None,
                 past_key_values=cache,
                 use_cache=True,
                 cache_position=torch.arange(num_new, device=self.device),
@@ -193,6 +193,20 @@ class ModelRunner:
                 hook.remove()
         hidden = out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]  # [N, H]
         return self.head_logits(hidden)
+
+    def _plain_prefill(self, lengths: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> bool:
+        """A single row fed from position 0 as a causal chain (a prefill) needs no mask of ours: without one, SDPA
+        runs its causal kernel, measured 6-17 % faster on a 1,255-token prompt (SmolLM2, AVX2 fp32) with identical
+        logits, and prefill is most of a long-prompt job's time on a CPU. A model whose sliding window the prompt
+        exceeds keeps the explicit masks."""
+        num_new = positions.shape[1]
+        if lengths.numel() != 1 or int(lengths[0]) != 0 or num_new < 2:
+            return False
+        window = getattr(self.model.config, "sliding_window", None)
+        if window and num_new > window:
+            return False
+        return bool(torch.equal(positions[0].cpu(), torch.arange(num_new))
+                    and torch.equal(visible[0].cpu(), torch.ones(num_new, num_new, dtype=torch.bool).tril()))
 
     @property
     def num_layers(self) -> int:
