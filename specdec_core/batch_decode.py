@@ -138,8 +138,14 @@ class BatchDecoder:
 
     def admit(self) -> None:
         """Move waiting requests into free slots, each prefilled alone (batching prefills of different lengths
-        would pad; on CPU a prefill is compute-bound at any batch size, so one row at a time costs nothing)."""
-        while self.waiting and len(self.rows) < self.max_batch:
+        would pad; on CPU a prefill is compute-bound at any batch size, so one row at a time costs nothing).
+
+        The requests admitted together are chosen first and the cache is fitted once for all of them: fitting per
+        admission reallocated (and copied) every live row's keys 16 times while a batch of 16 filled up, measured
+        6.3 s of a 182 s batch-16 summarization pass (SmolLM2, AVX2 fp32)."""
+        admitted: list[DecodeRequest] = []
+        capacity = max((self._capacity_for(r.request) for r in self.rows), default=0)
+        while self.waiting and len(self.rows) + len(admitted) < self.max_batch:
             request = self.waiting[0]
             try:
                 check_prompt(self.target, request.prompt_ids)
@@ -147,19 +153,23 @@ class BatchDecoder:
                 self.waiting.popleft()
                 self.finished.append((request, f"{type(exc).__name__}: {exc}"))
                 continue
-            capacity = max([self._capacity_for(request)] + [self._capacity_for(r.request) for r in self.rows])
-            needed = self.cache.bytes_for(len(self.rows) + 1, capacity)
+            wanted = max(capacity, self._capacity_for(request))
+            needed = self.cache.bytes_for(len(self.rows) + len(admitted) + 1, wanted)
             if needed > self.cache_budget_bytes:
-                if self.rows:
-                    return  # wait for rows to retire
+                if self.rows or admitted:
+                    break  # wait for rows to retire
                 self.waiting.popleft()
                 self.finished.append((request, (
                     f"KVCacheBudgetError: this request needs {needed / 2**30:.2f} GiB of KV cache, over the decoder's "
                     f"budget of {self.cache_budget_bytes / 2**30:.2f} GiB: shorten the prompt or max_new_tokens")))
                 continue
             self.waiting.popleft()
-            self.cache.fit(len(self.rows) + 1, capacity)
-            self._prefill(request)
+            admitted.append(request)
+            capacity = wanted
+        if admitted:
+            self.cache.fit(len(self.rows) + len(admitted), capacity)
+            for request in admitted:
+                self._prefill(request)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
     def _provide_defaults(self, drafter: Drafter) -> None:

@@ -39,10 +39,10 @@ def cluster(tmp_path):
         tree = [head] + _descendants(psutil, head.pid)
         for proc in tree:
             _quietly(proc.terminate)
-        _, alive = psutil.wait_procs([p for p in tree if not isinstance(p, subprocess.Popen)], timeout=30)
+        _, alive = psutil.wait_procs([p for p in tree if not isinstance(p, subprocess.Popen)], timeout=5)
         for proc in alive:
             _quietly(proc.kill)
-        _quietly(lambda: head.wait(timeout=30))
+        _quietly(lambda: head.wait(timeout=10))
         log.close()
 
 

@@ -180,7 +180,7 @@ def test_a_reused_run_id_is_refused_and_resume_of_a_finished_run_redoes_nothing(
 
 def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(tmp_path):
     """SIGKILL the job after its first blocks are written; --resume finishes the same run: every pair once, no
-    temporary file left, one runs row. Then a changed --max-new-tokens redoes every pair (new decode key)."""
+    temporary file left, one runs row."""
     import os
     import signal
     import time
@@ -208,10 +208,8 @@ def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(tmp_path):
     pairs = [(r["request_id"], r["method"]) for r in generations(out).to_pylist()]
     assert sorted(pairs) == sorted((f"r{i}", "ar") for i in range(12))
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")] and (run / "_SUCCESS").exists()
-    proc = run_job(*[a if a != "16" else "8" for a in args], "--resume")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["skipped_pairs"] == 0
-    assert sum(r["new_tokens"] <= 8 for r in generations(out).to_pylist()) >= 12
+    # (That a changed --max-new-tokens redoes every pair is test_run_output.py's decode-key tests: a third job here
+    # cost ~30 s of the suite.)
 
 
 @pytest.mark.timeout(120)

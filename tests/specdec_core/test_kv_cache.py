@@ -132,6 +132,21 @@ def test_cache_memory_follows_live_rows_and_budget_refuses_a_row_that_cannot_fit
     assert isinstance(result, str) and result.startswith("KVCacheBudgetError")
 
 
+def test_requests_admitted_together_fit_the_cache_once(llama, monkeypatch):
+    """8 requests into 8 free slots: one allocation for all of them, not one per admission (each copied every
+    live row's keys); a later admission into freed slots needs none."""
+    allocations = []
+    original = SlotKVCache._allocate
+    monkeypatch.setattr(SlotKVCache, "_allocate", lambda self, *a: (allocations.append(a), original(self, *a))[1])
+    prompts = [repetitive_prompt(seed, 20 + seed) for seed in range(10)]
+    results, decoder = decode_all(llama, prompts, 6, 8, max_new={0: 2, 1: 2})
+    assert [len(r.token_ids) for r in results] == [2, 2] + [6] * 8
+    grown = [a for a in allocations if a[0] > 0]
+    assert len(grown) == 1 and grown[0][0] == 8, allocations  # rows 9 and 10 took the slots rows 0 and 1 freed
+    for prompt, result in zip(prompts[2:], results[2:]):
+        assert result.token_ids == hf_greedy(llama, prompt, 6)
+
+
 class StallingDrafter(Drafter):
     """Sleeps in every proposal: a row stuck this way must time out without holding its neighbours back."""
 
