@@ -161,8 +161,8 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     from specdec_core.speculation_budget import StepCostModel
 
     method, options = parse_method(method_text)
-    # Every run measures its own step costs, as a fresh actor would (a job's later passes reuse them): the
-    # calibration forwards count in this run's wall time, and no method inherits another's tables.
+    # Every run learns its own step costs from its own steps, as a fresh actor would (a job's later passes reuse
+    # them): no method inherits another's cost model.
     engine.step_costs = StepCostModel()
     decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text))
     for item in items:
