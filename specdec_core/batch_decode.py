@@ -220,12 +220,19 @@ class BatchDecoder:
         # reproduces whatever shares its batch, run after run (the batch pays for its width).
         for row in self.rows:
             row.draft = empty_draft()
-        self._propose(self.rows if self.budget.drafting_due() else [r for r in self.rows if _pinned(r)])
+        drafting = self.budget.drafting_due()
+        self._propose(self.rows if drafting else [r for r in self.rows if _pinned(r)])
         rows = self.rows  # proposals may have retired failing rows
         if not rows:
             return
         context = max(self.cache.lengths)
-        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context)
+        for row in rows:
+            if _pinned(row):  # a cap that never depends on timing: the token budget shared by a full batch
+                row.draft = row.draft.truncated(self._pinned_draft_limit())
+        # While drafting rests only pinned rows drafted: the budget is not asked (its rest and exploration counters
+        # count that step already).
+        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context) \
+            if drafting else 1
         width = max([width] + [1 + len(r.draft) for r in rows if _pinned(r)])
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
@@ -240,6 +247,11 @@ class BatchDecoder:
         count = len(rows)
         self._commit(rows, logits, signals)
         self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started, context)
+
+    def _pinned_draft_limit(self) -> int:
+        """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""
+        budget = self.budget.token_budget
+        return self.max_draft if budget is None else max(0, budget // self.max_batch - 1)
 
     def _retire_overdue(self) -> None:
         if self.row_timeout_s is None:

@@ -147,6 +147,38 @@ def test_requests_admitted_together_fit_the_cache_once(llama, monkeypatch):
         assert result.token_ids == hf_greedy(llama, prompt, 6)
 
 
+class EchoDrafter(Drafter):
+    """Always proposes the last 6 tokens again (a draft on every step, accepted or not)."""
+
+    def propose(self, tokens, max_tokens):
+        return Draft(tokens=list(tokens[-6:])[:max_tokens], source="echo")
+
+
+def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_its_neighbours(llama):
+    """A sampled row's draws depend on how many draft tokens it verifies, so a seeded row's drafts bypass the
+    budget (capped only by the token budget over a full batch): a budget that never drafts (and so rests) and one
+    that always drafts, alone and beside greedy rows, give it the same tokens."""
+    from specdec_core.sampling import SamplingParams
+    from specdec_core.speculation_budget import SpeculationBudget, StepCostModel
+
+    prompt = repetitive_prompt(3, 30)
+    sampled = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=11))
+    outputs = []
+    for cost, neighbours in ((lambda rows, width: float(width), 0), (lambda rows, width: 1.0, 2)):
+        decoder = BatchDecoder(llama, max_batch=3, budget=SpeculationBudget(cost=StepCostModel(fixed=cost),
+                                                                            token_budget=15))
+        decoder.submit(DecodeRequest("seeded", prompt, sampled, EchoDrafter()))
+        for key in range(neighbours):
+            decoder.submit(DecodeRequest(key, repetitive_prompt(key, 17), DecodeParams(max_new_tokens=24),
+                                         CopySpecDrafter(gamma=2, copy_tokens=8)))
+        results = {request.key: result for request, result in decoder.run()}
+        seeded = results["seeded"]
+        assert seeded.metrics.drafted_tokens > 0 and len(seeded.token_ids) == 24
+        assert seeded.metrics.drafted_tokens <= 4 * seeded.metrics.target_forwards  # 15 // 3 - 1 per step
+        outputs.append(seeded.token_ids)
+    assert outputs[0] == outputs[1]
+
+
 class StallingDrafter(Drafter):
     """Sleeps in every proposal: a row stuck this way must time out without holding its neighbours back."""
 
