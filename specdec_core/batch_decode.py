@@ -226,17 +226,19 @@ class BatchDecoder:
         if not rows:
             return
         context = max(self.cache.lengths)
-        for row in rows:
-            if _pinned(row):  # a cap that never depends on timing: the token budget shared by a full batch
-                row.draft = row.draft.truncated(self._pinned_draft_limit())
+        pinned = [_pinned(r) for r in rows]
+        pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
+        for row, fixed in zip(rows, pinned):
+            if fixed:
+                row.draft = row.draft.truncated(pinned_limit)
         # While drafting rests only pinned rows drafted: the budget is not asked (its rest and exploration counters
         # count that step already).
         width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context) \
             if drafting else 1
-        width = max([width] + [1 + len(r.draft) for r in rows if _pinned(r)])
-        for row in rows:
+        width = max([width] + [1 + len(r.draft) for r, fixed in zip(rows, pinned) if fixed])
+        for row, fixed in zip(rows, pinned):
             self.stats.drafted_tokens += len(row.draft)
-            if not _pinned(row):
+            if not fixed:
                 row.draft = row.draft.truncated(width - 1)
         width = 1 + max(len(r.draft) for r in rows)
         started, before = time.perf_counter(), self.stats.new_tokens
@@ -266,7 +268,8 @@ class BatchDecoder:
             self._retire(overdue)
 
     def _propose(self, rows: list[Row]) -> None:
-        """Each of `rows`' drafts (all live rows, or the pinned ones while drafting rests). Drafters that share a pool (a draft model) are collected, then drafted together."""
+        """Each of `rows`' drafts (all live rows, or the pinned ones while drafting rests). Drafters that share a
+        pool (a draft model) are collected, then drafted together."""
         pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
         for pool in pools.values():
             pool.collecting = True
