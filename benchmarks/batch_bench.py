@@ -12,7 +12,8 @@ Workloads: summarization, code_edit, humaneval, open_questions (MT-Bench first t
 the prompt holds the first 6,000 characters of the paper, copy drafters also see the whole paper as `context`) and
 multi_turn, which times the second turn only (MT-Redundant: revise your first answer), its history holding one
 shared first answer decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
-MAL = mean accepted length (new tokens / target forwards, prefill included); quality = the mean of the task's metric
+MAL = mean accepted length (new tokens / target forwards, prefill included); prefill share = the pass's seconds spent
+prefilling prompts (what no speculation can shorten: on a CPU, prefill is compute-bound); quality = the mean of the task's metric
 against the references (ROUGE-L for summaries, exact match for code edits, token F1 for RAG; analysis/quality.py).
 """
 
@@ -177,7 +178,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     result = {"system": method_text.split("@")[0], "batch_size": size, "new_tokens": sum(r["new_tokens"] for r in ok),
               "wall_s": wall, "errors": len(got) - len(ok), "mean_occupancy": stats.mean_occupancy,
               "drafted": stats.drafted_tokens, "verified": stats.verified_tokens, "accepted": stats.accepted_tokens,
-              "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20,
+              "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20, "prefill_s": stats.prefill_s,
               "mean_accepted_length": sum(r["new_tokens"] for r in ok) / max(1, sum(r["target_forwards"] for r in ok)),
               "from_context": sum(r["accepted_by_source"].get("context", 0) for r in ok),
               "quality": mean_quality(got, references or {})}
@@ -191,7 +192,8 @@ def table(results: list[dict]) -> str:
     ar = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "ar"}  # plain "ar" only
     best_hf = max(hf.values(), default=None)
     lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | accepted/"
-             "verified | MAL | occupancy | = HF | quality |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "verified | MAL | occupancy | prefill share | = HF | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
     for r in results:
         tps = r["tokens_per_s"]
@@ -199,9 +201,11 @@ def table(results: list[dict]) -> str:
         occ = f"{r['mean_occupancy']:.1f}" if r.get("mean_occupancy") else ""
         mal = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else ""
         quality = f"{r['quality']:.3f}" if r.get("quality") is not None else ""
+        prefill = f"{r['prefill_s'] / r['wall_s']:.2f}" if r.get("prefill_s") else ""
         lines.append(f"| {r['system']} | {r['batch_size']} | {r['new_tokens']} | {tps:.1f} | "
                      f"{ratio(tps, hf.get(r['batch_size']))} | {ratio(tps, best_hf)} | "
-                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {mal} | {occ} | {r.get('same_as_hf', '')} | "
+                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {mal} | {occ} | {prefill} | "
+                     f"{r.get('same_as_hf', '')} | "
                      f"{quality} |")
     return "\n".join(lines)
 

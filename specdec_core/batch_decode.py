@@ -74,6 +74,7 @@ class BatchStats:
     peak_cache_bytes: int = 0
     peak_rows: int = 0
     wall_s: float = 0.0
+    prefill_s: float = 0.0  # of wall_s, spent prefilling admitted prompts (on a CPU, most of a long-prompt job)
 
     @property
     def mean_occupancy(self) -> float | None:
@@ -93,6 +94,7 @@ class BatchDecoder:
         self.target = target
         self.max_batch = max_batch
         self.budget = budget or SpeculationBudget()
+        self.budget.ragged = target.ragged is not None  # its forwards skip padding: drafts cost per row
         self.cache_budget_bytes = cache_budget_bytes
         self.cache = target.new_slot_cache()
         self.rows: list[Row] = []  # rows[i] lives in cache row i
@@ -167,9 +169,11 @@ class BatchDecoder:
             admitted.append(request)
             capacity = wanted
         if admitted:
+            started = time.perf_counter()
             self.cache.fit(len(self.rows) + len(admitted), capacity)
             for request in admitted:
                 self._prefill(request)
+            self.stats.prefill_s += time.perf_counter() - started
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
     def _provide_defaults(self, drafter: Drafter) -> None:
@@ -233,14 +237,14 @@ class BatchDecoder:
                 row.draft = row.draft.truncated(pinned_limit)
         # While drafting rests only pinned rows drafted: the budget is not asked (its rest and exploration counters
         # count that step already).
-        width = self.budget.choose_width([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context) \
-            if drafting else 1
-        width = max([width] + [1 + len(r.draft) for r, fixed in zip(rows, pinned) if fixed])
-        for row, fixed in zip(rows, pinned):
+        limits = self.budget.plan([_reach(r.draft) for r in rows], [r.acceptance for r in rows], context) \
+            if drafting else [0] * len(rows)
+        for row, fixed, limit in zip(rows, pinned, limits):
             self.stats.drafted_tokens += len(row.draft)
             if not fixed:
-                row.draft = row.draft.truncated(width - 1)
+                row.draft = row.draft.truncated(limit)
         width = 1 + max(len(r.draft) for r in rows)
+        real = sum(1 + len(r.draft) for r in rows)
         started, before = time.perf_counter(), self.stats.new_tokens
         input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
         signals = wanted([r.request.drafter for r in rows])
@@ -248,7 +252,8 @@ class BatchDecoder:
                                            **signals.forward_kwargs())  # [N, vocab]
         count = len(rows)
         self._commit(rows, logits, signals)
-        self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started, context)
+        self.budget.record_step(count, width, self.stats.new_tokens - before, time.perf_counter() - started, context,
+                                real)
 
     def _pinned_draft_limit(self) -> int:
         """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""

@@ -7,14 +7,17 @@ It also accepts a custom 4-D attention mask and explicit positions, which tree v
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
+from . import grouped_attention
 from .errors import SpecbatchError
 from .kv_cache import SlotKVCache
 from .model_registry import resolve_model_path
+from .ragged_tokens import RaggedTokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,6 +67,10 @@ class ModelRunner:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # CPU only: on a GPU the padded tokens of a short step are almost free and every gather is a kernel launch.
+        on_cpu = str(device).startswith("cpu")
+        self.ragged = RaggedTokens(self.base_model.layers) if on_cpu else None
+        self.grouped_attention = on_cpu and _sdpa_family(config)
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -171,8 +178,14 @@ class ModelRunner:
         lengths = torch.tensor(cache.bound_lengths())  # [b]
         mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
+        real = visible.diagonal(dim1=1, dim2=2)  # [b, T]: a node sees itself; padding sees no new token
         hooks = []
-        try:
+        with ExitStack() as scope:
+            scope.callback(lambda: [hook.remove() for hook in hooks])
+            if self.ragged is not None and self.ragged.worth_it(real):
+                scope.enter_context(self.ragged.only(real))
+            if self.grouped_attention:
+                scope.enter_context(self._attention(grouped_attention.NAME))
             for layer in captured or ():
                 hooks.append(self._capture_hook(layer, captured))
             if query_heads:
@@ -188,11 +201,20 @@ class ModelRunner:
                 use_cache=True,
                 cache_position=torch.arange(num_new, device=self.device),
             )
-        finally:
-            for hook in hooks:
-                hook.remove()
         hidden = out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]  # [N, H]
         return self.head_logits(hidden)
+
+    @contextmanager
+    def _attention(self, name: str):
+        """The slot-cache forwards use `name` (grouped_attention.py); everything else keeps the model's own (HF
+        `generate`, run on this same model as the peer, stays stock)."""
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = name
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
 
     def _plain_prefill(self, lengths: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> bool:
         """A single row fed from position 0 as a causal chain (a prefill) needs no mask of ours: without one, SDPA
@@ -340,6 +362,12 @@ def _windowed(allowed, lengths, positions, kv_len: int, window: int, dtype: torc
     near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [b, T, L]
     ok = allowed & near
     return torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~ok[:, None], torch.finfo(dtype).min)
+
+
+def _sdpa_family(config) -> bool:
+    """Whether the model runs SDPA attention, which grouped_attention.py replaces for short forwards (a model loaded
+    with eager or flash attention keeps it)."""
+    return getattr(config, "_attn_implementation", None) in (None, "sdpa")
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -1,23 +1,25 @@
-"""The speculation budget: how many tokens each row may verify this step, from each row's acceptance and the
-measured cost of a `[B, T]` forward, so that speculation shrinks to plain batched decoding where drafts don't pay.
+"""The speculation budget: how many draft tokens each row verifies this step, from each row's acceptance and the
+measured cost of the forward, so that speculation shrinks to plain batched decoding where drafts don't pay.
 
-The batched forward is padded: every row computes T = 1 + the longest draft tokens, so the choice is one step width
-T for the batch (rows draft min(own proposal, T - 1)). For each candidate T the expected tokens this step are
+The batched forward feeds a [B, T] block, T = 1 + the longest draft verified. Its cost depends on T and on the
+tokens it computes: B x T when padded, only the real ones when ragged_tokens.py skips the padding (a CPU, enough of
+it). For a plan (k_r draft tokens for row r) the expected tokens are
 
-    E(T) = sum over rows r of  1 + a_r + a_r^2 + ... + a_r^k_r,   k_r = min(len(draft_r), T - 1)
+    E = sum over rows r of  1 + a_r + a_r^2 + ... + a_r^k_r
 
 (a_r = row r's per-token acceptance estimate; each accepted draft token is kept only if all before it were: the
-usual geometric model, Leviathan et al. §3.1), and the cost is cost(B, T) / cost(B, 1), measured on this machine.
-The step takes the T with the most expected tokens per unit of cost; T = 1 (no drafts) always competes, so a batch
-whose drafts are not accepted decodes as batched `ar` does. An optional token budget caps B x T.
+usual geometric model, Leviathan et al. §3.1), and the cost is that of the step over a plain one, learned on this
+machine (`StepCostModel`). The step takes the plan with the most expected tokens per unit of cost; no drafts at all
+always competes, so a batch whose drafts are not accepted decodes as batched `ar` does. An optional token budget
+caps B x T.
 
 Costs are measured, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
-an affine cost per extra token of width learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256,
-1,024, 4,096, ... cached positions)). The context matters: a long cache makes every step pay for attention whatever
-its width, so extra tokens cost relatively less. Measured on the avx512_bf16 CPU (SmolLM2, batch 16): with one table
-per batch bucket, calibrated on ~1,000-token code prompts, speculation on ~150-token open questions ran at
-0.78-0.89x batched ar (steps 1.5x dearer than the table said); 16 rows of 9 tokens cost ~1.2x 16 rows of 1 token
-there. On this AVX2-only CPU in fp32 the same is ~2.6x; on a GPU the ratio stays near 1 up to much larger B x T.
+learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024, 4,096, ... cached positions)). The
+context matters: a long cache makes every step pay for attention whatever its width, so extra tokens cost relatively
+less. Measured on the avx512_bf16 CPU (SmolLM2, batch 16): with one table per batch bucket, calibrated on
+~1,000-token code prompts, speculation on ~150-token open questions ran at 0.78-0.89x batched ar (steps 1.5x dearer
+than the table said); 16 rows of 9 tokens cost ~1.2x 16 rows of 1 token there. On this AVX2-only CPU in fp32 the same
+is ~2.6x padded; on a GPU the ratio stays near 1 up to much larger B x T.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .ragged_tokens import MAX_REAL_SHARE
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward the decoder's pooled estimate
 
@@ -44,6 +48,14 @@ def context_bucket(positions: int) -> int:
     while bucket < positions:
         bucket *= 4
     return bucket
+
+
+def computed_tokens(rows: int, width: int, real: int, ragged: bool) -> int:
+    """Tokens a [rows, width] forward with `real` real ones computes: the real ones where ragged_tokens.py gathers
+    them (enough padding), else the whole padded block."""
+    if ragged and width > 1 and real <= MAX_REAL_SHARE * rows * width:
+        return real
+    return rows * width
 
 
 @dataclass
@@ -74,66 +86,97 @@ def expected_tokens(rate: float, draft_len: int) -> float:
 
 @dataclass
 class StepCostModel:
-    """cost(B, T) / cost(B, 1) = 1 + slope x (T - 1) per (batch bucket, context bucket), learned from the decode
-    steps themselves: no forward is ever spent on measuring.
+    """cost of a step / cost of a plain step = 1 + s_token x (computed - B) / B + s_width x (T - 1), learned per
+    (batch bucket, context bucket) from the decode steps themselves: no forward is ever spent on measuring.
 
-    Why affine: on a CPU a step pays a fixed part (reading the weights, attention over the cache) plus a part per
-    token computed. Calibrated on this AVX2-only CPU (fp32, SmolLM2, 16 rows, ~1,000 cached tokens): ratios 1.18 /
-    1.53 / 1.85 / 2.60 / 4.47 at T = 2 / 3 / 5 / 9 / 17, i.e. a slope of 0.18-0.26 per token, 0.22 end to end.
-    Why online: the calibration this replaced ran 13 throw-away forwards of widths up to 17 per bucket, which cost
-    5.5-8.5 s of a 55-75 s batch-16 pass (10-12 %): alone enough to put pld at 0.90x batched `ar` on summaries.
-    Every step's seconds are real work, so each wide step also refines the slope at the widths the budget uses (on a
-    GPU, flat at small T and steeper later, the slope is learned where it matters and corrected when T grows).
+    B = rows, T = the step's width, computed = the tokens the forward multiplies through its linear layers: B x T
+    when the step is padded, only the real ones (B + the drafts verified) when ragged_tokens.py skips the padding.
+    s_token prices the linear layers' work per extra token (averaged over the rows); s_width what grows with the
+    padded width whatever is real (attention over [B, T] queries, norms, masks).
 
-    Estimator: slope = sum of (ratio - 1) over sum of (T - 1) across the observed wide steps, decayed per step, so a
-    wide step weighs more than a noisy T = 2 one; a plain step's seconds (EMA) is the unit. A bucket with no wide step
-    yet borrows the slope of a bucket with at least as many rows and at most as long a context (its slope is at
-    least as steep, so borrowing can only under-speculate), else starts from `prior_slope`.
+    Why this form: on a CPU a step pays a fixed part (reading the weights, attention over the cache) plus a part per
+    token computed. Measured on this AVX2-only CPU (fp32, SmolLM2, 16 rows, ~600 cached tokens, grouped attention,
+    real tokens only): 4 rows verifying 2 / 4 / 8 drafts cost 1.28 / 1.54 / 2.30x a plain step, 8 rows verifying 4
+    1.80x, all 16 verifying 8 3.53x: s_token ~0.3, s_width ~0.03-0.09. Padded, the first of those cost 1.57 / 2.00 /
+    3.17x (one slope per width could not tell a step where 4 rows draft from one where 16 do).
+    Why online: a calibration with throw-away forwards cost 5.5-8.5 s of a 55-75 s batch-16 pass (10-12 %). Every
+    step's seconds are real work, so each wide step refines the fit at the widths the budget uses.
+
+    Estimator: ridge regression of (seconds / plain seconds - 1) on the two features, sums decayed by `decay` per wide
+    step, pulled toward the priors by one pseudo-observation each; a coefficient that comes out negative is dropped and
+    the other refitted alone. The unit is a plain step's seconds (EMA) at the same row count where one was timed,
+    else at the nearest row count timed in the same buckets. A bucket with no wide step yet borrows the fit of a
+    bucket with at least as many rows and at most as long a context (at least as steep, so borrowing can only
+    under-speculate), else starts from the priors.
     """
 
-    plain_s: dict[tuple[int, int], float] = field(default_factory=dict)  # bucket -> EMA seconds of a plain step
-    extra: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # bucket -> [sum ratio-1, sum T-1]
-    prior_slope: float = 0.15  # between the bf16 CPU's 0.04-0.19 and this AVX2 CPU's 0.22: corrected within steps
+    plain_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, context bucket) -> EMA seconds
+    sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # bucket -> [xx11, xx12, xx22, xy1, xy2]
+    prior_token: float = 0.12  # this AVX2 CPU ~0.3, the bf16 CPU and GPUs far less: corrected within steps
+    prior_width: float = 0.03
     alpha: float = 0.25  # EMA weight of a new plain step
     decay: float = 0.9  # weight kept by older wide-step observations at each new one
-    fixed: Callable[[int, int], float] | None = None  # tests: a known cost function instead of measurements
+    fixed: Callable[[int, int], float] | None = None  # tests: a known cost function of (rows, width) instead
 
-    def ratio(self, rows: int, width: int, context: int = 0) -> float:
+    def ratio(self, rows: int, width: int, context: int = 0, computed: int | None = None) -> float:
+        """Cost of a step of `rows` rows, width `width` and `computed` tokens (None: padded, rows x width) in
+        plain steps."""
         if self.fixed is not None:
             return self.fixed(rows, width) / self.fixed(rows, 1)
         if width <= 1:
             return 1.0
-        return 1.0 + self.slope(rows, context) * (width - 1)
+        token, per_width = self.slopes(rows, context)
+        computed = rows * width if computed is None else computed
+        return 1.0 + token * (computed - rows) / rows + per_width * (width - 1)
 
     def knows_plain(self, rows: int, context: int = 0) -> bool:
-        """Whether a plain step was timed in this bucket (the unit every ratio is measured in)."""
-        return self.fixed is not None or (batch_bucket(rows), context_bucket(context)) in self.plain_s
+        """Whether a plain step was timed in this (batch bucket, context bucket): the unit every ratio is in."""
+        return self.fixed is not None or self._plain(rows, context) is not None
 
-    def slope(self, rows: int, context: int = 0) -> float:
+    def _plain(self, rows: int, context: int) -> float | None:
+        bucket, where = batch_bucket(rows), context_bucket(context)
+        timed = [n for (n, c) in self.plain_s if c == where and batch_bucket(n) == bucket]
+        if not timed:
+            return None
+        return self.plain_s[(min(timed, key=lambda n: (abs(n - rows), -n)), where)]
+
+    def slopes(self, rows: int, context: int = 0) -> tuple[float, float]:
+        """(s_token, s_width) for this bucket."""
         bucket = (batch_bucket(rows), context_bucket(context))
-        if bucket not in self.extra:
-            usable = [key for key in self.extra if key[0] >= bucket[0] and key[1] <= bucket[1]]
+        if bucket not in self.sums:
+            usable = [key for key in self.sums if key[0] >= bucket[0] and key[1] <= bucket[1]]
             if not usable:
-                return self.prior_slope
+                return self.prior_token, self.prior_width
             bucket = min(usable, key=lambda key: (key[0], -key[1]))
-        ratio_sum, width_sum = self.extra[bucket]
-        return max(0.0, ratio_sum / width_sum)
+        xx11, xx12, xx22, xy1, xy2 = self.sums[bucket]
+        # Ridge toward the priors: (X'X + I) s = X'y + prior.
+        a11, a12, a22 = xx11 + 1.0, xx12, xx22 + 1.0
+        b1, b2 = xy1 + self.prior_token, xy2 + self.prior_width
+        det = a11 * a22 - a12 * a12
+        token, per_width = (a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
+        if token < 0:
+            return 0.0, max(0.0, b2 / a22)
+        if per_width < 0:
+            return max(0.0, b1 / a11), 0.0
+        return token, per_width
 
-    def observe(self, rows: int, width: int, seconds: float, context: int = 0) -> None:
-        """A finished step's wall time (forward + verification) at this width."""
+    def observe(self, rows: int, width: int, seconds: float, context: int = 0, computed: int | None = None) -> None:
+        """A finished step's wall time (forward + verification) at this width and computed token count."""
         if seconds <= 0 or self.fixed is not None:
             return
-        bucket = (batch_bucket(rows), context_bucket(context))
+        where = context_bucket(context)
         if width == 1:
-            old = self.plain_s.get(bucket)
-            self.plain_s[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+            old = self.plain_s.get((rows, where))
+            self.plain_s[(rows, where)] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
             return
-        plain = self.plain_s.get(bucket)
+        plain = self._plain(rows, context)
         if plain is None:
-            return  # no unit yet: a plain step in this bucket comes first (MeasuredPayoff.probe_due)
-        sums = self.extra.setdefault(bucket, [self.prior_slope, 1.0])  # the prior counts as one token's worth
-        sums[0] = self.decay * sums[0] + max(0.0, seconds / plain - 1.0)
-        sums[1] = self.decay * sums[1] + (width - 1)
+            return  # no unit yet: a plain step in this bucket comes first (SpeculationBudget.plan)
+        x1 = ((rows * width if computed is None else computed) - rows) / rows
+        x2, y = float(width - 1), seconds / plain - 1.0
+        sums = self.sums.setdefault((batch_bucket(rows), where), [0.0] * 5)
+        for i, term in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)):
+            sums[i] = self.decay * sums[i] + term
 
 
 @dataclass
@@ -204,6 +247,9 @@ class SpeculationBudget:
     # nobody verifies are pure cost: measured, pld on RAG prompts drafted 20,918 tokens, verified none, 0.91x ar).
     # A rested step counts as a refused one, so exploration keeps its cadence. 0 = never rest.
     rest_after: int = 4
+    # Whether the target's forwards compute real tokens only (ragged_tokens.py): then a row's drafts cost what it
+    # verifies, not the padded width times every row (set by the decoder from its target).
+    ragged: bool = False
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""
@@ -215,56 +261,105 @@ class SpeculationBudget:
         return False
 
     def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0) -> int:
-        """T for this step (1 = no drafts verified). reaches[r][n - 1] = the deepest path row r's draft cut to n
-        tokens can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its proposal.
-        `context` = the longest live row's cached positions (costs are measured per context bucket)."""
+        """The step's width T (1 = no drafts verified) under `plan`."""
+        return 1 + max(self.plan(reaches, estimates, context), default=0)
+
+    def plan(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0) -> list[int]:
+        """Draft nodes each row verifies this step (0 = none). reaches[r][n - 1] = the deepest path row r's draft
+        cut to n nodes can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its
+        proposal. `context` = the longest live row's cached positions (costs are measured per context bucket).
+
+        Two kinds of plan compete for every width T: each row drafting min(proposal, T - 1), and the same with each
+        row cut where its next node would add less than it costs. A node deepening row r's path to depth d adds
+        a_r^d expected tokens; when the forward computes real tokens only (`ragged`), it costs s_token / B plain
+        steps, so it pays while a_r^d >= V x s_token / B, V being the step's tokens per plain step (first B, the
+        plain step's; then the best plan's). A row whose drafts are seldom accepted then verifies none while its
+        neighbours verify long ones, at the price of their tokens only. The plan with the most expected tokens per
+        unit of cost wins; all zeros (a plain step, value B) always competes."""
         rows = len(reaches)
         lengths = [len(reach) for reach in reaches]
         longest = max(lengths, default=0)
         if self.token_budget is not None:
             longest = min(longest, max(1, self.token_budget // max(rows, 1)) - 1)
         if longest <= 0:
-            return 1
+            return [0] * rows
         if not self.enabled:
-            return longest + 1
+            return [min(n, longest) for n in lengths]
         if self.check_payoff and (self.payoff.probe_due(rows) or not self.cost.knows_plain(rows, context)):
-            return 1  # a plain step now and then keeps the measured comparison (and the cost model's unit) current
+            return [0] * rows  # a plain step now and then keeps the measured comparison (and the cost unit) current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
         rates = [e.rate(prior) for e in estimates]
-        # Every width up to the longest draft competes: drafts are cut to the step's width, so a batch of 10-token
-        # drafts may pay best at T = 2 (checking only the drafts' own lengths + 1 once left whole batches at T = 1).
-        # E(T) is built up width by width: a row whose cut draft reaches one level deeper adds rate^depth (the
-        # geometric sum 1 + a + ... + a^depth gains its next term); rows sorted longest draft first stop early.
-        order = sorted(range(rows), key=lambda r: -lengths[r])
-        depth, power = [0] * rows, [1.0] * rows
-        gain = float(rows)
-        best, best_value = 1, float(rows)  # T = 1: every row emits one token at cost ratio 1
-        for width in range(2, longest + 2):
-            drafted = width - 1
-            for r in order:
-                reach = reaches[r]
-                if len(reach) < drafted:
-                    break
-                if reach[drafted - 1] > depth[r]:
-                    depth[r] = reach[drafted - 1]
-                    power[r] *= rates[r]
-                    gain += power[r]
-            ratio = self.cost.ratio(rows, width, context)
-            value = gain / (self.payoff.scaled(rows, ratio) if self.check_payoff else ratio)
-            if value > best_value:
-                best, best_value = width, value
+        # gained[r][n] = expected tokens row r's first n nodes add (a node adds rate^depth when it deepens the path
+        # its draft can accept, nothing otherwise); deepening[r] = (n, rate^depth) of the nodes that deepen.
+        gained, deepening = [], []
+        for reach, rate in zip(reaches, rates):
+            total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
+            for n, deepest in enumerate(reach[:longest], start=1):
+                if deepest > depth:
+                    depth, power = deepest, power * rate
+                    total += power
+                    steps.append((n, power))
+                sums.append(total)
+            gained.append(sums)
+            deepening.append(steps)
+        best, best_value = [0] * rows, float(rows)
+        token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
+        cuts: list[list[int] | None] = [None]
+        if self.ragged and token_slope > 0:
+            cuts.append(self._cuts(deepening, float(rows) * token_slope / rows))
+        for cut in cuts:
+            for width in range(2, longest + 2):
+                plan = [min(n, width - 1) if cut is None else min(n, width - 1, cut[r]) for r, n in enumerate(lengths)]
+                value = self._value(plan, gained, rows, context)
+                if value > best_value:
+                    best, best_value = plan, value
+            if cut is not None and best_value > rows:  # again with the bar the best plan sets
+                refined = self._cuts(deepening, best_value * token_slope / rows)
+                for width in range(2, longest + 2):
+                    plan = [min(n, width - 1, refined[r]) for r, n in enumerate(lengths)]
+                    value = self._value(plan, gained, rows, context)
+                    if value > best_value:
+                        best, best_value = plan, value
         self.planning_s += time.perf_counter() - started
-        self.idle_steps = self.idle_steps + 1 if best == 1 else 0
+        self.idle_steps = self.idle_steps + 1 if not any(best) else 0
         if self.explore_every and self.idle_steps >= self.explore_every:
             self.idle_steps = 0
-            return 2  # one draft token per row: every drafting row's estimate gets a fresh observation
+            return [min(n, 1) for n in lengths]  # one node per row: every drafting row's estimate gets a fresh look
         return best
 
-    def record_step(self, rows: int, width: int, tokens: int, seconds: float, context: int = 0) -> None:
+    @staticmethod
+    def _cuts(deepening: list[list[tuple[int, float]]], bar: float) -> list[int]:
+        """Per row, the most nodes worth verifying: up to the last node that deepens its path by at least `bar`."""
+        cuts = []
+        for steps in deepening:
+            cut = 0
+            for n, gain in steps:
+                if gain < bar:
+                    break
+                cut = n
+            cuts.append(cut)
+        return cuts
+
+    def _value(self, plan: list[int], gained: list[list[float]], rows: int, context: int) -> float:
+        """Expected tokens per plain step's cost of a plan."""
+        width = 1 + max(plan)
+        if width == 1:
+            return float(rows)
+        verified = sum(plan)
+        computed = computed_tokens(rows, width, rows + verified, self.ragged)
+        ratio = self.cost.ratio(rows, width, context, computed)
+        if self.check_payoff:
+            ratio = self.payoff.scaled(rows, ratio)
+        return (rows + sum(g[n] for g, n in zip(gained, plan))) / ratio
+
+    def record_step(self, rows: int, width: int, tokens: int, seconds: float, context: int = 0,
+                    real: int | None = None) -> None:
         """A finished step: its width, the tokens its rows kept and its wall time (forward + verification);
-        `context` as for `choose_width` (the longest row's cached positions before the step)."""
-        self.cost.observe(rows, width, seconds, context)
+        `context` as for `plan` (the longest row's cached positions before the step); `real` = the tokens fed
+        (rows + drafts verified; None: rows x width)."""
+        computed = None if real is None else computed_tokens(rows, width, real, self.ragged)
+        self.cost.observe(rows, width, seconds, context, computed)
         if self.enabled and self.check_payoff:
             self.payoff.record(rows, width, tokens, seconds)
 

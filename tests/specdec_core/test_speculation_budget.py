@@ -94,31 +94,65 @@ def test_incremental_gain_equals_the_geometric_sums():
 
 
 def test_step_costs_are_learned_from_the_steps_themselves():
-    """No forward is spent on measuring: plain steps set the unit, wide steps the slope per extra token."""
-    model = StepCostModel(prior_slope=0.15)
-    assert not model.knows_plain(16, 100) and model.ratio(16, 9, 100) == 1 + 0.15 * 8  # the prior
+    """No forward is spent on measuring: plain steps set the unit, wide steps the cost per computed token and per
+    unit of width, told apart by steps where few rows draft (real tokens only) and steps where all do."""
+    model = StepCostModel(prior_token=0.12, prior_width=0.03)
+    assert not model.knows_plain(16, 100) and abs(model.ratio(16, 9, 100) - (1 + 0.12 * 8 + 0.03 * 8)) < 1e-9
     model.observe(16, 5, 0.30, context=100)  # a wide step before any plain one has no unit: ignored
-    assert model.ratio(16, 9, 100) == 1 + 0.15 * 8
+    assert model.sums == {}
     model.observe(16, 1, 0.10, context=100)
     assert model.knows_plain(16, 100)
+    true = lambda width, computed: 1 + 0.3 * (computed - 16) / 16 + 0.05 * (width - 1)  # noqa: E731
+    for _ in range(40):
+        for width, computed in ((9, 48), (5, 80), (3, 20), (9, 144)):
+            model.observe(16, width, 0.10 * true(width, computed), context=100, computed=computed)
+    token, per_width = model.slopes(16, 100)
+    assert abs(token - 0.3) < 0.01 and abs(per_width - 0.05) < 0.01
+    assert abs(model.ratio(16, 9, 100, computed=32) - true(9, 32)) < 0.02
+    assert abs(model.ratio(16, 3, 100) - true(3, 48)) < 0.02  # padded: computed = rows x width
+
+
+def test_the_unit_is_a_plain_step_at_the_same_row_count():
+    """A bucket spans 9-16 rows: a wide 9-row step is measured against a plain 9-row step, not a 16-row one."""
+    model = StepCostModel()
+    model.observe(16, 1, 0.16, context=100)
+    model.observe(9, 1, 0.09, context=100)
     for _ in range(60):
-        model.observe(16, 9, 0.10 * (1 + 0.2 * 8), context=100)  # 9 tokens cost 2.6x one: slope 0.2
-    assert abs(model.slope(16, 100) - 0.2) < 1e-3 and abs(model.ratio(16, 3, 100) - 1.4) < 2e-3
-    # A wide step weighs by its width: one noisy T = 2 step moves the slope less than a T = 9 one would.
-    model.observe(16, 2, 0.10 * 1.6, context=100)
-    assert 0.2 < model.slope(16, 100) < 0.22
+        model.observe(9, 5, 0.09 * (1 + 0.25 * 4), context=100)  # padded: x_token = 4, x_width = 4
+    token, per_width = model.slopes(12, 100)
+    assert abs(token * 4 + per_width * 4 - 1.0) < 0.02  # against the 16-row unit it would read 0.09 x 2 / 0.16 - 1
+    assert model._plain(12, 100) == 0.09 and model._plain(15, 100) == 0.16  # the nearest row count timed
 
 
-def test_a_new_bucket_borrows_a_conservative_slope_or_starts_from_the_prior():
-    model = StepCostModel(prior_slope=0.15)
+def test_a_new_bucket_borrows_a_conservative_fit_or_starts_from_the_priors():
+    model = StepCostModel(prior_token=0.12, prior_width=0.03)
     model.observe(16, 1, 0.10, context=100)
     for _ in range(60):
-        model.observe(16, 5, 0.10 * (1 + 0.3 * 4), context=100)
-    # Fewer rows (bucket 4) or a longer context: the 16-row, short-context slope is at least as steep.
-    assert abs(model.slope(3, 100) - 0.3) < 1e-3 and abs(model.slope(16, 2000) - 0.3) < 1e-3
-    # More rows than ever seen, or a shorter context than any measured: nothing conservative, the prior.
-    assert model.slope(32, 100) == 0.15
+        model.observe(16, 5, 0.10 * (1 + 0.3 * 4 + 0.1 * 4), context=100)
+    here = model.slopes(16, 100)
+    # Fewer rows (bucket 4) or a longer context: the 16-row, short-context fit is at least as steep.
+    assert model.slopes(3, 100) == here and model.slopes(16, 2000) == here
+    assert abs(model.ratio(3, 5, 100) - 2.6) < 0.02
+    # More rows than ever seen, or a shorter context than any measured: nothing conservative, the priors.
+    assert model.slopes(32, 100) == (0.12, 0.03)
     assert not model.knows_plain(3, 100)  # the unit is per bucket: a plain step comes first there
+
+
+def test_when_padding_is_skipped_a_row_with_poor_acceptance_verifies_nothing_beside_rows_that_verify_long_drafts():
+    """Real tokens only: a row's drafts cost what it verifies. Rows accepting 95 % draft their 8 tokens, rows
+    accepting 10 % none; padded, the step would make every row pay for the width."""
+    b = SpeculationBudget(cost=StepCostModel(prior_token=0.3, prior_width=0.03), check_payoff=False, ragged=True)
+    b.record_step(16, 1, tokens=16, seconds=0.1, context=100)
+    good, poor = AcceptanceEstimate(accepted=95, rejections=5), AcceptanceEstimate(accepted=1, rejections=9)
+    plan = b.plan([chain(8)] * 16, [good] * 4 + [poor] * 12, context=100)
+    assert plan == [8] * 4 + [0] * 12
+    padded = SpeculationBudget(cost=StepCostModel(prior_token=0.3, prior_width=0.03), check_payoff=False)
+    padded.record_step(16, 1, tokens=16, seconds=0.1, context=100)
+    assert max(padded.plan([chain(8)] * 16, [good] * 4 + [poor] * 12, context=100)) <= 1  # 16 x 9 computed
+    # A middling row drafts as deep as its next token is still worth its cost (a^d >= value x s_token / rows).
+    middling = AcceptanceEstimate(accepted=6, rejections=4)
+    plan = b.plan([chain(8)] * 16, [good] * 4 + [middling] + [poor] * 11, context=100)
+    assert plan[:4] == [8] * 4 and 0 < plan[4] < 8 and plan[5:] == [0] * 11
 
 
 def test_the_first_step_of_a_bucket_is_plain_and_sets_the_unit():

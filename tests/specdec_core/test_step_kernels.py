@@ -1,0 +1,99 @@
+"""The CPU fast paths of a short slot-cache forward compute the same numbers as the plain ones: grouped-query
+attention as matmuls (grouped_attention.py) against SDPA, and the per-token modules run on real tokens only
+(ragged_tokens.py) against the padded forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_core import grouped_attention
+from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
+
+
+class Module:
+    num_key_value_groups = 3
+
+
+def cache_like(b, kv_heads, kv_len, dim, capacity=64):
+    """A view of a larger buffer, as the slot cache hands keys to attention: [b, kv, kv_len, d], not contiguous."""
+    return torch.randn(b, kv_heads, capacity, dim)[:, :, :kv_len]
+
+
+@pytest.mark.parametrize("num_new", [1, 3, 8])
+def test_grouped_attention_equals_sdpa_with_dead_keys(num_new):
+    torch.manual_seed(num_new)
+    b, heads, kv_heads, dim, kv_len = 4, 6, 2, 16, 40
+    query = torch.randn(b, heads, num_new, dim)
+    key, value = cache_like(b, kv_heads, kv_len, dim), cache_like(b, kv_heads, kv_len, dim)
+    allowed = torch.rand(b, 1, num_new, kv_len) < 0.7
+    allowed[..., 0] = True  # every query sees at least one key
+    mask = torch.zeros(b, 1, num_new, kv_len).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out, _ = grouped_attention.grouped_attention_forward(Module(), query, key, value, mask, scaling=0.3)  # [b,T,H,d]
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert out.shape == (b, num_new, heads, dim)
+    assert torch.allclose(out, expected.transpose(1, 2), atol=1e-5), (out - expected.transpose(1, 2)).abs().max()
+
+
+def test_grouped_attention_leaves_long_or_unmasked_forwards_to_sdpa(monkeypatch):
+    calls = []
+    monkeypatch.setattr(grouped_attention, "sdpa_attention_forward", lambda *args, **kwargs: calls.append(1))
+    key = value = cache_like(1, 2, 20, 16)
+    long_query = torch.randn(1, 6, grouped_attention.MAX_QUERIES + 1, 16)
+    grouped_attention.grouped_attention_forward(Module(), long_query, key, value, torch.zeros(1, 1, 9, 20))
+    grouped_attention.grouped_attention_forward(Module(), torch.randn(1, 6, 2, 16), key, value, None)
+    grouped_attention.grouped_attention_forward(Module(), torch.randn(1, 6, 2, 16), key, value,
+                                                torch.ones(1, 1, 2, 20, dtype=torch.bool))  # HF's own boolean masks
+    assert len(calls) == 3
+
+
+def filled_cache(runner, lengths):
+    cache = runner.new_slot_cache()
+    cache.fit(len(lengths), max(lengths) + 16)
+    for seed, length in enumerate(lengths):
+        row = cache.add_row()
+        prompt = torch.tensor([repetitive_prompt(seed, length)])
+        runner.forward_slots(cache, prompt, torch.arange(length)[None],
+                             torch.ones(length, length, dtype=torch.bool).tril()[None], torch.tensor([[0, length - 1]]),
+                             rows=[row])
+        cache.set_length(row, length)
+    return cache
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_keys(make):
+    """3 rows verifying 4, 0 and 1 draft tokens (width 5: 8 real tokens of 15): logits and the real tokens' keys
+    equal those of the fully padded forward; the hooks did gather."""
+    runner = make()
+    lengths, counts, width = [13, 30, 21], [5, 1, 2], 5
+    input_ids = torch.randint(1, 90, (3, width), generator=torch.Generator().manual_seed(1))
+    visible = torch.zeros(3, width, width, dtype=torch.bool)
+    for b, count in enumerate(counts):
+        visible[b, :count, :count] = torch.ones(count, count, dtype=torch.bool).tril()
+    positions = torch.tensor(lengths)[:, None] + torch.arange(width)
+    index = torch.tensor([(b, t) for b, count in enumerate(counts) for t in range(count)])
+    assert runner.ragged.worth_it(visible.diagonal(dim1=1, dim2=2))
+
+    mlp_inputs = []  # registered after the gather hook, so it sees what the MLP computes
+    runner.base_model.layers[0].mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0].shape))
+    caches, logits = [], []
+    for ragged in (runner.ragged, None):
+        runner.ragged = ragged
+        cache = filled_cache(runner, lengths)
+        mlp_inputs.clear()
+        logits.append(runner.forward_slots(cache, input_ids, positions, visible, index))
+        caches.append(cache)
+        hidden = runner.model.config.hidden_size
+        assert mlp_inputs == ([(8, hidden)] if ragged else [(3, width, hidden)])
+    assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
+    for layer in range(caches[0].num_layers):
+        for b, (length, count) in enumerate(zip(lengths, counts)):
+            real = slice(length, length + count)
+            assert torch.allclose(caches[0].keys[layer][b, :, real], caches[1].keys[layer][b, :, real], atol=1e-5)
+            assert torch.allclose(caches[0].values[layer][b, :, real], caches[1].values[layer][b, :, real], atol=1e-5)
+
+
+def test_a_step_without_padding_skips_the_gathers():
+    runner = tiny_llama()
+    full = torch.ones(4, 3, dtype=torch.bool)
+    assert not runner.ragged.worth_it(full)  # nothing to save, the gathers would cost
+    assert not runner.ragged.worth_it(torch.ones(4, 1, dtype=torch.bool))  # plain decode steps
