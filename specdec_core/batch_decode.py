@@ -74,7 +74,7 @@ class BatchStats:
     peak_cache_bytes: int = 0
     peak_rows: int = 0
     wall_s: float = 0.0
-    prefill_s: float = 0.0  # of wall_s, spent prefilling admitted prompts (on a CPU, most of a long-prompt job)
+    prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
 
     @property
     def mean_occupancy(self) -> float | None:
@@ -169,11 +169,9 @@ class BatchDecoder:
             admitted.append(request)
             capacity = wanted
         if admitted:
-            started = time.perf_counter()
             self.cache.fit(len(self.rows) + len(admitted), capacity)
             for request in admitted:
                 self._prefill(request)
-            self.stats.prefill_s += time.perf_counter() - started
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
     def _provide_defaults(self, drafter: Drafter) -> None:
@@ -196,10 +194,12 @@ class BatchDecoder:
             size = prompt.shape[1]
             self._provide_defaults(request.drafter)
             signals = wanted([request.drafter])
+            forward_started = time.perf_counter()
             logits = self.target.forward_slots(
                 self.cache, prompt, torch.arange(size)[None], torch.ones(size, size, dtype=torch.bool).tril()[None],
                 torch.tensor([[0, size - 1]]), rows=[index], **signals.forward_kwargs(),
             )[0]  # [vocab]
+            self.stats.prefill_s += time.perf_counter() - forward_started
             self.cache.set_length(index, size)
             state.metrics.target_forwards += 1
             first = select_token(logits, request.params.sampling, state.generator)

@@ -11,7 +11,8 @@ is where speculation's extra tokens are paid for.
 How: the query heads that share a key/value head are stacked as extra query rows, so one matmul per (row, kv head)
 reads each cached key once: q [b, kv, group x T, d] @ k^T [b, kv, d, L] -> scores, + the mask, softmax in fp32,
 @ v [b, kv, L, d]. Long queries (prefill), GPUs, boolean or absent masks and anything unusual go to the model's SDPA
-path unchanged, so `generate` and prefill are untouched. The result is the same attention (equal to SDPA within float
+path unchanged, so `generate` and prefill are untouched; so do bf16 and fp16 forwards, whose scores SDPA
+accumulates in fp32. The result is the same attention (equal to SDPA within float
 rounding; the batched loop's lossless tests compare whole outputs with `ar` and HF greedy).
 """
 
@@ -35,13 +36,14 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     kv_heads, kv_len = key.shape[1], key.shape[2]
     usable = (
         query.device.type == "cpu"
+        and query.dtype == torch.float32  # bf16/fp16 scores would be rounded (or overflow) before the softmax
         and num_new <= MAX_QUERIES
         and attention_mask is not None
         and attention_mask.is_floating_point()
         and attention_mask.dim() == 4
         and attention_mask.shape[1] == 1
         and not dropout
-        and kwargs.get("softcap") is None
+        and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "is_causal", "cache", "s_aux"))
         and heads % kv_heads == 0
         and value.shape[-1] == dim
         and b * heads * num_new * kv_len * 4 <= MAX_SCORE_BYTES

@@ -69,7 +69,9 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # CPU only: on a GPU the padded tokens of a short step are almost free and every gather is a kernel launch.
         on_cpu = str(device).startswith("cpu")
-        self.ragged = RaggedTokens(self.base_model.layers) if on_cpu else None
+        layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
+        ragged = RaggedTokens(layers) if on_cpu and layers is not None else None
+        self.ragged = ragged if ragged is not None and ragged.hooked else None
         self.grouped_attention = on_cpu and _sdpa_family(config)
 
     @classmethod

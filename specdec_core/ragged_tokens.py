@@ -14,7 +14,8 @@ and 178 / 215 / 320 ms this way, against 139 ms for a plain step. With no paddin
 so forwards with little padding skip it (`worth_it`).
 
 Why hooks rather than wrapper modules: the modules keep their identity and weights (the attention probe reads
-q_proj.weight; captured hidden states come from the decoder layers' outputs, untouched).
+q_proj.weight; captured hidden states come from the decoder layers' outputs, untouched). They are registered for one
+forward and removed after it, so no other forward pays for them.
 """
 
 from __future__ import annotations
@@ -28,20 +29,24 @@ ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class RaggedTokens:
-    """Hooks on each decoder layer's per-token modules; inactive (no gathers) outside `only(real)`."""
+    """The per-token modules of a model's decoder layers; hooked only inside `only(real)`, so every other forward
+    (HF `generate` on the same model, prefill, plain steps) runs the modules untouched, without even idle hooks."""
 
     def __init__(self, layers):
-        self.index: torch.Tensor | None = None  # [N] flat positions of the real tokens in [b x T]
-        self.shape: tuple[int, int] = (0, 0)  # (b, T) of the running forward
-        self.hooked = 0
+        self.modules: list[torch.nn.Module] = []
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
-            modules = [getattr(attention, name, None) for name in ATTENTION_PROJECTIONS] + [getattr(layer, "mlp", None)]
-            for module in modules:
-                if isinstance(module, torch.nn.Module):
-                    module.register_forward_pre_hook(self._gather)
-                    module.register_forward_hook(self._scatter)
-                    self.hooked += 1
+            for name in ATTENTION_PROJECTIONS:
+                if isinstance(getattr(attention, name, None), torch.nn.Linear):
+                    self.modules.append(getattr(attention, name))
+            if _dense_mlp(getattr(layer, "mlp", None)):
+                self.modules.append(layer.mlp)
+        self.index: torch.Tensor | None = None  # [N] flat positions of the real tokens in [b x T]
+        self.shape: tuple[int, int] = (0, 0)  # (b, T) of the running forward
+
+    @property
+    def hooked(self) -> int:
+        return len(self.modules)
 
     @staticmethod
     def worth_it(real: torch.Tensor) -> bool:
@@ -53,22 +58,36 @@ class RaggedTokens:
         """Within this block, hooked modules compute the tokens where real [b, T] is True, and zeros elsewhere."""
         self.index = real.reshape(-1).nonzero().squeeze(1)
         self.shape = tuple(real.shape)
+        handles = []
         try:
+            for module in self.modules:
+                handles.append(module.register_forward_pre_hook(self._gather))
+                handles.append(module.register_forward_hook(self._scatter))
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             self.index = None
 
     def _gather(self, module, args):
-        if self.index is None:
-            return None
         hidden = args[0]  # [b, T, H]
         self.index = self.index.to(hidden.device)
-        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.index),) + tuple(args[1:])  # [N, H]
+        # [1, N, H]: modules that unpack (batch, sequence, hidden) still can
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.index)[None],) + tuple(args[1:])
 
     def _scatter(self, module, args, output):
-        if self.index is None:
-            return None
         b, num_new = self.shape
+        output = output.reshape(-1, output.shape[-1])  # [N, out]
         full = output.new_zeros(b * num_new, output.shape[-1])  # [b x T, out]
-        full.index_copy_(0, self.index, output)  # output [N, out]
+        full.index_copy_(0, self.index, output)
         return full.view(b, num_new, -1)
+
+
+def _dense_mlp(module) -> bool:
+    """A feed-forward block that maps each token alone and returns one tensor. Mixture-of-experts blocks (routers,
+    auxiliary outputs, shape assumptions) keep the padded layout."""
+    if not isinstance(module, torch.nn.Module):
+        return False
+    name = type(module).__name__.lower()
+    return not ("moe" in name or "sparse" in name or "expert" in name
+                or any(hasattr(module, attr) for attr in ("experts", "router", "gate_network")))

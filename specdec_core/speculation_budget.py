@@ -64,6 +64,7 @@ class AcceptanceEstimate:
 
     accepted: float = 0.0
     rejections: float = 0.0
+    idle: int = 0  # steps in a row this row proposed but was planned no draft (SpeculationBudget.plan explores it)
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -104,8 +105,10 @@ class StepCostModel:
 
     Estimator: ridge regression of (seconds / plain seconds - 1) on the two features, sums decayed by `decay` per wide
     step, pulled toward the priors by one pseudo-observation each; a coefficient that comes out negative is dropped and
-    the other refitted alone. The unit is a plain step's seconds (EMA) at the same row count where one was timed,
-    else at the nearest row count timed in the same buckets. A bucket with no wide step yet borrows the fit of a
+    the other refitted alone. Padded steps alone cannot separate the two (x_token = x_width there): then the priors
+    decide the split, and only steps where some rows draft less than others tell them apart. The unit is a plain
+    step's seconds (EMA) at the same row count; a wide step with no plain step timed at its row count is not learned
+    from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed. A bucket with no wide step yet borrows the fit of a
     bucket with at least as many rows and at most as long a context (at least as steep, so borrowing can only
     under-speculate), else starts from the priors.
     """
@@ -169,9 +172,11 @@ class StepCostModel:
             old = self.plain_s.get((rows, where))
             self.plain_s[(rows, where)] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
             return
-        plain = self._plain(rows, context)
+        plain = self.plain_s.get((rows, where))
         if plain is None:
-            return  # no unit yet: a plain step in this bucket comes first (SpeculationBudget.plan)
+            # No unit at this row count yet (a plain step in the bucket comes first, SpeculationBudget.plan; after
+            # rows retire, a probe times one): a plain step of other rows would misprice this one.
+            return
         x1 = ((rows * width if computed is None else computed) - rows) / rows
         x2, y = float(width - 1), seconds / plain - 1.0
         sums = self.sums.setdefault((batch_bucket(rows), where), [0.0] * 5)
@@ -305,6 +310,8 @@ class SpeculationBudget:
             deepening.append(steps)
         best, best_value = [0] * rows, float(rows)
         token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
+        if self.check_payoff:
+            token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
         cuts: list[list[int] | None] = [None]
         if self.ragged and token_slope > 0:
             cuts.append(self._cuts(deepening, float(rows) * token_slope / rows))
@@ -326,6 +333,18 @@ class SpeculationBudget:
         if self.explore_every and self.idle_steps >= self.explore_every:
             self.idle_steps = 0
             return [min(n, 1) for n in lengths]  # one node per row: every drafting row's estimate gets a fresh look
+        if self.explore_every and any(best):
+            # A row cut to nothing while others draft learns nothing (its estimate sees no draft): after
+            # explore_every such steps it verifies one node, as the whole batch does when nobody drafts.
+            seen = set()
+            for r, estimate in enumerate(estimates):
+                if id(estimate) in seen:
+                    continue
+                seen.add(id(estimate))
+                estimate.idle = estimate.idle + 1 if lengths[r] and not best[r] else 0
+                if estimate.idle >= self.explore_every:
+                    estimate.idle = 0
+                    best[r] = 1
         return best
 
     @staticmethod

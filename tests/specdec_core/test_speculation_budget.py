@@ -227,3 +227,15 @@ def test_refused_drafting_rests_until_the_next_exploring_step():
     always = budget(lambda rows, width: float(width), rest_after=0)
     assert all(always.drafting_due() for _ in range(40))
     assert all(budget(lambda rows, width: float(width), enabled=False).drafting_due() for _ in range(40))
+
+
+def test_a_row_cut_to_nothing_while_others_draft_is_explored_now_and_then():
+    """Its estimate learns only from drafts it verifies: after explore_every steps cut to nothing, one node."""
+    b = SpeculationBudget(cost=StepCostModel(prior_token=0.3, prior_width=0.03), check_payoff=False, ragged=True)
+    b.record_step(16, 1, tokens=16, seconds=0.1, context=100)
+    good = [AcceptanceEstimate(accepted=95, rejections=5) for _ in range(4)]
+    poor = [AcceptanceEstimate(accepted=1, rejections=9) for _ in range(12)]
+    plans = [b.plan([chain(8)] * 16, good + poor, context=100) for _ in range(32)]
+    assert all(plan[:4] == [8] * 4 for plan in plans)
+    explored = [plan[4] for plan in plans]
+    assert explored.count(1) == 2 and explored[15] == 1 and explored[31] == 1 and set(explored) == {0, 1}

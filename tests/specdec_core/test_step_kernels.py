@@ -73,8 +73,9 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
     index = torch.tensor([(b, t) for b, count in enumerate(counts) for t in range(count)])
     assert runner.ragged.worth_it(visible.diagonal(dim1=1, dim2=2))
 
-    mlp_inputs = []  # registered after the gather hook, so it sees what the MLP computes
-    runner.base_model.layers[0].mlp.register_forward_pre_hook(lambda module, args: mlp_inputs.append(args[0].shape))
+    mlp_inputs = []  # inside the MLP: what it computes
+    runner.base_model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda module, args: mlp_inputs.append(args[0].shape))
     caches, logits = [], []
     for ragged in (runner.ragged, None):
         runner.ragged = ragged
@@ -83,7 +84,7 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
         logits.append(runner.forward_slots(cache, input_ids, positions, visible, index))
         caches.append(cache)
         hidden = runner.model.config.hidden_size
-        assert mlp_inputs == ([(8, hidden)] if ragged else [(3, width, hidden)])
+        assert mlp_inputs == ([(1, 8, hidden)] if ragged else [(3, width, hidden)])
     assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
     for layer in range(caches[0].num_layers):
         for b, (length, count) in enumerate(zip(lengths, counts)):
@@ -97,3 +98,50 @@ def test_a_step_without_padding_skips_the_gathers():
     full = torch.ones(4, 3, dtype=torch.bool)
     assert not runner.ragged.worth_it(full)  # nothing to save, the gathers would cost
     assert not runner.ragged.worth_it(torch.ones(4, 1, dtype=torch.bool))  # plain decode steps
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_short_verify_forwards_run_grouped_attention_and_match_sdpa_inside_the_model(make, monkeypatch):
+    """A width-3 step with masks (Gemma3: a dict of full and sliding masks) dispatches to the grouped path in every
+    layer, and its logits equal the same step through SDPA; the model's own setting is restored after."""
+    runner = make()
+    calls = []
+    original = grouped_attention.grouped_attention_forward
+    monkeypatch.setattr(grouped_attention, "MAX_QUERIES", 8)
+    lengths, width = [13, 30], 3
+    input_ids = torch.randint(1, 90, (2, width), generator=torch.Generator().manual_seed(2))
+    visible = torch.ones(width, width, dtype=torch.bool).tril()[None].repeat(2, 1, 1)
+    positions = torch.tensor(lengths)[:, None] + torch.arange(width)
+    index = torch.tensor([(b, t) for b in range(2) for t in range(width)])
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(grouped_attention.NAME, lambda *a, **k: calls.append(1) or original(*a, **k))
+    try:
+        logits = []
+        for grouped in (True, False):
+            runner.grouped_attention = grouped
+            cache = filled_cache(runner, lengths)
+            calls.clear()
+            logits.append(runner.forward_slots(cache, input_ids, positions, visible, index))
+            assert len(calls) == (runner.num_layers if grouped else 0)
+    finally:
+        AttentionInterface.register(grouped_attention.NAME, original)
+    assert runner.model.config._attn_implementation == "sdpa"
+    assert torch.allclose(logits[0], logits[1], atol=1e-5), (logits[0] - logits[1]).abs().max()
+
+
+def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forward():
+    runner = tiny_llama()
+    layers = runner.base_model.layers
+    assert runner.ragged.hooked == 5 * len(layers)  # q, k, v, o projections and the MLP of each layer
+    mlp = layers[0].mlp
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks  # HF generate on this model runs stock modules
+
+    class SparseMoeBlock(torch.nn.Module):
+        experts = None
+
+    from specdec_core.ragged_tokens import RaggedTokens
+
+    layer = torch.nn.Module()
+    layer.mlp = SparseMoeBlock()
+    assert RaggedTokens([layer]).hooked == 0  # routers and aux outputs keep the padded layout
