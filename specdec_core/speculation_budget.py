@@ -309,25 +309,24 @@ class SpeculationBudget:
             gained.append(sums)
             deepening.append(steps)
         best, best_value = [0] * rows, float(rows)
-        token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
-        if self.check_payoff:
-            token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
-        cuts: list[list[int] | None] = [None]
-        if self.ragged and token_slope > 0:
-            cuts.append(self._cuts(deepening, float(rows) * token_slope / rows))
-        for cut in cuts:
+
+        def try_widths(caps: list[int]) -> None:
+            """Every width's plan with row r drafting at most caps[r]; keeps the best."""
+            nonlocal best, best_value
             for width in range(2, longest + 2):
-                plan = [min(n, width - 1) if cut is None else min(n, width - 1, cut[r]) for r, n in enumerate(lengths)]
+                plan = [min(cap, width - 1) for cap in caps]
                 value = self._value(plan, gained, rows, context)
                 if value > best_value:
                     best, best_value = plan, value
-            if cut is not None and best_value > rows:  # again with the bar the best plan sets
-                refined = self._cuts(deepening, best_value * token_slope / rows)
-                for width in range(2, longest + 2):
-                    plan = [min(n, width - 1, refined[r]) for r, n in enumerate(lengths)]
-                    value = self._value(plan, gained, rows, context)
-                    if value > best_value:
-                        best, best_value = plan, value
+
+        try_widths(lengths)
+        token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
+        if self.check_payoff:
+            token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
+        if self.ragged and token_slope > 0:
+            for bar_value in (lambda: float(rows), lambda: best_value):  # the plain step's bar, then the best plan's
+                try_widths([min(n, cut) for n, cut in
+                            zip(lengths, self._cuts(deepening, bar_value() * token_slope / rows))])
         self.planning_s += time.perf_counter() - started
         self.idle_steps = self.idle_steps + 1 if not any(best) else 0
         if self.explore_every and self.idle_steps >= self.explore_every:
