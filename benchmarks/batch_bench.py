@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -210,6 +211,22 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(results: list[dict]) -> str:
+    """Each method's tok/s per round and its ratio to the `ar` pass of the same round and batch size (interleaved
+    passes share the machine's slow and fast spells, so their ratio is steadier than either speed)."""
+    ours = [r for r in results if "round" in r]
+    ar = {(r["round"], r["batch_size"]): r["tokens_per_s"] for r in ours if r["system"] == "ar"}
+    lines = ["| system | batch | tok/s per round | x ar per round | median x ar | min x ar |", "|---|---|---|---|---|---|"]
+    for system, size in dict.fromkeys((r["system"], r["batch_size"]) for r in ours):
+        runs = [r for r in ours if (r["system"], r["batch_size"]) == (system, size)]
+        ratios = [r["tokens_per_s"] / ar[(r["round"], size)] for r in runs if (r["round"], size) in ar]
+        speeds = ", ".join(f"{r['tokens_per_s']:.1f}" for r in runs)
+        lines.append(f"| {system} | {size} | {speeds} | {', '.join(f'{x:.2f}' for x in ratios)} | "
+                     f"{statistics.median(ratios):.2f} | {min(ratios):.2f} |" if ratios else
+                     f"| {system} | {size} | {speeds} | | | |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -221,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "copyspec:adaptive"],
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
                              "sizes); the option budget=off verifies every draft as proposed (no speculation budget)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method this many times, interleaved (round 1: each method once, then round "
+                             "2, ...), and print each method's per-round ratio to the same round's ar: on a noisy "
+                             "machine one run cannot settle a 5 %% difference")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--compress-context", type=float, default=None, metavar="R",
                         help="rag: the prompt carries its 6,000 context characters compressed R times (tokens)")
@@ -277,15 +298,20 @@ def main() -> int:
                 result, hf_outputs[size] = run_hf(engine, items, size, args.max_new_tokens)
                 results.append(result)
                 print(json.dumps({"workload": workload, **result}), flush=True)
-        for method_text in args.methods:
-            for size in method_sizes(method_text, args.batch_sizes):
-                results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references))
-                print(json.dumps({"workload": workload, **results[-1]}), flush=True)
+        for round_number in range(1, args.rounds + 1):
+            for method_text in args.methods:
+                for size in method_sizes(method_text, args.batch_sizes):
+                    results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references))
+                    results[-1]["round"] = round_number
+                    print(json.dumps({"workload": workload, **results[-1]}), flush=True)
         for r in results:
             r["tokens_per_s"] = r["new_tokens"] / r["wall_s"]
         report["workloads"][workload] = results
+        first_round = [r for r in results if r.get("round", 1) == 1]
         print(f"\n## {workload} ({len(items)} requests{', turn 2' if workload == 'multi_turn' else ''})\n\n"
-              f"{table(results)}\n", flush=True)
+              f"{table(first_round)}\n", flush=True)
+        if args.rounds > 1:
+            print(f"{rounds_table(results)}\n", flush=True)
     if device.startswith("cuda"):
         report["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -10,7 +10,8 @@ def chain(k):
 
 
 def budget(cost, **kwargs):
-    return SpeculationBudget(cost=StepCostModel(fixed=cost), **kwargs)
+    """A budget with a known cost function; the tests of its arithmetic take any plan that beats a plain step."""
+    return SpeculationBudget(cost=StepCostModel(fixed=cost), **{"min_advantage": 1.0, **kwargs})
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -91,6 +92,18 @@ def test_incremental_gain_equals_the_geometric_sums():
             values[width] = gain / cost(rows, width)
         best = max(values.values())
         assert abs(values[chosen] - best) < 1e-9, (reaches, chosen, values)
+
+
+def test_a_plan_must_beat_a_plain_step_by_the_margin():
+    """One row accepting 60 %: one draft token promises 1.6 tokens; at a cost of 1.5 plain steps that is 1.067x a
+    plain step, over a 4 % margin; at 1.55 (1.032x) it is not, and the row decodes plainly."""
+    estimate = [AcceptanceEstimate(accepted=600, rejections=400)]
+    assert budget(lambda rows, width: 1.0 + 0.5 * (width - 1), min_advantage=1.04,
+                  check_payoff=False).plan([chain(1)], estimate) == [1]
+    assert budget(lambda rows, width: 1.0 + 0.55 * (width - 1), min_advantage=1.04,
+                  check_payoff=False).plan([chain(1)], estimate) == [0]
+    assert budget(lambda rows, width: 1.0 + 0.55 * (width - 1), min_advantage=1.0,
+                  check_payoff=False).plan([chain(1)], estimate) == [1]
 
 
 def test_step_costs_are_learned_from_the_steps_themselves():
