@@ -1,5 +1,5 @@
 """Tiny random-weight models for the mechanics of the owned cache and the batched loop (fast, no download):
-a Llama (SmolLM2's architecture) and a Gemma3 with sliding-window layers."""
+a Llama (SmolLM2's architecture), a Gemma3 with sliding-window layers and a Qwen2 (biased q/k/v)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,22 @@ def tiny_gemma3(seed: int = 0, window: int = 8) -> ModelRunner:
     )
     model = Gemma3ForCausalLM(config).eval()
     return ModelRunner(model, DigitsTokenizer(), "tiny-gemma3", "cpu", torch.float32)
+
+
+def tiny_qwen2(seed: int = 0) -> ModelRunner:
+    """Qwen2's architecture: biases on the q/k/v projections (qwen2.5-coder's family)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises biases to zero, which would hide a bias handled wrongly
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_(0.0, 0.5)
+    return ModelRunner(model, DigitsTokenizer(), "tiny-qwen2", "cpu", torch.float32)
 
 
 def hf_greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_core import grouped_attention
-from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
+from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
 
 
 class Module:
@@ -59,10 +59,15 @@ def filled_cache(runner, lengths):
     return cache
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
-def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_keys(make):
+@pytest.mark.parametrize("make, tree", [(tiny_llama, False), (tiny_gemma3, False), (tiny_qwen2, False),
+                                        (tiny_llama, True)], ids=["llama", "gemma3-sliding", "qwen2-biases", "llama-tree"])
+def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_keys(make, tree):
     """3 rows verifying 4, 0 and 1 draft tokens (width 5: 8 real tokens of 15): logits and the real tokens' keys
-    equal those of the fully padded forward; the hooks did gather."""
+    equal those of the fully padded forward; the hooks did gather. Qwen2's q/k/v projections carry biases (a
+    scattered padding row is zeros, not the bias: it must never be read); with `tree`, row 0's 4 drafts are two
+    branches of two (parents -1, -1, 0, 1: positions length + 0, 1, 1, 2, 2; each node sees only its ancestors)."""
+    from specdec_core.draft_tree import ancestor_mask, depths
+
     runner = make()
     lengths, counts, width = [13, 30, 21], [5, 1, 2], 5
     input_ids = torch.randint(1, 90, (3, width), generator=torch.Generator().manual_seed(1))
@@ -70,6 +75,10 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
     for b, count in enumerate(counts):
         visible[b, :count, :count] = torch.ones(count, count, dtype=torch.bool).tril()
     positions = torch.tensor(lengths)[:, None] + torch.arange(width)
+    if tree:
+        parents = [-1, -1, 0, 1]
+        visible[0] = ancestor_mask(parents, width)
+        positions[0, 1:] = lengths[0] + torch.tensor(depths(parents))
     index = torch.tensor([(b, t) for b, count in enumerate(counts) for t in range(count)])
     assert runner.ragged.worth_it(visible.diagonal(dim1=1, dim2=2))
 
