@@ -47,7 +47,7 @@ def test_drafter_accumulates_committed_states_and_drafts_after_the_best_occurren
     draft = drafter.propose(tokens, 10)
     assert draft.tokens == [3, 2, 7] and draft.source == "lookup" and draft.from_context
     assert drafter.propose(tokens, 2).tokens == [3, 2]
-    assert default_hidden_layer(30) == 9 and default_hidden_layer(2) == 1
+    assert default_hidden_layer(30) == 14 and default_hidden_layer(2) == 1
 
 
 class Recording(Drafter):
