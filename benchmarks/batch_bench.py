@@ -262,7 +262,10 @@ def main() -> int:
 
     from specdec_core.engine import Engine, EngineConfig
 
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     for spec in args.index:
         name, _, directory = spec.partition("=")
         INDEXES[name] = os.path.abspath(directory)
