@@ -216,7 +216,8 @@ def rounds_table(results: list[dict]) -> str:
     passes share the machine's slow and fast spells, so their ratio is steadier than either speed)."""
     ours = [r for r in results if "round" in r]
     ar = {(r["round"], r["batch_size"]): r["tokens_per_s"] for r in ours if r["system"] == "ar"}
-    lines = ["| system | batch | tok/s per round | x ar per round | median x ar | min x ar |", "|---|---|---|---|---|---|"]
+    lines = ["| system | batch | tok/s per round | x ar per round | median x ar | min x ar |",
+             "|---|---|---|---|---|---|"]
     for system, size in dict.fromkeys((r["system"], r["batch_size"]) for r in ours):
         runs = [r for r in ours if (r["system"], r["batch_size"]) == (system, size)]
         ratios = [r["tokens_per_s"] / ar[(r["round"], size)] for r in runs if (r["round"], size) in ar]

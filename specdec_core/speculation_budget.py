@@ -108,9 +108,9 @@ class StepCostModel:
     the other refitted alone. Padded steps alone cannot separate the two (x_token = x_width there): then the priors
     decide the split, and only steps where some rows draft less than others tell them apart. The unit is a plain
     step's seconds (EMA) at the same row count; a wide step with no plain step timed at its row count is not learned
-    from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed. A bucket with no wide step yet borrows the fit of a
-    bucket with at least as many rows and at most as long a context (at least as steep, so borrowing can only
-    under-speculate), else starts from the priors.
+    from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed. A
+    bucket with no wide step yet borrows the fit of a bucket with at least as many rows and at most as long a context
+    (at least as steep, so borrowing can only under-speculate), else starts from the priors.
     """
 
     plain_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, context bucket) -> EMA seconds

@@ -23,14 +23,17 @@ class DigitsTokenizer:
         return {str(i): i for i in range(VOCAB)}
 
 
+# The shape shared by the tiny Llama and Qwen2: 2 layers, grouped-query attention (4 query heads, 2 key/value heads).
+TINY_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=0)
+
+
 def tiny_llama(seed: int = 0) -> ModelRunner:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).eval()
     return ModelRunner(model, DigitsTokenizer(), "tiny-llama", "cpu", torch.float32)
 
 
@@ -53,10 +56,7 @@ def tiny_qwen2(seed: int = 0) -> ModelRunner:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_DECODER)).eval()
     with torch.no_grad():  # HF initialises biases to zero, which would hide a bias handled wrongly
         for layer in model.model.layers:
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

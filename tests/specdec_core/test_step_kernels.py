@@ -60,7 +60,8 @@ def filled_cache(runner, lengths):
 
 
 @pytest.mark.parametrize("make, tree", [(tiny_llama, False), (tiny_gemma3, False), (tiny_qwen2, False),
-                                        (tiny_llama, True)], ids=["llama", "gemma3-sliding", "qwen2-biases", "llama-tree"])
+                                        (tiny_llama, True)],
+                         ids=["llama", "gemma3-sliding", "qwen2-biases", "llama-tree"])
 def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_keys(make, tree):
     """3 rows verifying 4, 0 and 1 draft tokens (width 5: 8 real tokens of 15): logits and the real tokens' keys
     equal those of the fully padded forward; the hooks did gather. Qwen2's q/k/v projections carry biases (a
