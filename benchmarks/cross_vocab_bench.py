@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,12 @@ def main() -> int:
                         choices=["ar", "slem", "tli", "union", "slrs", "hf_greedy", "hf_universal_assisted"])
     parser.add_argument("--workload", default="humaneval", choices=["humaneval", "summarization"])
     parser.add_argument("--temperature", type=float, default=0.0, help="our systems sample at T (HF stays greedy)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system once per round, rounds interleaved; ratios are taken within a round "
+                             "(single passes on these CPUs vary by 10 %%: interleaved ones share the slow spells)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import torch
 
@@ -108,31 +114,44 @@ def main() -> int:
                               attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
                               pad_token_id=target.tokenizer.pad_token_id or 0)
     chosen = [key for name in args.systems for key in systems if key == name or key.startswith(name + "@")]
-    for name in chosen:
-        outputs, wall, forwards = systems[name]()
-        tokens = sum(len(o) for o in outputs)
-        results[name] = {"tokens": tokens, "wall_s": round(wall, 1), "tok_s": round(tokens / wall, 2),
-                         "mean_accepted_length": round(tokens / forwards, 2) if forwards else None,
-                         "outputs": outputs}
-        print(json.dumps({"system": name, **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
-    reference = results["ar"]["outputs"] if "ar" in results and not args.temperature else None
+    rounds: list[dict] = []
+    for round_index in range(args.rounds):
+        results = {}
+        for name in chosen:
+            outputs, wall, forwards = systems[name]()
+            tokens = sum(len(o) for o in outputs)
+            results[name] = {"tokens": tokens, "wall_s": round(wall, 1), "tok_s": round(tokens / wall, 2),
+                             "mean_accepted_length": round(tokens / forwards, 2) if forwards else None,
+                             "outputs": outputs}
+            print(json.dumps({"round": round_index, "system": name,
+                              **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
+        rounds.append(results)
     print(f"\n# {args.model} <- {args.drafter}, dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
-          f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, one run, ours at T="
-          f"{args.temperature:g}; {args.draft_tokens} drafter tokens per step"
+          f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, {args.rounds} round(s) interleaved, "
+          f"ours at T={args.temperature:g}; {args.draft_tokens} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}"
           f"{', draft confidence ' + str(args.draft_confidence[0]) if len(args.draft_confidence) == 1 else ''}"
           f"{', no budget' if args.no_budget else ''}; vocabulary overlap "
           f"{overlap}\n")
-    peer = results.get("hf_universal_assisted")
-    print("| system | tok/s | x ar | x HF assisted | MAL | = ar |\n|---|---|---|---|---|---|")
-    base = results.get("ar") or next(iter(results.values()))
-    for name, r in results.items():
-        same = (f"{sum(a[: len(b)] == b[: len(a)] for a, b in zip(r['outputs'], reference))}/{len(prompts)}"
-                if reference is not None else "n/a")
-        print(f"| {name} | {r['tok_s']} | {r['tok_s'] / base['tok_s']:.2f} | "
-              f"{r['tok_s'] / peer['tok_s'] if peer else float('nan'):.2f} | {r['mean_accepted_length'] or ''} | "
-              f"{same} |")
+    print("| system | tok/s (mean) | x ar per round | x HF assisted per round | x HF assisted, median | MAL | = ar |\n"
+          "|---|---|---|---|---|---|---|")
+    for name in chosen:
+        runs = [r[name] for r in rounds]
+        over_ar = [r[name]["tok_s"] / r["ar"]["tok_s"] for r in rounds] if "ar" in chosen else []
+        over_peer = [r[name]["tok_s"] / r["hf_universal_assisted"]["tok_s"] for r in rounds] \
+            if "hf_universal_assisted" in chosen else []
+        reference = rounds[0]["ar"]["outputs"] if "ar" in chosen and not args.temperature else None
+        same = (f"{sum(a[: len(b)] == b[: len(a)] for run in runs for a, b in zip(run['outputs'], reference))}/"
+                f"{len(prompts) * len(runs)}" if reference is not None else "n/a")
+        mal = sorted(run["mean_accepted_length"] for run in runs if run["mean_accepted_length"])
+        print(f"| {name} | {sum(run['tok_s'] for run in runs) / len(runs):.2f} | {_listed(over_ar)} | "
+              f"{_listed(over_peer)} | {statistics.median(over_peer) if over_peer else float('nan'):.2f} | "
+              f"{', '.join(f'{m:g}' for m in mal)} | {same} |")
     return 0
+
+
+def _listed(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 if __name__ == "__main__":

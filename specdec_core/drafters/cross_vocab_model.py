@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..model_runner import ModelRunner
+from ..model_runner import ModelRunner, SubsetHead
 from ..vocab_mapping import VocabMapping, special_ids
 from .base import Draft, Drafter, RequestContext
 from .draft_length import DraftLength
@@ -56,6 +56,18 @@ class CrossVocabPool(DraftModelPool):
         return torch.as_tensor(load_or_build_first_tokens(
             self.runner.tokenizer, self.target_tokenizer, self.mapping, self.runner.vocab_size,
             len(self.mapping.target_to_draft)))
+
+    @functools.cached_property
+    def shared_head(self) -> SubsetHead:
+        """The drafter's LM head over the tokens the target shares (by bytes, vocab_mapping.py); built once."""
+        shared, _ = self.mapping.shared_pairs  # draft ids [S]
+        return SubsetHead(self.runner, shared[shared < self.runner.vocab_size])
+
+    def head_for(self, pending) -> SubsetHead | None:
+        """The shared-token head when every row drafting now declares it enough (`shared_head`), else the whole one."""
+        if pending and all(p.drafter.shared_head_only for p in pending):
+            return self.shared_head
+        return None
 
     def flush(self) -> None:
         pending = list(self._pending)
@@ -96,11 +108,18 @@ class CrossVocabDrafter(Drafter):
     each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
     draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
 
+    # Whether this drafter reads only the logits of tokens the target shares (a declared need): then the pool's
+    # forwards compute the drafter's head over those tokens alone (SubsetHead), others stay -inf.
+    shared_head_only: bool = False
+
     def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16,
                  confidence: float = 0.0):
         self.pool = pool
-        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK))
-        self.confidence = confidence  # drafting stops after a token the draft model was less sure of than this
+        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
+                                  growth="step")
+        self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
+        self.confidence = confidence  # drafting stops once the draft model is less sure of the draft than this
+        self._draft_probability = 1.0
         self.cached: list[int] = []  # drafter tokens the slot holds (kept by the pool)
         self.synced = 0
         self._prompt: list[int] = []  # the prompt in the drafter's tokens
@@ -113,6 +132,8 @@ class CrossVocabDrafter(Drafter):
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         budget = min(self.length.current, max_tokens)
+        self._proposed = None
+        self._draft_probability = 1.0  # the draft model's probability of this step's draft so far (sure_of)
         if budget <= 0:
             return Draft(tokens=[], source=SOURCE)
         generated = list(tokens[self.request.prompt_len:])  # target ids, the pending one included
@@ -123,7 +144,8 @@ class CrossVocabDrafter(Drafter):
             self._step = None
             return Draft(tokens=[], source=SOURCE)
         self._step = (generated, text, draft_generated, max_tokens)
-        return self.pool.request(self, sequence, budget)
+        self._proposed = self.pool.request(self, sequence, budget)  # filled in place when the pool flushes
+        return self._proposed
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         """The drafter's next token, in its own vocabulary (logits [|D|]): its argmax or a draw from q."""
@@ -131,10 +153,20 @@ class CrossVocabDrafter(Drafter):
         return token, more and self.sure_of(logits, token)
 
     def sure_of(self, logits: torch.Tensor, token: int) -> bool:
-        """Whether the draft model gave `token` at least `confidence` probability (at temperature 1): a draft goes
-        on only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule
-        that looks only at the drafter's side keeps every method lossless."""
-        return self.confidence <= 0 or float(torch.softmax(logits.float(), dim=-1)[token]) >= self.confidence
+        """Whether drafting may go on after `token`: while the draft model's probability of the whole draft so far
+        (the product of its tokens' probabilities at temperature 1) stays at least `confidence`. A draft goes on
+        only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule that
+        looks only at the drafter's side keeps every method lossless.
+
+        Why the whole draft's probability and not each token's (HF's assistant confidence threshold): every later
+        token is accepted only if all before it were, so a run of tokens each at 0.5 is worth less than its last
+        token's 0.5 says. Measured (Qwen2.5-Coder-1.5B <- SmolLM2-135M, HumanEval, batch 1, avx512_bf16 CPU, two
+        interleaved rounds): 25.1 / 25.5 s with the draft's probability >= 0.3, 27.2 / 28.7 s with each token's
+        >= 0.4, at mean accepted lengths 4.97 / 4.8 vs 4.65 / 4.8."""
+        if self.confidence <= 0:
+            return True
+        self._draft_probability *= float(torch.softmax(logits.float(), dim=-1)[token])
+        return self._draft_probability >= self.confidence
 
     @abstractmethod
     def translate(self, draft: Draft) -> None:
@@ -142,7 +174,8 @@ class CrossVocabDrafter(Drafter):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if draft.source == SOURCE:
-            self.length.update(len(draft), num_accepted)
+            proposed = len(self._proposed.tokens) if self._proposed is not None else None
+            self.length.update(len(draft), num_accepted, proposed)
 
     def finish(self) -> None:
         self.pool.release(self)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model_runner import ModelRunner
+from ..model_runner import ModelRunner, SubsetHead
 from ..sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
@@ -91,7 +91,8 @@ class DraftModelPool(DraftPool):
         if not pending:
             return
         rows = [self.owners.index(p.drafter) for p in pending]
-        logits = self._catch_up(pending, rows)  # [b, vocab]
+        head = self.head_for(pending)
+        logits = self._catch_up(pending, rows, head)  # [b, vocab]
         active = list(range(len(pending)))
         while active:
             fed_rows, fed_tokens = [], []
@@ -109,7 +110,7 @@ class DraftModelPool(DraftPool):
                 break
             # Feed each still-drafting row its newest token: one [b, 1] forward.
             cache_rows = [rows[i] for i in active]
-            step = self._forward(cache_rows, [[t] for t in fed_tokens])
+            step = self._forward(cache_rows, [[t] for t in fed_tokens], head)
             for j, i in enumerate(active):
                 pending[i].drafter.cached.append(fed_tokens[j])
             logits = torch.zeros(len(pending), step.shape[-1])
@@ -118,7 +119,11 @@ class DraftModelPool(DraftPool):
             if p.probs:
                 p.draft.probs = torch.stack(p.probs)  # [k, vocab] when sampling
 
-    def _catch_up(self, pending: list[_Pending], rows: list[int]) -> torch.Tensor:
+    def head_for(self, pending: list[_Pending]) -> SubsetHead | None:
+        """The LM head this flush's forwards use: the whole vocabulary here (cross_vocab_model.py may restrict it)."""
+        return None
+
+    def _catch_up(self, pending: list[_Pending], rows: list[int], head: SubsetHead | None = None) -> torch.Tensor:
         """Roll each row's slot back to what it shares with the accepted tokens and feed the rest (>= 1 token,
         the last accepted one, whose logits give the first draft token). -> [b, vocab]
 
@@ -137,14 +142,14 @@ class DraftModelPool(DraftPool):
         logits: list[torch.Tensor | None] = [None] * len(rows)
         short = [i for i, t in enumerate(new_tokens) if len(t) <= LONG_BACKLOG]
         for i in (i for i, t in enumerate(new_tokens) if len(t) > LONG_BACKLOG):
-            logits[i] = self._forward([rows[i]], [new_tokens[i]])[0]
+            logits[i] = self._forward([rows[i]], [new_tokens[i]], head)[0]
         if short:
-            batch = self._forward([rows[i] for i in short], [new_tokens[i] for i in short])
+            batch = self._forward([rows[i] for i in short], [new_tokens[i] for i in short], head)
             for j, i in enumerate(short):
                 logits[i] = batch[j]
         return torch.stack(logits)
 
-    def _forward(self, rows: list[int], new_tokens: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[int], new_tokens: list[list[int]], head: SubsetHead | None = None) -> torch.Tensor:
         """Feed each row its new tokens (padded to one width), commit them; -> [b, vocab] after each row's last."""
         width = max(len(t) for t in new_tokens)
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -156,7 +161,7 @@ class DraftModelPool(DraftPool):
             visible[b, : len(tokens), : len(tokens)] = chain[: len(tokens), : len(tokens)]
         positions = lengths[:, None] + torch.arange(width)  # [b, T]
         index = torch.tensor([(b, len(t) - 1) for b, t in enumerate(new_tokens)])
-        logits = self.runner.forward_slots(self.cache, input_ids, positions, visible, index, rows=rows)
+        logits = self.runner.forward_slots(self.cache, input_ids, positions, visible, index, rows=rows, head=head)
         for row, tokens in zip(rows, new_tokens):
             self.cache.set_length(row, self.cache.lengths[row] + len(tokens))
         return logits
@@ -177,7 +182,9 @@ class DraftModelDrafter(Drafter):
     def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = 4, adaptive: bool = False,
                  max_tokens: int = 16):
         self.pool = draft_model if isinstance(draft_model, DraftModelPool) else DraftModelPool(draft_model)
-        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK))
+        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
+                                  growth="step")
+        self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
         self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds
         self.synced = 0  # cached[:synced] is known to equal the accepted sequence
 
@@ -187,9 +194,11 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         budget = min(self.length.current, max_tokens)
+        self._proposed = None
         if budget <= 0:
             return Draft(tokens=[], source=SOURCE)
-        return self.pool.request(self, tokens, budget)
+        self._proposed = self.pool.request(self, tokens, budget)  # filled in place when the pool flushes
+        return self._proposed
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         """The pool asks each row's drafter for its next draft token (its own rule: cross-vocabulary drafters
@@ -198,7 +207,8 @@ class DraftModelDrafter(Drafter):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if draft.source == SOURCE:
-            self.length.update(len(draft), num_accepted)
+            proposed = len(self._proposed.tokens) if self._proposed is not None else None
+            self.length.update(len(draft), num_accepted, proposed)
 
     def finish(self) -> None:
         self.pool.release(self)

@@ -105,12 +105,20 @@ def test_greedy_tli_drafts_the_best_shared_token_and_union_stops_at_one_the_targ
     assert union.choose(logits, []) == (None, False)
 
 
-def test_drafting_stops_after_a_token_the_draft_model_was_unsure_of():
+def test_drafting_stops_once_the_draft_model_is_unsure_of_the_whole_draft():
     context = RequestContext(prompt_len=0, sampling=SamplingParams(temperature=0.0))
     for confidence, goes_on in ((0.0, True), (0.2, True), (0.5, False)):  # the best shared token has q = 0.25
         drafter = TliDrafter(SimpleNamespace(mapping=MAPPING), confidence=confidence)
         drafter.request = context
         assert drafter.choose(Q.log(), []) == (0, goes_on), confidence
+    # The draft's probability is the product over its tokens: 0.25, then 0.0625, below 0.1 at the second token
+    # although each token alone is above it; a new step's draft starts again from 1.
+    drafter = TliDrafter(SimpleNamespace(mapping=MAPPING), confidence=0.1)
+    drafter.request = context
+    assert drafter.choose(Q.log(), []) == (0, True)
+    assert drafter.choose(Q.log(), []) == (0, False)
+    drafter._draft_probability = 1.0  # what propose() does at each step
+    assert drafter.choose(Q.log(), []) == (0, True)
 
 
 def test_slrs_string_distribution_counts_every_draft_token_under_its_first_target_token():

@@ -142,3 +142,29 @@ def test_vocab_overlap_command_reports_the_pair(capsys):
     out = capsys.readouterr().out
     shared = int(out.split(": ", 1)[1].split(" shared")[0])
     assert "of the target's 49152" in out and 40000 < shared < 49152, out  # most SmolLM2 tokens are Gemma's too
+
+
+def test_the_shared_token_head_gives_tli_its_exact_drafting_distribution(smol_target):
+    """TLI drafts through the drafter's head over the shared tokens only (SubsetHead): its logits are the full
+    head's there and -inf elsewhere, so its softmax is q'' (q restricted to the shared tokens, renormalised)."""
+    import torch
+
+    from specdec_core.drafters.cross_vocab import tli_distribution
+    from specdec_core.drafters.tli import TliDrafter, UnionDrafter
+
+    pool = CrossVocabPool(smol_target.draft_model, smol_target.tokenizer, smol_target.vocab_mapping())
+    hidden = torch.randn(3, smol_target.draft_model.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = smol_target.draft_model.head_logits(hidden)  # [3, |D|]
+    subset = pool.shared_head(hidden)  # [3, |D|]
+    shared = pool.shared_head.token_ids
+    assert subset.shape == full.shape
+    torch.testing.assert_close(subset[:, shared], full[:, shared])
+    outside = torch.ones(full.shape[-1], dtype=torch.bool)
+    outside[shared] = False
+    assert torch.isinf(subset[:, outside]).all() and outside.sum() > 100_000  # Gemma's head is mostly not shared
+    q_full = torch.softmax(full, dim=-1)
+    q_subset = torch.softmax(subset, dim=-1)
+    mapping = smol_target.vocab_mapping()
+    for row in range(3):
+        torch.testing.assert_close(tli_distribution(q_subset[row], mapping), tli_distribution(q_full[row], mapping))
+    assert TliDrafter.shared_head_only and not UnionDrafter.shared_head_only and not SlemDrafter.shared_head_only
