@@ -28,6 +28,9 @@ from .retrieval_index import tokenizer_fingerprint
 
 BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Bumped whenever build_mapping changes what it maps, so that a map cached by an older version is not reused.
+# v2: several draft tokens with the same bytes all map (v1 mapped Gemma 3's byte-fallback '<0x2E>' instead of its '.').
+MAPPING_VERSION = "v2"
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,7 +105,8 @@ class VocabMapping:
 
     @property
     def shared(self) -> int:
-        return int((self.draft_to_target >= 0).sum())
+        """|T ∩ D|: the target tokens some draft token stands for (several draft tokens may stand for one)."""
+        return int((self.target_to_draft >= 0).sum())
 
     def overlap(self) -> dict:
         """The paper's Table 9: |T ∩ D| and its share of each vocabulary."""
@@ -128,8 +132,11 @@ def build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = N
     draft_bytes, target_bytes = token_bytes(draft_tokenizer), token_bytes(target_tokenizer)
     draft_size = max(len(draft_bytes), draft_vocab or 0)
     target_size = max(len(target_bytes), target_vocab or 0)
+    # Where one tokenizer has several tokens for the same bytes (Gemma 3 has '.' and its byte-fallback '<0x2E>'),
+    # the ordinary token, the one its tokenizer emits, is the one the other side's token maps to.
     by_bytes = {}
-    for target_id, data in enumerate(target_bytes):
+    for target_id in _ordinary_first(target_tokenizer, len(target_bytes)):
+        data = target_bytes[target_id]
         if data is not None and data not in by_bytes:
             by_bytes[data] = target_id
     draft_to_target = np.full(draft_size, -1, dtype=np.int64)
@@ -148,18 +155,32 @@ def build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = N
         target_id = target_specials.get(draft_tokenizer.convert_ids_to_tokens(draft_id))
         if target_id is not None:
             link(draft_id, target_id)
-    for draft_id, data in enumerate(draft_bytes):
+    # Text tokens: every draft token maps to the target token with its bytes (several draft tokens may map to one:
+    # the distributions of drafters/cross_vocab.py add their mass up); the target token maps back to the first of
+    # them in _ordinary_first's order.
+    for draft_id in _ordinary_first(draft_tokenizer, len(draft_bytes)):
+        data = draft_bytes[draft_id]
         target_id = by_bytes.get(data) if data is not None else None
-        if target_id is not None:
-            link(draft_id, target_id)
+        if target_id is None or draft_to_target[draft_id] >= 0:
+            continue
+        draft_to_target[draft_id] = target_id
+        if target_to_draft[target_id] < 0:
+            target_to_draft[target_id] = draft_id
     return VocabMapping(draft_to_target, target_to_draft)
+
+
+def _ordinary_first(tokenizer, size: int) -> list[int]:
+    """Ids 0..size-1, byte-fallback tokens ('<0x2E>') after all the others."""
+    fallback = {token_id for token, token_id in tokenizer.get_vocab().items()
+                if token_id < size and BYTE_FALLBACK.match(token)}
+    return [i for i in range(size) if i not in fallback] + sorted(fallback)
 
 
 def load_or_build_mapping(draft_tokenizer, target_tokenizer, draft_vocab: int | None = None,
                           target_vocab: int | None = None, cache_dir: Path | None = None) -> VocabMapping:
     """The pair's mapping from the cache, else built and saved (atomically: a reader never sees half a file)."""
     directory = Path(cache_dir) if cache_dir is not None else cache_root() / "vocab_maps"
-    name = (f"{tokenizer_fingerprint(draft_tokenizer)}-{draft_vocab or 0}--"
+    name = (f"{MAPPING_VERSION}-{tokenizer_fingerprint(draft_tokenizer)}-{draft_vocab or 0}--"
             f"{tokenizer_fingerprint(target_tokenizer)}-{target_vocab or 0}.npz")
     path = directory / name
     if path.exists():

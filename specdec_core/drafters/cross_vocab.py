@@ -33,8 +33,7 @@ def tli_distribution(q: torch.Tensor, mapping: VocabMapping) -> torch.Tensor | N
     if bool((total <= 0).any()):
         return None
     out = torch.zeros(*q.shape[:-1], len(mapping.target_to_draft), dtype=q.dtype, device=q.device)
-    out[..., target_ids] = shared / total
-    return out
+    return out.index_add_(-1, target_ids, shared / total)  # draft tokens with the same bytes add up
 
 
 def union_distribution(q: torch.Tensor, mapping: VocabMapping) -> torch.Tensor:
@@ -42,7 +41,7 @@ def union_distribution(q: torch.Tensor, mapping: VocabMapping) -> torch.Tensor:
     the mass of the draft tokens the target does not have."""
     draft_ids, target_ids = _target_index(mapping, q.device)
     out = torch.zeros(*q.shape[:-1], len(mapping.target_to_draft) + 1, dtype=q.dtype, device=q.device)
-    out[..., target_ids] = q[..., draft_ids]
+    out.index_add_(-1, target_ids, q[..., draft_ids])  # draft tokens with the same bytes add up
     out[..., -1] = (q.sum(dim=-1) - out[..., :-1].sum(dim=-1)).clamp(min=0.0)
     return out
 

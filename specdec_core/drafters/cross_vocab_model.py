@@ -64,8 +64,9 @@ class CrossVocabPool(DraftModelPool):
         return SubsetHead(self.runner, shared[shared < self.runner.vocab_size])
 
     def head_for(self, pending) -> SubsetHead | None:
-        """The shared-token head when every row drafting now declares it enough (`shared_head`), else the whole one."""
-        if pending and all(p.drafter.shared_head_only for p in pending):
+        """The head every row drafting now declares enough (`CrossVocabDrafter.head_tokens`), else the whole one."""
+        kinds = {p.drafter.head_tokens for p in pending}
+        if kinds == {"shared"}:
             return self.shared_head
         return None
 
@@ -108,9 +109,10 @@ class CrossVocabDrafter(Drafter):
     each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
     draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
 
-    # Whether this drafter reads only the logits of tokens the target shares (a declared need): then the pool's
-    # forwards compute the drafter's head over those tokens alone (SubsetHead), others stay -inf.
-    shared_head_only: bool = False
+    # Which of the drafter's logits this drafter needs (a declared need): "all", or "shared", the tokens the target
+    # shares (what TLI reads): then the pool's forwards compute the drafter's head over those tokens alone
+    # (SubsetHead), the others staying -inf.
+    head_tokens: str = "all"
 
     def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16,
                  confidence: float = 0.0):
@@ -182,7 +184,13 @@ class CrossVocabDrafter(Drafter):
 
 
 class SlemDrafter(CrossVocabDrafter):
-    """SLEM: drafts `num_tokens` drafter tokens per step and proposes their TEXT in the target's tokens (one-hot)."""
+    """SLEM: drafts `num_tokens` drafter tokens per step and proposes their TEXT in the target's tokens (one-hot).
+
+    It drafts through the drafter's whole head. Measured with Gemma 3 270M for Qwen2.5-Coder-1.5B (5 HumanEval prompts
+    x 64 tokens, batch 1, avx512_bf16 CPU, two interleaved rounds): the head over the 96,080 shared tokens gave mean
+    accepted lengths 4.0 / 3.8 against 4.6 / 4.8 and no faster pass (55.1 / 55.6 s vs 54.6 / 58.3 s); a head over the
+    32,768 tokens Gemma uses most on the Python standard library (frequency-ranked drafting, FR-Spec) 3.95 / 3.44
+    (54.5 / 59.2 s). The head's saving went into the shorter accepted drafts."""
 
     def translate(self, draft: Draft) -> None:
         if self._step is None or not draft.tokens:

@@ -29,7 +29,7 @@ class TliDrafter(CrossVocabDrafter):
     """Token-level intersection: the drafter only ever proposes tokens both vocabularies have."""
 
     # q'' is q restricted to the shared tokens and renormalised: exactly the softmax of the shared-token head.
-    shared_head_only = True
+    head_tokens = "shared"
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         mapping = self.pool.mapping
@@ -62,7 +62,7 @@ class TliDrafter(CrossVocabDrafter):
 class UnionDrafter(TliDrafter):
     """The union-of-vocabularies baseline (Theorem 4.1's comparison): the drafter proposes from its whole vocabulary."""
 
-    shared_head_only = False  # q' keeps the mass of tokens the target lacks (the OUTSIDE column)
+    head_tokens = "all"  # q' keeps the mass of tokens the target lacks (the OUTSIDE column)
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         mapping = self.pool.mapping

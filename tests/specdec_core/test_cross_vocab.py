@@ -191,14 +191,33 @@ def test_byte_level_and_sentencepiece_tokens_match_by_the_bytes_they_stand_for(t
     for draft_token, target_token in pairs.items():
         target_id = mapping.draft_to_target[piece.convert_tokens_to_ids(draft_token)]
         assert target_id == smol.convert_tokens_to_ids(target_token), draft_token
-    # "\n" is both a learned piece and the fallback <0x0A> here: one of them (one to one) is the target's 'Ċ'.
-    newline = mapping.target_to_draft[smol.convert_tokens_to_ids("Ċ")]
-    assert newline >= 0 and token_bytes(piece)[newline] == b"\n"
+    # "\n" is both a learned piece and the fallback <0x0A> here (as '.' and '<0x2E>' are in Gemma 3): both stand for
+    # the target's 'Ċ', which maps back to the learned piece, the one the tokenizer emits.
+    newline = smol.convert_tokens_to_ids("Ċ")
+    learned = piece.convert_tokens_to_ids(piece.convert_ids_to_tokens(piece("\n", add_special_tokens=False)["input_ids"])[-1])
+    assert token_bytes(piece)[learned] == b"\n" and learned != piece.convert_tokens_to_ids("<0x0A>")
+    assert mapping.target_to_draft[newline] == learned
+    assert mapping.draft_to_target[learned] == mapping.draft_to_target[piece.convert_tokens_to_ids("<0x0A>")] == newline
     assert mapping.draft_to_target[piece.convert_tokens_to_ids("<unk>")] == smol.unk_token_id
-    assert (mapping.target_to_draft[mapping.draft_to_target[mapping.shared_draft_ids()]]
-            == mapping.shared_draft_ids()).all()  # one to one
+    shared = mapping.shared_draft_ids()
+    # Every target token maps back to a draft token with its own bytes.
+    back = mapping.target_to_draft[mapping.draft_to_target[shared]]
+    draft_bytes = token_bytes(piece)
+    assert all(draft_bytes[a] == draft_bytes[b] or draft_bytes[a] is None for a, b in zip(back, shared))
+    assert mapping.shared == len(set(mapping.draft_to_target[shared].tolist()))  # |T ∩ D| counts target tokens
     # Cached per pair: the second load reads the file the first wrote.
     first = load_or_build_mapping(piece, smol, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.npz"))) == 1
     second = load_or_build_mapping(piece, smol, cache_dir=tmp_path)
     assert (first.draft_to_target == second.draft_to_target).all() and first.shared == mapping.shared
+
+
+def test_draft_tokens_with_the_same_bytes_add_their_mass_on_the_target_token():
+    import numpy as np
+
+    # Draft tokens 0 and 1 both stand for target token 0 (a piece and its byte fallback); 3 has no target token.
+    mapping = VocabMapping(draft_to_target=np.array([0, 0, 1, -1]), target_to_draft=np.array([0, 2, -1]))
+    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    torch.testing.assert_close(tli_distribution(q, mapping), torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(union_distribution(q, mapping), torch.tensor([0.3, 0.3, 0.0, 0.4]))
+    assert mapping.shared == 2
