@@ -127,6 +127,14 @@ class DraftPool(ABC):
     def flush(self) -> None:
         """Fill every draft requested since the last flush."""
 
+    def requested(self, draft: Draft) -> int | None:
+        """How many tokens `draft`, still to be filled by the next flush, may grow to (None: not pending here).
+        The loop plans a step before flushing, from these lengths: each drafted token costs a drafter forward."""
+        return None
+
+    def cap(self, draft: Draft, tokens: int) -> None:
+        """Let the pending `draft` grow to at most `tokens` tokens (what the step's plan will verify)."""
+
 
 class Drafter(ABC):
     """propose() returns at most max_tokens tokens to follow `tokens`; observe() learns from the verification.

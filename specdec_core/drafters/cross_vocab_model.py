@@ -29,9 +29,8 @@ import torch
 
 from ..model_runner import ModelRunner, SubsetHead
 from ..vocab_mapping import VocabMapping, special_ids
-from .base import Draft, Drafter, RequestContext
-from .draft_length import DraftLength
-from .draft_model import CAPACITY_SLACK, DraftModelPool, choose_token
+from .base import Draft, RequestContext
+from .draft_model import DraftModelPool, PooledDrafter, choose_token
 
 SOURCE = "draft_model"
 LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary
@@ -104,7 +103,7 @@ class CrossVocabPool(DraftModelPool):
         return out
 
 
-class CrossVocabDrafter(Drafter):
+class CrossVocabDrafter(PooledDrafter):
     """One row of a draft model with another tokenizer: the accepted text is carried back into the drafter's tokens
     each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
     draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
@@ -116,38 +115,30 @@ class CrossVocabDrafter(Drafter):
 
     def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16,
                  confidence: float = 0.0):
-        self.pool = pool
-        self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
-                                  growth="step")
-        self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
+        super().__init__(pool, num_tokens, adaptive, max_tokens)
         self.confidence = confidence  # drafting stops once the draft model is less sure of the draft than this
         self._draft_probability = 1.0
-        self.cached: list[int] = []  # drafter tokens the slot holds (kept by the pool)
-        self.synced = 0
         self._prompt: list[int] = []  # the prompt in the drafter's tokens
         self._step: tuple[list[int], str, list[int], int] | None = None  # (committed target ids, their text, ...)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        self.pool.attach(self)
         self._prompt = self.pool.translate_prompt(tokens[: request.prompt_len])
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         budget = min(self.length.current, max_tokens)
-        self._proposed = None
         self._draft_probability = 1.0  # the draft model's probability of this step's draft so far (sure_of)
         if budget <= 0:
-            return Draft(tokens=[], source=SOURCE)
+            return self._request(tokens, 0)
         generated = list(tokens[self.request.prompt_len:])  # target ids, the pending one included
         text = self.pool.target_text(generated)
         draft_generated = self.pool.draft_ids(text)
         sequence = self._prompt + draft_generated
         if not sequence:  # nothing the drafter could read (a prompt of special tokens it lacks, nothing generated)
             self._step = None
-            return Draft(tokens=[], source=SOURCE)
+            return self._request(sequence, 0)
         self._step = (generated, text, draft_generated, max_tokens)
-        self._proposed = self.pool.request(self, sequence, budget)  # filled in place when the pool flushes
-        return self._proposed
+        return self._request(sequence, budget)
 
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
         """The drafter's next token, in its own vocabulary (logits [|D|]): its argmax or a draw from q."""
@@ -173,14 +164,6 @@ class CrossVocabDrafter(Drafter):
     @abstractmethod
     def translate(self, draft: Draft) -> None:
         """After the pool drafted (drafter ids in draft.tokens): replace them, in place, by target ids."""
-
-    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == SOURCE:
-            proposed = len(self._proposed.tokens) if self._proposed is not None else None
-            self.length.update(len(draft), num_accepted, proposed)
-
-    def finish(self) -> None:
-        self.pool.release(self)
 
 
 class SlemDrafter(CrossVocabDrafter):

@@ -12,6 +12,7 @@ steps where another drafter (CopySpec in `copyspec+draft`) drafted and this one 
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,10 +38,11 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
 
 @dataclass
 class _Pending:
-    drafter: "DraftModelDrafter"
+    drafter: "PooledDrafter"
     tokens: Sequence[int]
-    budget: int
+    budget: int  # most tokens to draft (the drafter's length; the step's plan may lower it, `cap`)
     draft: Draft  # filled in place by flush()
+    asked: int = 0  # the budget the drafter asked for
     probs: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token, when sampling
 
 
@@ -50,12 +52,12 @@ class DraftModelPool(DraftPool):
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.cache = runner.new_slot_cache()
-        self.owners: list[DraftModelDrafter] = []  # owners[i] holds cache row i
+        self.owners: list[PooledDrafter] = []  # owners[i] holds cache row i
         self.collecting = False
         self._pending: list[_Pending] = []
 
     # ------------------------------------------------------------------------------------------- rows
-    def attach(self, drafter: "DraftModelDrafter") -> None:
+    def attach(self, drafter: "PooledDrafter") -> None:
         """Give a drafter an empty slot (its request starts); a drafter restarted on a new request gets a new one."""
         self.release(drafter)
         self.cache.fit(len(self.owners) + 1, max(self.cache.capacity, 1))
@@ -64,7 +66,7 @@ class DraftModelPool(DraftPool):
         drafter.cached = []
         drafter.synced = 0
 
-    def release(self, drafter: "DraftModelDrafter") -> None:
+    def release(self, drafter: "PooledDrafter") -> None:
         if drafter not in self.owners:
             return
         row = self.owners.index(drafter)
@@ -78,16 +80,28 @@ class DraftModelPool(DraftPool):
             self.cache.fit(len(self.owners), needed)
 
     # ------------------------------------------------------------------------------------------- drafting
-    def request(self, drafter: "DraftModelDrafter", tokens: Sequence[int], budget: int) -> Draft:
+    def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int) -> Draft:
         draft = Draft(tokens=[], source=SOURCE)
-        self._pending.append(_Pending(drafter, tokens, budget, draft))
+        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=budget))
         if not self.collecting:
             self.flush()
         return draft
 
+    def requested(self, draft: Draft) -> int | None:
+        return next((p.budget for p in self._pending if p.draft is draft), None)
+
+    def cap(self, draft: Draft, tokens: int) -> None:
+        for p in self._pending:
+            if p.draft is draft:
+                p.budget = min(p.budget, max(0, tokens))
+
     def flush(self) -> None:
         """Draft every collected request: one catch-up forward, then one forward per draft position."""
-        pending, self._pending = [p for p in self._pending if p.budget > 0], []
+        # A drafter whose row was retired since it asked has no slot left: its request goes with it.
+        pending, self._pending = [p for p in self._pending if p.drafter in self.owners], []
+        for p in pending:
+            p.drafter.cut_by_plan = p.budget < p.asked  # until drafting shows the cap was not reached
+        pending = [p for p in pending if p.budget > 0]
         if not pending:
             return
         rows = [self.owners.index(p.drafter) for p in pending]
@@ -118,6 +132,8 @@ class DraftModelPool(DraftPool):
         for p in pending:
             if p.probs:
                 p.draft.probs = torch.stack(p.probs)  # [k, vocab] when sampling
+            # Cut by the plan only if drafting went on to the cap (the drafter's own stop may have come first).
+            p.drafter.cut_by_plan = p.drafter.cut_by_plan and len(p.draft.tokens) >= p.budget
 
     def head_for(self, pending: list[_Pending]) -> SubsetHead | None:
         """The LM head this flush's forwards use: the whole vocabulary here (cross_vocab_model.py may restrict it)."""
@@ -178,40 +194,59 @@ def choose_token(request: RequestContext, logits: torch.Tensor, probs: list[torc
     return int(torch.multinomial(q, 1, generator=request.generator).item()), True
 
 
-class DraftModelDrafter(Drafter):
-    def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = 4, adaptive: bool = False,
-                 max_tokens: int = 16):
-        self.pool = draft_model if isinstance(draft_model, DraftModelPool) else DraftModelPool(draft_model)
+class PooledDrafter(Drafter):
+    """A row of a pooled draft model: what every such drafter shares (its pool slot, its adaptive length, and what
+    it learns from a verification). Subclasses say what to request (`propose`) and how to pick a token (`choose`)."""
+
+    def __init__(self, pool: DraftModelPool, num_tokens: int, adaptive: bool, max_tokens: int):
+        self.pool = pool
         self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
                                   growth="step")
         self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
-        self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds
+        # Whether the step's plan stopped the drafting (the pool sets it when it flushes): a fully accepted draft
+        # then says nothing about a longer one.
+        self.cut_by_plan = False
+        self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds (kept by the pool)
         self.synced = 0  # cached[:synced] is known to equal the accepted sequence
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
         self.pool.attach(self)
 
-    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        budget = min(self.length.current, max_tokens)
-        self._proposed = None
-        if budget <= 0:
-            return Draft(tokens=[], source=SOURCE)
-        self._proposed = self.pool.request(self, tokens, budget)  # filled in place when the pool flushes
-        return self._proposed
+    def _request(self, tokens: Sequence[int], budget: int) -> Draft:
+        """Ask the pool for up to `budget` tokens after `tokens` (filled in place when the pool flushes)."""
+        self.cut_by_plan = False
+        self._proposed = self.pool.request(self, tokens, budget) if budget > 0 else None
+        return self._proposed if self._proposed is not None else Draft(tokens=[], source=SOURCE)
 
+    @abstractmethod
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
-        """The pool asks each row's drafter for its next draft token (its own rule: cross-vocabulary drafters
-        restrict it); None ends the draft before this position."""
-        return choose_token(self.request, logits, probs)
+        """The pool asks each row's drafter for its next draft token (logits [vocab]) -> (token, whether drafting
+        may go on after it); None ends the draft before this position."""
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source == SOURCE:
-            proposed = len(self._proposed.tokens) if self._proposed is not None else None
-            self.length.update(len(draft), num_accepted, proposed)
+        if draft.source != SOURCE:
+            return
+        proposed = len(self._proposed.tokens) if self._proposed is not None else None
+        if self.cut_by_plan and proposed is not None:
+            proposed += 1  # the plan ended the draft: the drafter would have gone on
+        self.length.update(len(draft), num_accepted, proposed)
 
     def finish(self) -> None:
         self.pool.release(self)
+
+
+class DraftModelDrafter(PooledDrafter):
+    def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = 4, adaptive: bool = False,
+                 max_tokens: int = 16):
+        pool = draft_model if isinstance(draft_model, DraftModelPool) else DraftModelPool(draft_model)
+        super().__init__(pool, num_tokens, adaptive, max_tokens)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        return self._request(tokens, min(self.length.current, max_tokens))
+
+    def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
+        return choose_token(self.request, logits, probs)
 
     @property
     def cache_length(self) -> int:

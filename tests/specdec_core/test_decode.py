@@ -77,6 +77,25 @@ def test_draft_model_cache_follows_accepted_tokens_after_rejections(engine):
     assert drafter.cache_length == len(accepted) + 3
 
 
+def test_a_pooled_draft_model_drafts_no_further_than_the_plan_verifies(engine):
+    """The step is planned before the draft model runs (each drafted token is one of its forwards): with a plan
+    that verifies at most 2 tokens, a drafter asking for 6 drafts 2, its length does not grow on drafts the plan
+    cut, and the output is still ar's."""
+    from specdec_core.speculation_budget import SpeculationBudget
+
+    ids = engine.prompt_ids(messages=PROMPT)
+    plain = decode(engine.target, NoDrafter(), ids, DecodeParams(max_new_tokens=24))
+    decoder = BatchDecoder(engine.target, max_batch=1, budget=SpeculationBudget(enabled=False, token_budget=3))
+    drafter = DraftModelDrafter(DraftModelPool(engine.draft_model), num_tokens=6, adaptive=True)
+    decoder.submit(DecodeRequest(0, ids, DecodeParams(max_new_tokens=24), drafter))
+    [(_, result)] = list(decoder.run())
+    assert result.token_ids == plain.token_ids
+    assert decoder.stats.verified_tokens > 0
+    assert decoder.stats.drafted_tokens == decoder.stats.verified_tokens  # nothing drafted that was not verified
+    assert decoder.stats.verified_tokens <= 2 * decoder.stats.steps
+    assert drafter.length.current <= 6
+
+
 def test_metrics_follow_their_definitions(engine):
     r = engine.generate(messages=PROMPT, method="copyspec", params=DecodeParams(max_new_tokens=80))
     assert r["new_tokens"] == len(r["output_token_ids"]) <= 80
