@@ -50,9 +50,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[10], help="draft lengths K")
     parser.add_argument("--thresholds", nargs="+", default=["0.0"], help="θ values; 'none' = no threshold")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=None, help="a registry name or HF directory (default: the default model)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(EngineConfig(dtype=args.dtype))
+    engine = Engine(EngineConfig(dtype=args.dtype, **({"model": args.model} if args.model else {})))
     print(f"# {engine.config.model}, dtype {engine.target.dtype_name}, {hardware(engine.target.device)}, "
           f"{engine.target.num_layers} layers, {args.requests} requests, {args.max_new_tokens} new tokens, "
           f"batch {args.batch_size}, no speculation budget, one run", flush=True)
