@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a retrieval index (jobs/refine_corpus.py, specbatch build-index) that methods name "
                              "with the option index=NAME, e.g. --index refined=out/index --methods rest:index=refined")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--drafter-dtype", default=None,
+                        help="the draft model's dtype (default: the target's); int8 = int8 linear layers (CPU)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
     parser.add_argument("--drafter", default=None,
@@ -273,14 +275,15 @@ def main() -> int:
     for text in args.methods:
         parse_method(text)  # a bad method option fails before the model loads
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter))
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
+                                 drafter_dtype=args.drafter_dtype))
     device = engine.target.device
     drafter = ""
     if args.drafter:
         overlap = None if engine.same_vocabulary else engine.vocab_mapping().overlap()
         shares = (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%} of the target's "
                   "vocabulary)") if overlap else ""
-        drafter = f", drafter {args.drafter}{shares}"
+        drafter = f", drafter {args.drafter} ({engine.draft_model.dtype_name}){shares}"
     header = (f"{args.model}{drafter}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
               f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
               + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))

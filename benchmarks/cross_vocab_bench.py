@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--drafter-dtype", default=None,
+                        help="the draft model's dtype (default: the target's); int8 = int8 linear layers (CPU)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="drafter tokens per step (slem, tli, union)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
     parser.add_argument("--draft-confidence", type=float, nargs="+", default=[0.4],
@@ -58,7 +60,8 @@ def main() -> int:
     from specdec_core.sampling import SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter))
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter,
+                                 drafter_dtype=args.drafter_dtype))
     target, draft = engine.target, engine.draft_model
     if args.workload == "humaneval":
         prompts = [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
@@ -126,7 +129,7 @@ def main() -> int:
             print(json.dumps({"round": round_index, "system": name,
                               **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
         rounds.append(results)
-    print(f"\n# {args.model} <- {args.drafter}, dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
+    print(f"\n# {args.model} <- {args.drafter} ({draft.dtype_name}), dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
           f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, {args.rounds} round(s) interleaved, "
           f"ours at T={args.temperature:g}; {args.draft_tokens} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}"

@@ -16,7 +16,7 @@ from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
 from .methods import MethodOptions, get_method
-from .model_runner import ModelRunner
+from .model_runner import INT8, ModelRunner
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
 from .speculation_budget import SpeculationBudget, StepCostModel
@@ -45,6 +45,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.checked_indexes: set[str] = set()  # retrieval indexes whose tokenizer matches the target's
+        if config.dtype == INT8:
+            raise ValueError("int8 is for drafters only (--drafter-dtype int8): an int8 target would be another model")
         self.target = ModelRunner.load(config.model, config.dtype, config.device)
         self.draft_model = None
         if config.drafter:
