@@ -70,7 +70,8 @@ class ModelRunner:
         self.dtype = dtype  # of activations and the KV cache (fp32 when the weights are int8)
         self.quantized = quantized
         config = model.config
-        self.vocab_size = int(head_weight(model.get_output_embeddings()).shape[0])
+        head = model.get_output_embeddings()  # (an int8 head's rows are read off it, not dequantized)
+        self.vocab_size = int(getattr(head, "out_features", 0) or head_weight(head).shape[0])
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # CPU only: on a GPU the padded tokens of a short step are almost free and every gather is a kernel launch.

@@ -55,6 +55,7 @@ class DraftModelPool(DraftPool):
         self.owners: list[PooledDrafter] = []  # owners[i] holds cache row i
         self.collecting = False
         self._pending: list[_Pending] = []
+        self._pending_by_draft: dict[int, _Pending] = {}  # id(draft) -> its request: the loop looks each row's up
 
     # ------------------------------------------------------------------------------------------- rows
     def attach(self, drafter: "PooledDrafter") -> None:
@@ -83,22 +84,26 @@ class DraftModelPool(DraftPool):
     def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int) -> Draft:
         draft = Draft(tokens=[], source=SOURCE)
         self._pending.append(_Pending(drafter, tokens, budget, draft, asked=budget))
+        self._pending_by_draft[id(draft)] = self._pending[-1]
         if not self.collecting:
             self.flush()
         return draft
 
     def requested(self, draft: Draft) -> int | None:
-        return next((p.budget for p in self._pending if p.draft is draft), None)
+        pending = self._pending_by_draft.get(id(draft))
+        return pending.budget if pending is not None else None
 
     def cap(self, draft: Draft, tokens: int) -> None:
-        for p in self._pending:
-            if p.draft is draft:
-                p.budget = min(p.budget, max(0, tokens))
+        pending = self._pending_by_draft.get(id(draft))
+        if pending is not None:
+            pending.budget = min(pending.budget, max(0, tokens))
 
     def flush(self) -> None:
         """Draft every collected request: one catch-up forward, then one forward per draft position."""
         # A drafter whose row was retired since it asked has no slot left: its request goes with it.
-        pending, self._pending = [p for p in self._pending if p.drafter in self.owners], []
+        attached = {id(d) for d in self.owners}
+        pending, self._pending = [p for p in self._pending if id(p.drafter) in attached], []
+        self._pending_by_draft = {}
         for p in pending:
             p.drafter.cut_by_plan = p.budget < p.asked  # until drafting shows the cap was not reached
         pending = [p for p in pending if p.budget > 0]
