@@ -163,10 +163,11 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     from specdec_core.speculation_budget import StepCostModel
 
     method, options = parse_method(method_text)
-    # Every run learns its own step costs from its own steps, as a fresh actor would (a job's later passes reuse
-    # them): no method inherits another's cost model.
+    # Every run learns its own step costs and acceptance from its own steps, as a fresh actor would (a job's later
+    # passes reuse them): no method inherits another's cost model.
     engine.step_costs = StepCostModel()
-    decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text))
+    engine.learned.clear()
+    decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text), method=method)
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
     synchronize(engine.target.device)

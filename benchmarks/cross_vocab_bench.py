@@ -34,11 +34,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--drafter-dtype", default=None,
                         help="the draft model's dtype (default: the target's); int8 = int8 linear layers (CPU)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="drafter tokens per step (slem, tli, union)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="most drafter tokens per step (slem, tli, union; default: the method's)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
-    parser.add_argument("--draft-confidence", type=float, nargs="+", default=[0.4],
-                        help="stop a draft after a drafter token below this probability; several values run each "
-                             "of our drafting systems once per value")
+    parser.add_argument("--draft-confidence", type=_confidence, nargs="+", default=["priced"],
+                        help="stop a draft once the drafter's probability of it falls below this ('priced': below "
+                             "the measured price of a drafted token); several values run each of our drafting "
+                             "systems once per value")
     parser.add_argument("--no-budget", action="store_true", help="verify every draft (no speculation budget)")
     parser.add_argument("--systems", nargs="+", default=["ar", "slem", "hf_greedy", "hf_universal_assisted"],
                         choices=["ar", "slem", "tli", "union", "slrs", "hf_greedy", "hf_universal_assisted"])
@@ -104,7 +106,7 @@ def main() -> int:
     systems = {"ar": lambda: ours("ar")}
     for name in ("slem", "tli", "union", "slrs"):
         for value in args.draft_confidence:
-            systems[name if len(args.draft_confidence) == 1 else f"{name}@conf{value:g}"] = \
+            systems[name if len(args.draft_confidence) == 1 else f"{name}@conf{value}"] = \
                 (lambda name=name, value=value: ours(name, value))
     systems.update(hf_greedy=lambda: hf(False), hf_universal_assisted=lambda: hf(True))
     # Warm-up, untimed: the first forwards of a process are slow (measured: a cold `ar` ran at 0.70x HF greedy, a
@@ -131,7 +133,7 @@ def main() -> int:
         rounds.append(results)
     print(f"\n# {args.model} <- {args.drafter} ({draft.dtype_name}), dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
           f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, {args.rounds} round(s) interleaved, "
-          f"ours at T={args.temperature:g}; {args.draft_tokens} drafter tokens per step"
+          f"ours at T={args.temperature:g}; {args.draft_tokens or 'the method default of'} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}"
           f"{', draft confidence ' + str(args.draft_confidence[0]) if len(args.draft_confidence) == 1 else ''}"
           f"{', no budget' if args.no_budget else ''}; vocabulary overlap "
@@ -151,6 +153,15 @@ def main() -> int:
               f"{_listed(over_peer)} | {statistics.median(over_peer) if over_peer else float('nan'):.2f} | "
               f"{', '.join(f'{m:g}' for m in mal)} | {same} |")
     return 0
+
+
+def _confidence(text: str) -> float | str:
+    if text == "priced":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'priced' or a probability") from None
 
 
 def _listed(values: list[float]) -> str:

@@ -80,7 +80,8 @@ class DecodeRequests:
         from specdec_core.errors import BadRequestError
 
         cfg = self.config
-        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget, cfg.row_timeout_s)
+        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget, cfg.row_timeout_s,
+                                      method=method)
         out: list[dict] = []
         turns: dict[int, dict] = {}  # key -> {row, turn, messages, later}
 

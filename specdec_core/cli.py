@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="draft model: tokens per step δ")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="draft model: most tokens per step δ (default 4 for draft; 16 for slem/tli/union/slrs, "
+                             "whose confidence stop ends drafts)")
     add_batch_options(parser, batch_size_default=None, batch_size_help=(
         f"sequences decoded at once (default: {DEFAULT_BATCH_SIZE} with --prompts-file, else 1)"))
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")

@@ -19,7 +19,7 @@ from .methods import MethodOptions, get_method
 from .model_runner import INT8, ModelRunner
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
-from .speculation_budget import SpeculationBudget, StepCostModel
+from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 
 
 @dataclass
@@ -58,6 +58,11 @@ class Engine:
         self._vocab_mapping = None
         # Step costs are a property of the machine and the model: measured once, shared by every batch.
         self.step_costs = StepCostModel()
+        # What decoding learned of each method's drafts (acceptance pooled over rows, the clock's verdict on wide
+        # steps, the prices of drafted tokens) carries to the next decoder of that method: a job's actor builds one decoder per batch of rows,
+        # and the one-prompt CLI one per prompt; each used to start from the priors (measured, batch 1, Gemma 3
+        # drafting for Qwen2.5-Coder: every request's first 3-5 steps verified 0-4 tokens, a plain probe among them).
+        self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
 
     @property
     def tokenizer(self):
@@ -71,8 +76,13 @@ class Engine:
         return self.tokenizer(context, add_special_tokens=False)["input_ids"]
 
     def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True,
-                row_timeout_s: float | None = None) -> BatchDecoder:
+                row_timeout_s: float | None = None, method: str | None = None) -> BatchDecoder:
+        """A batched decoder on this engine's models; with `method`, its budget starts from what earlier decoders
+        of that method learned (and adds to it)."""
         budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
+        if method is not None:
+            budget.pooled, budget.payoff, budget.pricing = self.learned.setdefault(
+                method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))
         decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s)
         # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
         if self.draft_model is None:
@@ -113,7 +123,7 @@ class Engine:
     ) -> Iterator[tuple[object, dict]]:
         """Decode every item with `method`, `batch_size` rows at a time; yields (key, result dict) as rows finish.
         A failing row yields a dict with only `method` and `error` set (the others go on)."""
-        decoder = self.decoder(batch_size, token_budget, speculation_budget)
+        decoder = self.decoder(batch_size, token_budget, speculation_budget, method=method)
         for item in items:
             decoder.submit(self.request(item, method, options, decoder))
         yield from self.results(decoder, method)

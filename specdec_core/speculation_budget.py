@@ -132,6 +132,14 @@ class StepCostModel:
         computed = rows * width if computed is None else computed
         return 1.0 + token * (computed - rows) / rows + per_width * (width - 1)
 
+    def token_seconds(self, rows: int, context: int = 0) -> float:
+        """Seconds one more verified token adds to a step of `rows` rows (s_token x a plain step / rows; 0 before a
+        plain step was timed)."""
+        if self.fixed is not None:
+            return 0.0
+        plain = self._plain(rows, context)
+        return 0.0 if plain is None else self.slopes(rows, context)[0] * plain / max(rows, 1)
+
     def knows_plain(self, rows: int, context: int = 0) -> bool:
         """Whether a plain step was timed in this (batch bucket, context bucket): the unit every ratio is in."""
         return self.fixed is not None or self._plain(rows, context) is not None
@@ -233,6 +241,45 @@ class MeasuredPayoff:
 
 
 @dataclass
+class DraftPricing:
+    """What one more drafted token costs and what a token is worth, in seconds, measured as the decoder runs: the
+    price a draft model's confidence stop (`draft_confidence="priced"`) compares its draft's probability with.
+
+    A row drafting its (k+1)-th token pays one draft-model forward, shared by the rows still drafting, and one more
+    token verified in the target's step; it gains P_k tokens in expectation (P_k = the drafter's probability of the
+    draft so far, which measured close to the acceptance rate: 0.97 of 238 Gemma 3 tokens at p >= 0.9 were accepted,
+    0.88 of 32 at 0.8-0.9). Measured in seconds per token the decoder emits (token_s), drafting pays while
+    P_k >= (row_forward_s + verify_s) / token_s: the decoder's own rate is the bar a token must beat.
+    Measured (Qwen2.5-Coder-1.5B, HumanEval, batch 1, avx512_bf16, replaying 43 logged steps of 16-token drafts):
+    the best fixed floors were 0.5-0.6 for Gemma 3 (a drafter forward 0.24 of a target step) and 0.4 for SmolLM2
+    (0.16); this price comes to ~0.57 and ~0.5 there, and it follows the drafter's dtype, the batch and the machine.
+    """
+
+    alpha: float = 0.2  # EMA weight of a new observation
+    token_s: float | None = None  # seconds per token the decode steps emit (drafting, forward, verification)
+    row_forward_s: float | None = None  # seconds of a draft-model forward per row it steps
+    verify_s: float = 0.0  # seconds one more verified token adds to the step (set by the decoder each step)
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.token_s = self._ema(self.token_s, seconds / tokens)
+
+    def record_forward(self, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds > 0:
+            self.row_forward_s = self._ema(self.row_forward_s, seconds / rows)
+
+    def floor(self) -> float | None:
+        """The draft probability below which one more drafted token costs more than it returns (None: not yet
+        measured). At least 0.02; 1 or more = only a certain token would pay."""
+        if self.token_s is None or self.row_forward_s is None:
+            return None
+        return max(0.02, (self.row_forward_s + self.verify_s) / self.token_s)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+
+@dataclass
 class SpeculationBudget:
     """Chooses each step's width; `observe` learns every row's acceptance and the decoder's pooled acceptance."""
 
@@ -262,6 +309,7 @@ class SpeculationBudget:
     # Whether the target's forwards compute real tokens only (ragged_tokens.py): then a row's drafts cost what it
     # verifies, not the padded width times every row (set by the decoder from its target).
     ragged: bool = False
+    pricing: DraftPricing = field(default_factory=DraftPricing)  # what a drafted token costs and a token is worth
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""

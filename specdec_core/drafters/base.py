@@ -10,10 +10,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..draft_tree import build_trie_with_origins, chain_parents, depths
+
+if TYPE_CHECKING:
+    from ..speculation_budget import DraftPricing
 
 
 @dataclass
@@ -122,6 +126,7 @@ class DraftPool(ABC):
     collects a step's proposals (`collecting`), the pool's drafters return drafts that `flush()` fills in place."""
 
     collecting: bool = False
+    pricing: "DraftPricing | None" = None  # the decoder's measured prices (speculation_budget.py), set each step
 
     @abstractmethod
     def flush(self) -> None:
@@ -160,6 +165,9 @@ class Drafter(ABC):
     #: reads the target's next-token logits after the draft nodes it names in Draft.probes, from the verify forward
     #: itself, through observe_logits() (before observe())
     reads_draft_logits: bool = False
+    #: ends its drafts where one more token costs more than it returns (DraftPricing, set per instance): the step's
+    #: plan then decides only whether the row drafts, not how far (its geometric acceptance model knows less)
+    prices_its_length: bool = False
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         """Called once per request after prefill, with the prompt plus the first generated token."""

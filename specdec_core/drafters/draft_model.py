@@ -16,6 +16,8 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 
 from ..model_runner import ModelRunner, SubsetHead
@@ -43,6 +45,7 @@ class _Pending:
     budget: int  # most tokens to draft (the drafter's length; the step's plan may lower it, `cap`)
     draft: Draft  # filled in place by flush()
     asked: int = 0  # the budget the drafter asked for
+    extra: int = 0  # drafter tokens drafted past the budget that add no verified token (SLEM's token healing)
     probs: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token, when sampling
 
 
@@ -81,9 +84,9 @@ class DraftModelPool(DraftPool):
             self.cache.fit(len(self.owners), needed)
 
     # ------------------------------------------------------------------------------------------- drafting
-    def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int) -> Draft:
+    def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int, extra: int = 0) -> Draft:
         draft = Draft(tokens=[], source=SOURCE)
-        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=budget))
+        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=budget, extra=extra))
         self._pending_by_draft[id(draft)] = self._pending[-1]
         if not self.collecting:
             self.flush()
@@ -121,7 +124,7 @@ class DraftModelPool(DraftPool):
                 if token is None:  # the drafter cannot draft here: the draft ends before this position
                     continue
                 p.draft.tokens.append(token)
-                if more and len(p.draft.tokens) < p.budget:
+                if more and len(p.draft.tokens) < p.budget + p.extra:
                     fed_rows.append(i)
                     fed_tokens.append(token)
             active = fed_rows
@@ -129,7 +132,10 @@ class DraftModelPool(DraftPool):
                 break
             # Feed each still-drafting row its newest token: one [b, 1] forward.
             cache_rows = [rows[i] for i in active]
+            started = time.perf_counter()
             step = self._forward(cache_rows, [[t] for t in fed_tokens], head)
+            if self.pricing is not None:
+                self.pricing.record_forward(len(active), time.perf_counter() - started)
             for j, i in enumerate(active):
                 pending[i].drafter.cached.append(fed_tokens[j])
             logits = torch.zeros(len(pending), step.shape[-1])
@@ -138,7 +144,8 @@ class DraftModelPool(DraftPool):
             if p.probs:
                 p.draft.probs = torch.stack(p.probs)  # [k, vocab] when sampling
             # Cut by the plan only if drafting went on to the cap (the drafter's own stop may have come first).
-            p.drafter.cut_by_plan = p.drafter.cut_by_plan and len(p.draft.tokens) >= p.budget
+            p.drafter.stopped_itself = len(p.draft.tokens) < p.budget + p.extra
+            p.drafter.cut_by_plan = p.drafter.cut_by_plan and not p.drafter.stopped_itself
 
     def head_for(self, pending: list[_Pending]) -> SubsetHead | None:
         """The LM head this flush's forwards use: the whole vocabulary here (cross_vocab_model.py may restrict it)."""
@@ -211,6 +218,9 @@ class PooledDrafter(Drafter):
         # Whether the step's plan stopped the drafting (the pool sets it when it flushes): a fully accepted draft
         # then says nothing about a longer one.
         self.cut_by_plan = False
+        # Whether the drafter's own stop (a confidence rule, slem) ended the draft before its length did: then the
+        # draft says nothing about the length, whether it was accepted or not.
+        self.stopped_itself = False
         self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds (kept by the pool)
         self.synced = 0  # cached[:synced] is known to equal the accepted sequence
 
@@ -218,10 +228,11 @@ class PooledDrafter(Drafter):
         super().start(tokens, request)
         self.pool.attach(self)
 
-    def _request(self, tokens: Sequence[int], budget: int) -> Draft:
-        """Ask the pool for up to `budget` tokens after `tokens` (filled in place when the pool flushes)."""
-        self.cut_by_plan = False
-        self._proposed = self.pool.request(self, tokens, budget) if budget > 0 else None
+    def _request(self, tokens: Sequence[int], budget: int, extra: int = 0) -> Draft:
+        """Ask the pool for up to `budget` tokens after `tokens` (filled in place when the pool flushes), and
+        `extra` more drafter tokens that add no verified token."""
+        self.cut_by_plan = self.stopped_itself = False
+        self._proposed = self.pool.request(self, tokens, budget, extra) if budget > 0 else None
         return self._proposed if self._proposed is not None else Draft(tokens=[], source=SOURCE)
 
     @abstractmethod
@@ -230,7 +241,7 @@ class PooledDrafter(Drafter):
         may go on after it); None ends the draft before this position."""
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source != SOURCE:
+        if draft.source != SOURCE or self.stopped_itself:
             return
         proposed = len(self._proposed.tokens) if self._proposed is not None else None
         if self.cut_by_plan and proposed is not None:
