@@ -252,7 +252,7 @@ class BatchDecoder:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
                 # the plan's geometric model only knows the row's past acceptance. Measured (Gemma 3 drafting for
                 # Qwen2.5-Coder-1.5B, batch 1): 41 steps for 5 x 64 tokens against 63-70 with the plan's cut.
-                limit = len(reach)
+                limit = min(len(reach), self.budget.most_nodes(len(rows)))
             row.limit = pinned_limit if fixed else limit
             if not fixed and row.request.drafter.pool is not None:
                 row.request.drafter.pool.cap(row.draft, limit)

@@ -320,6 +320,12 @@ class SpeculationBudget:
         self.idle_steps += 1
         return False
 
+    def most_nodes(self, rows: int) -> int:
+        """The most draft nodes a row may verify in a step of `rows` rows under the token budget (B x T)."""
+        if self.token_budget is None:
+            return 1 << 30
+        return max(1, self.token_budget // max(rows, 1)) - 1
+
     def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0) -> int:
         """The step's width T (1 = no drafts verified) under `plan`."""
         return 1 + max(self.plan(reaches, estimates, context), default=0)
@@ -338,9 +344,7 @@ class SpeculationBudget:
         unit of cost wins; all zeros (a plain step, value B) always competes."""
         rows = len(reaches)
         lengths = [len(reach) for reach in reaches]
-        longest = max(lengths, default=0)
-        if self.token_budget is not None:
-            longest = min(longest, max(1, self.token_budget // max(rows, 1)) - 1)
+        longest = min(max(lengths, default=0), self.most_nodes(rows))
         if longest <= 0:
             return [0] * rows
         if not self.enabled:

@@ -232,6 +232,11 @@ class CrossVocabDrafter(PooledDrafter):
     def confidence_floor(self) -> float:
         if self.confidence != PRICED:
             return float(self.confidence)
+        sampling = self.request.sampling
+        if sampling is not None and not sampling.greedy and sampling.seed is not None:
+            # A seeded sampling row's draws depend on its draft lengths: a price read off the clock would make
+            # them differ run to run (the loop verifies its drafts as proposed for the same reason).
+            return UNPRICED_FLOOR
         measured = self.pool.pricing.floor() if self.pool.pricing is not None else None
         return UNPRICED_FLOOR if measured is None else measured
 

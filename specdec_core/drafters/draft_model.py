@@ -44,7 +44,7 @@ class _Pending:
     tokens: Sequence[int]
     budget: int  # most tokens to draft (the drafter's length; the step's plan may lower it, `cap`)
     draft: Draft  # filled in place by flush()
-    asked: int = 0  # the budget the drafter asked for
+    asked: int = 0  # the drafter's length: what it would have drafted, had neither the plan nor the request's end cut
     extra: int = 0  # drafter tokens drafted past the budget that add no verified token (SLEM's token healing)
     probs: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token, when sampling
 
@@ -84,9 +84,13 @@ class DraftModelPool(DraftPool):
             self.cache.fit(len(self.owners), needed)
 
     # ------------------------------------------------------------------------------------------- drafting
-    def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int, extra: int = 0) -> Draft:
+    def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int, extra: int = 0,
+                length: int | None = None) -> Draft:
+        """Ask for up to `budget` tokens after `tokens` (+ `extra` that add no verified token); `length`: what the
+        drafter would draft uncut (default `budget`)."""
         draft = Draft(tokens=[], source=SOURCE)
-        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=budget, extra=extra))
+        asked = budget if length is None else max(budget, length)
+        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=asked, extra=extra))
         self._pending_by_draft[id(draft)] = self._pending[-1]
         if not self.collecting:
             self.flush()
@@ -215,8 +219,8 @@ class PooledDrafter(Drafter):
         self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
                                   growth="step")
         self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
-        # Whether the step's plan stopped the drafting (the pool sets it when it flushes): a fully accepted draft
-        # then says nothing about a longer one.
+        # Whether the step's plan or the request's end stopped the drafting (the pool sets it when it flushes): a
+        # fully accepted draft then says nothing about a longer one.
         self.cut_by_plan = False
         # Whether the drafter's own stop (a confidence rule, slem) ended the draft before its length did: then the
         # draft says nothing about the length, whether it was accepted or not.
@@ -232,7 +236,7 @@ class PooledDrafter(Drafter):
         """Ask the pool for up to `budget` tokens after `tokens` (filled in place when the pool flushes), and
         `extra` more drafter tokens that add no verified token."""
         self.cut_by_plan = self.stopped_itself = False
-        self._proposed = self.pool.request(self, tokens, budget, extra) if budget > 0 else None
+        self._proposed = self.pool.request(self, tokens, budget, extra, self.length.current) if budget > 0 else None
         return self._proposed if self._proposed is not None else Draft(tokens=[], source=SOURCE)
 
     @abstractmethod

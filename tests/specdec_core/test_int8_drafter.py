@@ -56,3 +56,45 @@ def test_int8_is_refused_for_targets_and_off_the_cpu():
         Engine(EngineConfig(model="smollm2-135m", dtype="int8"))
     with pytest.raises(ValueError, match="CPU only"):
         ModelRunner.load("smollm2-135m", dtype="int8", device="cuda")
+
+
+class _StopsAfterThree(DraftModelDrafter):
+    """A pooled drafter with a stop of its own (as slem's priced confidence stop): 3 tokens, whatever it asked."""
+
+    prices_its_length = True
+
+    def propose(self, tokens, max_tokens):
+        self.drafted_now = 0
+        return super().propose(tokens, max_tokens)
+
+    def choose(self, logits, probs):
+        token, more = super().choose(logits, probs)
+        self.drafted_now += 1
+        return token, more and self.drafted_now < 3
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_a_drafter_that_prices_its_length_drafts_past_the_plans_cut_and_keeps_its_length(priced):
+    """The plan (here: verifying 2+ tokens costs 10 plain steps, so it plans 1) decides only whether such a row
+    drafts; its own stop ends the draft. Its length neither grows on its fully accepted drafts nor shrinks: its stop,
+    not the length, ended them. The output stays the target's."""
+    from specdec_core.speculation_budget import SpeculationBudget, StepCostModel
+
+    target = tiny_llama(0)
+    prompt, params = [5, 9, 14, 3, 7], DecodeParams(max_new_tokens=20)
+    cost = StepCostModel(fixed=lambda rows, width: 1.0 if width == 1 else 1.05 if width == 2 else 10.0)
+    decoder = BatchDecoder(target, max_batch=1, budget=SpeculationBudget(cost=cost, check_payoff=False,
+                                                                           min_advantage=1.0))
+    drafter = _StopsAfterThree(DraftModelPool(tiny_llama(0)), num_tokens=6, adaptive=True)
+    drafter.prices_its_length = priced
+    [(_, result)] = list(decoder.run([DecodeRequest(0, prompt, params, drafter)]))
+    plain = BatchDecoder(target, max_batch=1)
+    [(_, reference)] = list(plain.run([DecodeRequest(0, prompt, params, NoDrafter())]))
+    assert result.token_ids == reference.token_ids
+    stats = decoder.stats
+    assert stats.drafted_tokens == stats.verified_tokens > 0  # drafted no further than verified
+    if priced:
+        assert stats.verified_tokens > stats.steps  # 3-token drafts: the plan's 1 did not cut them
+    else:
+        assert stats.verified_tokens <= stats.steps  # the plan's cut: 1 token per step
+    assert drafter.length.current == 6 if priced else drafter.length.current <= 6

@@ -168,3 +168,49 @@ def test_the_shared_token_head_gives_tli_its_exact_drafting_distribution(smol_ta
     for row in range(3):
         torch.testing.assert_close(tli_distribution(q_subset[row], mapping), tli_distribution(q_full[row], mapping))
     assert (TliDrafter.head_tokens, UnionDrafter.head_tokens) == ("shared", "all")
+
+
+def _indent_proposal(engine, heals: bool) -> str:
+    """The text SLEM proposes after the target emitted "\\n" + "   " (SmolLM2 splits a 4-space indent so: "\\n   "
+    then " return"), with Gemma 3 drafting: Gemma has one token per indent ("    "), and fed a 3-space one it reads
+    the indent as finished."""
+    from specdec_core.drafters.base import RequestContext
+    from specdec_core.sampling import SamplingParams
+
+    pool = engine.decoder().draft_pool
+    drafter = SlemDrafter(pool, num_tokens=4)
+    drafter.heals_boundary = heals
+    prompt = engine.tokenizer("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):", add_special_tokens=False)
+    generated = engine.tokenizer("\n   ", add_special_tokens=False)["input_ids"]
+    tokens = prompt["input_ids"] + generated
+    drafter.start(tokens, RequestContext(prompt_len=len(prompt["input_ids"]), sampling=SamplingParams()))
+    draft = drafter.propose(tokens, 4)  # (no loop collecting: the pool drafts at once)
+    return pool.target_text(draft.tokens)
+
+
+def test_healing_lets_the_drafter_redraft_an_indent_the_target_split(smol_target):
+    pool = smol_target.decoder().draft_pool
+    gemma = pool.runner.tokenizer
+    [three] = gemma("   ", add_special_tokens=False)["input_ids"]
+    [newline] = gemma("\n", add_special_tokens=False)["input_ids"]
+    assert pool.is_indent(three) and not pool.is_indent(newline) and not pool.is_indent(gemma("x")["input_ids"][-1])
+    longer = [pool.draft_text([int(t)]) for t in pool.tokens_extending(three)]
+    assert "   " in longer and "    " in longer and all(text.startswith("   ") for text in longer)
+    # Healed, the drafter completes the 4-space indent (" return ..."); fed the 3-space token, it does not.
+    assert _indent_proposal(smol_target, heals=True).startswith(" return")
+    assert not _indent_proposal(smol_target, heals=False).startswith(" ")
+
+
+def test_a_priced_stop_is_measured_while_decoding_and_carried_to_the_next_decoder(smol_target):
+    """`draft_confidence="priced"` (the default): the decoder times drafter forwards and its own steps, and the
+    price each drafted token must beat is the measured one, kept by the engine for the method's next decoder."""
+    smol_target.learned.pop("slem", None)
+    [item] = make_items(smol_target, ["code"], DecodeParams(max_new_tokens=24))
+    [(_, result)] = smol_target.decode_batch([item], "slem", batch_size=1)
+    assert result["error"] is None and result["drafted_tokens"] > 0
+    pooled, _, pricing = smol_target.learned["slem"]
+    assert pricing.row_forward_s > 0 and pricing.token_s > 0 and pricing.verify_s >= 0
+    assert pricing.floor() == pytest.approx(max(0.02, (pricing.row_forward_s + pricing.verify_s) / pricing.token_s))
+    assert pooled.accepted + pooled.rejections > 0
+    decoder = smol_target.decoder(method="slem")
+    assert decoder.budget.pricing is pricing and decoder.budget.pooled is pooled

@@ -1,7 +1,9 @@
 """The speculation budget picks the step width with the most expected tokens per unit of measured cost."""
 
+import pytest
+
 from specdec_core.speculation_budget import (
-    AcceptanceEstimate, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, expected_tokens,
+    AcceptanceEstimate, DraftPricing, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, expected_tokens,
 )
 
 
@@ -252,3 +254,34 @@ def test_a_row_cut_to_nothing_while_others_draft_is_explored_now_and_then():
     assert all(plan[:4] == [8] * 4 for plan in plans)
     explored = [plan[4] for plan in plans]
     assert explored.count(1) == 2 and explored[15] == 1 and explored[31] == 1 and set(explored) == {0, 1}
+
+
+def test_the_price_of_a_drafted_token_is_its_measured_cost_over_a_tokens_measured_worth():
+    pricing = DraftPricing(alpha=0.5)
+    assert pricing.floor() is None  # nothing measured: the drafter keeps its fallback floor
+    pricing.record_step(tokens=4, seconds=0.8)  # 0.2 s per token emitted
+    assert pricing.floor() is None
+    pricing.record_forward(rows=2, seconds=0.1)  # 0.05 s of a drafter forward per row
+    pricing.verify_s = 0.02
+    assert pricing.floor() == pytest.approx((0.05 + 0.02) / 0.2)
+    pricing.record_step(tokens=1, seconds=0.1)  # EMA: 0.5 x 0.2 + 0.5 x 0.1
+    assert pricing.token_s == pytest.approx(0.15)
+    pricing.record_step(tokens=0, seconds=1.0)  # a step that emitted nothing (all rows retired) is not a price
+    assert pricing.token_s == pytest.approx(0.15)
+    pricing.record_forward(rows=1, seconds=10.0)  # a drafter dearer than a token: only a certain token pays
+    assert pricing.floor() > 1.0
+    cheap = DraftPricing(token_s=1.0, row_forward_s=0.0)
+    assert cheap.floor() == pytest.approx(0.02)  # never 0 (that would mean: draft the full length)
+
+
+def test_the_token_budget_caps_every_rows_nodes():
+    assert SpeculationBudget(token_budget=32).most_nodes(8) == 3
+    assert SpeculationBudget(token_budget=4).most_nodes(8) == 0
+    assert SpeculationBudget().most_nodes(8) > 1000
+
+
+def test_a_verified_token_costs_the_token_slope_of_a_plain_step_per_row():
+    cost = StepCostModel(prior_token=0.2, prior_width=0.0)
+    assert cost.token_seconds(4) == 0.0  # no plain step timed yet
+    cost.observe(4, 1, 0.4)
+    assert cost.token_seconds(4) == pytest.approx(0.2 * 0.4 / 4)
