@@ -209,6 +209,15 @@ class CrossVocabDrafter(PooledDrafter):
             healed = torch.full_like(logits, float("-inf"))
             healed[self._healing] = logits[self._healing]
             logits, self._healing = healed, None
+        if self.request.sampling is None or self.request.sampling.greedy:
+            # The argmax and its probability from one pass in fp32: torch.argmax on Gemma's 262k bf16 logits and a
+            # softmax for one probability took ~5 ms per drafted token, ~10 % of the drafter's forward.
+            values = logits.float()
+            top, index = values.max(dim=-1)
+            token = int(index)
+            if self.confidence_floor() <= 0:
+                return token, True
+            return token, self.sure_with(float(1.0 / torch.exp(values - top).sum()))
         token, more = choose_token(self.request, logits, probs)
         return token, more and self.sure_of(logits, token)
 
@@ -223,11 +232,14 @@ class CrossVocabDrafter(PooledDrafter):
         token's 0.5 says. Measured (Qwen2.5-Coder-1.5B <- SmolLM2-135M, HumanEval, batch 1, avx512_bf16 CPU, two
         interleaved rounds): 25.1 / 25.5 s with the draft's probability >= 0.3, 27.2 / 28.7 s with each token's
         >= 0.4, at mean accepted lengths 4.97 / 4.8 vs 4.65 / 4.8."""
-        floor = self.confidence_floor()
-        if floor <= 0:
+        if self.confidence_floor() <= 0:
             return True
-        self._draft_probability *= float(torch.softmax(logits.float(), dim=-1)[token])
-        return self._draft_probability >= floor
+        return self.sure_with(float(torch.softmax(logits.float(), dim=-1)[token]))
+
+    def sure_with(self, probability: float) -> bool:
+        """`sure_of`, given the drafted token's probability."""
+        self._draft_probability *= probability
+        return self._draft_probability >= self.confidence_floor()
 
     def confidence_floor(self) -> float:
         if self.confidence != PRICED:

@@ -174,7 +174,10 @@ class DraftModelPool(DraftPool):
         logits: list[torch.Tensor | None] = [None] * len(rows)
         short = [i for i, t in enumerate(new_tokens) if len(t) <= LONG_BACKLOG]
         for i in (i for i, t in enumerate(new_tokens) if len(t) > LONG_BACKLOG):
+            started = time.perf_counter()
             logits[i] = self._forward([rows[i]], [new_tokens[i]], head)[0]
+            if self.pricing is not None:
+                self.pricing.record_prefill(time.perf_counter() - started)
         if short:
             batch = self._forward([rows[i] for i in short], [new_tokens[i] for i in short], head)
             for j, i in enumerate(short):

@@ -264,13 +264,16 @@ def test_the_price_of_a_drafted_token_is_its_measured_cost_over_a_tokens_measure
     pricing.record_forward(rows=2, seconds=0.1)  # 0.05 s of a drafter forward per row
     pricing.verify_s = 0.02
     assert pricing.floor() == pytest.approx((0.05 + 0.02) / 0.2)
-    pricing.record_step(tokens=1, seconds=0.1)  # EMA: 0.5 x 0.2 + 0.5 x 0.1
-    assert pricing.token_s == pytest.approx(0.15)
-    pricing.record_step(tokens=0, seconds=1.0)  # a step that emitted nothing (all rows retired) is not a price
-    assert pricing.token_s == pytest.approx(0.15)
+    pricing.record_step(tokens=10, seconds=0.6)  # a ratio of averages: (0.4 + 0.3) / (2 + 5), not (0.2 + 0.06) / 2
+    assert pricing.token_s == pytest.approx(0.7 / 7)
+    pricing.record_prefill(0.5)  # a draft-model prompt catch-up in the next step is prefill, not drafting
+    pricing.record_step(tokens=7, seconds=1.2)
+    assert pricing.token_s == pytest.approx((0.35 + 0.35) / (3.5 + 3.5))
+    pricing.record_step(tokens=7, seconds=0.7)  # (counted once)
+    assert pricing.token_s == pytest.approx(0.1)
     pricing.record_forward(rows=1, seconds=10.0)  # a drafter dearer than a token: only a certain token pays
     assert pricing.floor() > 1.0
-    cheap = DraftPricing(token_s=1.0, row_forward_s=0.0)
+    cheap = DraftPricing(step_s=1.0, step_tokens=1.0, row_forward_s=0.0)
     assert cheap.floor() == pytest.approx(0.02)  # never 0 (that would mean: draft the full length)
 
 
