@@ -276,7 +276,9 @@ class BatchDecoder:
         count = len(rows)
         self._commit(rows, logits, signals)
         finished = time.perf_counter()
-        self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real)
+        drafting_s = started - step_started - self.budget.pricing.prefill_s
+        self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
+                                drafting_s=drafting_s)
         self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
 
     def _pinned_draft_limit(self) -> int:

@@ -245,18 +245,23 @@ class DraftPricing:
     """What one more drafted token costs and what a token is worth, in seconds, measured as the decoder runs: the
     price a draft model's confidence stop (`draft_confidence="priced"`) compares its draft's probability with.
 
-    A row drafting its (k+1)-th token pays one draft-model forward, shared by the rows still drafting, and one more
-    token verified in the target's step; it gains P_k tokens in expectation (P_k = the drafter's probability of the
-    draft so far, which measured close to the acceptance rate: 0.97 of 238 Gemma 3 tokens at p >= 0.9 were accepted,
-    0.88 of 32 at 0.8-0.9). Measured in seconds per token the decoder emits (token_s), drafting pays while
-    P_k >= (row_forward_s + verify_s) / token_s: the decoder's own rate is the bar a token must beat.
+    A row drafting its (k+1)-th token pays one draft-model forward, shared by the rows still drafting at that
+    position (`drafting_rows`, set by the pool), and one more token verified in the target's step; it gains P_k
+    tokens in expectation (P_k = the drafter's probability of the draft so far, which measured close to the
+    acceptance rate: 0.97 of 238 Gemma 3 tokens at p >= 0.9 were accepted, 0.88 of 32 at 0.8-0.9). Measured in
+    seconds per token the decoder emits (token_s), drafting pays while
+    P_k >= (forward_s / drafting_rows + verify_s) / token_s: the decoder's own rate is the bar a token must beat.
+    Why the rows still drafting and not an average share: a draft-model forward costs about the same for 1 row as
+    for 8 on a CPU, so the last row drafting pays for all of it. Priced at the average share (batch 8, SmolLM2):
+    drafts ran to 16 tokens, 1,072 were drafted in 43 steps of 1.47 s, and slem ran at 0.88x ar.
     Measured (Qwen2.5-Coder-1.5B, HumanEval, batch 1, avx512_bf16, replaying 43 logged steps of 16-token drafts):
     the best fixed floors were 0.5-0.6 for Gemma 3 (a drafter forward 0.24 of a target step) and 0.4 for SmolLM2
     (0.16); this price comes to ~0.57 and ~0.5 there, and it follows the drafter's dtype, the batch and the machine.
     """
 
     alpha: float = 0.2  # EMA weight of a new observation
-    row_forward_s: float | None = None  # seconds of a draft-model forward per row it steps
+    forward_s: float | None = None  # seconds of a draft-model forward (one token per row)
+    drafting_rows: int = 1  # rows still drafting at the position being drafted (set by the pool)
     verify_s: float = 0.0  # seconds one more verified token adds to the step (set by the decoder each step)
     step_s: float | None = None  # EMA of the decode steps' seconds (drafting, forward, verification) ...
     step_tokens: float | None = None  # ... and of the tokens they emitted: their ratio is the decoder's rate
@@ -283,16 +288,16 @@ class DraftPricing:
     def record_prefill(self, seconds: float) -> None:
         self.prefill_s += seconds
 
-    def record_forward(self, rows: int, seconds: float) -> None:
-        if rows > 0 and seconds > 0:
-            self.row_forward_s = self._ema(self.row_forward_s, seconds / rows)
+    def record_forward(self, seconds: float) -> None:
+        if seconds > 0:
+            self.forward_s = self._ema(self.forward_s, seconds)
 
     def floor(self) -> float | None:
         """The draft probability below which one more drafted token costs more than it returns (None: not yet
         measured). At least 0.02; 1 or more = only a certain token would pay."""
-        if self.token_s is None or self.row_forward_s is None:
+        if self.token_s is None or self.forward_s is None:
             return None
-        return max(0.02, (self.row_forward_s + self.verify_s) / self.token_s)
+        return max(0.02, (self.forward_s / max(1, self.drafting_rows) + self.verify_s) / self.token_s)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -450,14 +455,19 @@ class SpeculationBudget:
         return (rows + sum(g[n] for g, n in zip(gained, plan))) / ratio
 
     def record_step(self, rows: int, width: int, tokens: int, seconds: float, context: int = 0,
-                    real: int | None = None) -> None:
+                    real: int | None = None, drafting_s: float = 0.0) -> None:
         """A finished step: its width, the tokens its rows kept and its wall time (forward + verification);
         `context` as for `plan` (the longest row's cached positions before the step); `real` = the tokens fed
-        (rows + drafts verified; None: rows x width)."""
+        (rows + drafts verified; None: rows x width); `drafting_s` = the seconds its drafters took (draft-model
+        prompt catch-ups left out: prefill). The clock's check counts the drafting, the target's cost model does
+        not: a draft model's forwards are no part of the target's step, but a step that drafted did pay for them.
+        Measured before (batch 8, Qwen2.5-Coder-1.5B <- SmolLM2): slem's wide steps beat plain ones on the
+        forward's clock while the pass ran at 0.89-0.94x ar. (Tried earlier with the prompt catch-ups counted: each
+        row's first drafting step then read as a losing wide step, and the check shut slem down at batch 4.)"""
         computed = None if real is None else computed_tokens(rows, width, real, self.ragged)
         self.cost.observe(rows, width, seconds, context, computed)
         if self.enabled and self.check_payoff:
-            self.payoff.record(rows, width, tokens, seconds)
+            self.payoff.record(rows, width, tokens, seconds + max(0.0, drafting_s))
 
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:
         estimate.update(drafted, accepted)

@@ -211,7 +211,7 @@ class CrossVocabDrafter(PooledDrafter):
             logits, self._healing = healed, None
         if self.request.sampling is None or self.request.sampling.greedy:
             # The argmax and its probability from one pass in fp32: torch.argmax on Gemma's 262k bf16 logits and a
-            # softmax for one probability took ~5 ms per drafted token, ~10 % of the drafter's forward.
+            # softmax for one probability took 1.4 ms per drafted token against 0.5 ms (2 threads, avx512_bf16).
             values = logits.float()
             top, index = values.max(dim=-1)
             token = int(index)
@@ -223,7 +223,8 @@ class CrossVocabDrafter(PooledDrafter):
 
     def sure_of(self, logits: torch.Tensor, token: int) -> bool:
         """Whether drafting may go on after `token`: while the draft model's probability of the whole draft so far
-        (the product of its tokens' probabilities at temperature 1) stays at least `confidence`. A draft goes on
+        (the product of its tokens' probabilities at temperature 1) stays at least `confidence_floor()` (the fixed
+        `confidence`, or by default the measured price of one more drafted token, DraftPricing). A draft goes on
         only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule that
         looks only at the drafter's side keeps every method lossless.
 

@@ -122,6 +122,8 @@ class DraftModelPool(DraftPool):
         active = list(range(len(pending)))
         while active:
             fed_rows, fed_tokens = [], []
+            if self.pricing is not None:
+                self.pricing.drafting_rows = len(active)  # who shares the next forward, as far as is known now
             for i in active:
                 p = pending[i]
                 token, more = p.drafter.choose(logits[i], p.probs)
@@ -139,7 +141,7 @@ class DraftModelPool(DraftPool):
             started = time.perf_counter()
             step = self._forward(cache_rows, [[t] for t in fed_tokens], head)
             if self.pricing is not None:
-                self.pricing.record_forward(len(active), time.perf_counter() - started)
+                self.pricing.record_forward(time.perf_counter() - started)
             for j, i in enumerate(active):
                 pending[i].drafter.cached.append(fed_tokens[j])
             logits = torch.zeros(len(pending), step.shape[-1])

@@ -209,8 +209,8 @@ def test_a_priced_stop_is_measured_while_decoding_and_carried_to_the_next_decode
     [(_, result)] = smol_target.decode_batch([item], "slem", batch_size=1)
     assert result["error"] is None and result["drafted_tokens"] > 0
     pooled, _, pricing = smol_target.learned["slem"]
-    assert pricing.row_forward_s > 0 and pricing.token_s > 0 and pricing.verify_s >= 0
-    assert pricing.floor() == pytest.approx(max(0.02, (pricing.row_forward_s + pricing.verify_s) / pricing.token_s))
+    assert pricing.forward_s > 0 and pricing.token_s > 0 and pricing.verify_s >= 0 and pricing.drafting_rows == 1
+    assert pricing.floor() == pytest.approx(max(0.02, (pricing.forward_s + pricing.verify_s) / pricing.token_s))
     assert pooled.accepted + pooled.rejections > 0
     decoder = smol_target.decoder(method="slem")
     assert decoder.budget.pricing is pricing and decoder.budget.pooled is pooled

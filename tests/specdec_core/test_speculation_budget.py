@@ -261,9 +261,12 @@ def test_the_price_of_a_drafted_token_is_its_measured_cost_over_a_tokens_measure
     assert pricing.floor() is None  # nothing measured: the drafter keeps its fallback floor
     pricing.record_step(tokens=4, seconds=0.8)  # 0.2 s per token emitted
     assert pricing.floor() is None
-    pricing.record_forward(rows=2, seconds=0.1)  # 0.05 s of a drafter forward per row
+    pricing.record_forward(seconds=0.1)
     pricing.verify_s = 0.02
-    assert pricing.floor() == pytest.approx((0.05 + 0.02) / 0.2)
+    assert pricing.floor() == pytest.approx((0.1 + 0.02) / 0.2)  # one row drafting pays the whole forward
+    pricing.drafting_rows = 4
+    assert pricing.floor() == pytest.approx((0.025 + 0.02) / 0.2)  # four share it
+    pricing.drafting_rows = 2
     pricing.record_step(tokens=10, seconds=0.6)  # a ratio of averages: (0.4 + 0.3) / (2 + 5), not (0.2 + 0.06) / 2
     assert pricing.token_s == pytest.approx(0.7 / 7)
     pricing.record_prefill(0.5)  # a draft-model prompt catch-up in the next step is prefill, not drafting
@@ -271,9 +274,9 @@ def test_the_price_of_a_drafted_token_is_its_measured_cost_over_a_tokens_measure
     assert pricing.token_s == pytest.approx((0.35 + 0.35) / (3.5 + 3.5))
     pricing.record_step(tokens=7, seconds=0.7)  # (counted once)
     assert pricing.token_s == pytest.approx(0.1)
-    pricing.record_forward(rows=1, seconds=10.0)  # a drafter dearer than a token: only a certain token pays
+    pricing.record_forward(seconds=20.0)  # a drafter dearer than a token: only a certain token pays
     assert pricing.floor() > 1.0
-    cheap = DraftPricing(step_s=1.0, step_tokens=1.0, row_forward_s=0.0)
+    cheap = DraftPricing(step_s=1.0, step_tokens=1.0, forward_s=0.0)
     assert cheap.floor() == pytest.approx(0.02)  # never 0 (that would mean: draft the full length)
 
 
