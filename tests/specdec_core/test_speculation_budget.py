@@ -291,3 +291,16 @@ def test_a_verified_token_costs_the_token_slope_of_a_plain_step_per_row():
     assert cost.token_seconds(4) == 0.0  # no plain step timed yet
     cost.observe(4, 1, 0.4)
     assert cost.token_seconds(4) == pytest.approx(0.2 * 0.4 / 4)
+
+
+def test_the_clocks_check_counts_drafting_seconds_and_the_target_cost_model_does_not():
+    """A wide step that paid 0.5 s of drafting for its 0.5 s forward delivered 8 tokens/s against a plain step's
+    10: the clock's check calls it a loss (it would call it a win at 16 tokens/s, the forward alone); the target's
+    cost model learns the forward alone (0.5 / 0.4 - 1 = 0.25 over a plain step)."""
+    for drafting_s, losing in ((0.5, True), (0.0, False)):
+        b = SpeculationBudget()
+        b.record_step(4, 1, 4, 0.4)  # plain: 10 tokens/s
+        b.record_step(4, 3, 8, 0.5, drafting_s=drafting_s)
+        assert (b.payoff.penalty[4] > 1.0) is losing
+        x_token, y = 2.0, 0.25  # (12 computed - 4 rows) / 4 rows; 0.5 / 0.4 - 1
+        assert b.cost.sums[(4, 256)][3] == pytest.approx(x_token * y)
