@@ -313,12 +313,21 @@ class SubsetHead:
         self.vocab_size = int(weight.shape[0])
         self.softcap = getattr(runner.model.config, "final_logit_softcapping", None)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.nn.functional.linear(hidden, self.weight, self.bias)  # [N, S]
+    def for_rows(self, rows: list[int]) -> "SubsetHead":
+        """The same head for every cache row (a head that differs per row binds them here)."""
+        return self
+
+    def project(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] x [S, hidden] rows of this model's head -> [N, S] float32, soft-capped as the model does."""
+        logits = torch.nn.functional.linear(hidden, weight, bias)  # [N, S]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.project(hidden, self.weight, self.bias)  # [N, S]
         full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [N, vocab]
-        full[:, self.token_ids] = logits.float()
+        full[:, self.token_ids] = logits
         return full
 
 

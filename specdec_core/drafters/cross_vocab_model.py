@@ -39,6 +39,7 @@ from ..model_runner import ModelRunner, SubsetHead
 from ..vocab_mapping import VocabMapping, special_ids, token_bytes
 from .base import Draft, RequestContext
 from .draft_model import DraftModelPool, PooledDrafter, choose_token
+from .frequent_tokens import FrequentTokens, RowTokensHead
 
 SOURCE = "draft_model"
 LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary
@@ -95,11 +96,18 @@ class CrossVocabPool(DraftModelPool):
         text = table[token] if token < len(table) else None
         return bool(text) and not text.strip(b" \t")
 
-    def head_for(self, pending) -> SubsetHead | None:
+    @functools.cached_property
+    def frequent(self) -> FrequentTokens:
+        """The drafter's frequent tokens and their head (frequent_tokens.py); built once per pool."""
+        return FrequentTokens(self.runner)
+
+    def head_for(self, pending) -> SubsetHead | RowTokensHead | None:
         """The head every row drafting now declares enough (`CrossVocabDrafter.head_tokens`), else the whole one."""
         kinds = {p.drafter.head_tokens for p in pending}
         if kinds == {"shared"}:
             return self.shared_head
+        if kinds == {"frequent"}:
+            return self.frequent.head_for_rows({self.owners.index(p.drafter): p.drafter.own_tokens for p in pending})
         return None
 
     def flush(self) -> None:
@@ -157,9 +165,10 @@ class CrossVocabDrafter(PooledDrafter):
     each step (see the module docstring); subclasses say how a drafted token is chosen (`choose`) and how the
     draft, in the drafter's ids, becomes target ids (`translate`, called by the pool after each flush)."""
 
-    # Which of the drafter's logits this drafter needs (a declared need): "all", or "shared", the tokens the target
+    # Which of the drafter's logits this drafter needs (a declared need): "all"; "shared", the tokens the target
     # shares (what TLI reads): then the pool's forwards compute the drafter's head over those tokens alone
-    # (SubsetHead), the others staying -inf.
+    # (SubsetHead), the others staying -inf; or "frequent", the drafter's frequent tokens and the row's own
+    # (`own_tokens`: its prompt's and its text's; frequent_tokens.py), for a drafter whose draft is only a proposal.
     head_tokens: str = "all"
     # Whether the drafter re-drafts the last drafter token of the generated text (token healing, module docstring):
     # only for drafters whose draft is read as text (SLEM); TLI/union/SLRS verify the drafter's own tokens' q.
@@ -177,10 +186,14 @@ class CrossVocabDrafter(PooledDrafter):
         # (committed target ids, their text, their drafter ids fed, the loop's limit, the text held back to heal)
         self._step: tuple[list[int], str, list[int], int, str] | None = None
         self._healing: torch.Tensor | None = None  # [n] the tokens this step's first drafted token must be one of
+        self.own_tokens: set[int] = set()  # head_tokens "frequent": the row's drafter tokens that are not frequent
+        self._own_checked = 0
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
         self._prompt = self.pool.translate_prompt(tokens[: request.prompt_len])
+        self.own_tokens = self.pool.frequent.missing(self._prompt) if self.head_tokens == "frequent" else set()
+        self._own_checked = 0  # the generated text's drafter tokens before this were looked at (bar a re-encoding)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         budget = min(self.length.current, max_tokens)
@@ -196,6 +209,11 @@ class CrossVocabDrafter(PooledDrafter):
         if self._healing is not None:
             healed = self.pool.draft_text(draft_generated[-1:])
             draft_generated = draft_generated[:-1]  # re-drafted: the first draft token starts with its bytes
+        if self.head_tokens == "frequent":  # the text's rare tokens (a name it coined), and what healing may pick
+            self.own_tokens |= self.pool.frequent.missing(draft_generated[max(0, self._own_checked - LOOK_BEHIND):])
+            self._own_checked = len(draft_generated)
+            if self._healing is not None:
+                self.own_tokens |= self.pool.frequent.missing(self._healing.tolist())
         sequence = self._prompt + draft_generated
         if not sequence:  # nothing the drafter could read (a prompt of special tokens it lacks, nothing generated)
             self._step = None
@@ -263,13 +281,15 @@ class CrossVocabDrafter(PooledDrafter):
 class SlemDrafter(CrossVocabDrafter):
     """SLEM: drafts `num_tokens` drafter tokens per step and proposes their TEXT in the target's tokens (one-hot).
 
-    It drafts through the drafter's whole head. Measured with Gemma 3 270M for Qwen2.5-Coder-1.5B (5 HumanEval prompts
-    x 64 tokens, batch 1, avx512_bf16 CPU, two interleaved rounds): the head over the 96,080 shared tokens gave mean
-    accepted lengths 4.0 / 3.8 against 4.6 / 4.8 and no faster pass (55.1 / 55.6 s vs 54.6 / 58.3 s); a head over the
-    32,768 tokens Gemma uses most on the Python standard library (frequency-ranked drafting, FR-Spec) 3.95 / 3.44
-    (54.5 / 59.2 s). The head's saving went into the shorter accepted drafts."""
+    It drafts through the drafter's head over its frequent tokens and the row's own (frequent_tokens.py): its draft
+    is only a proposal, so a token it cannot name costs at most a shorter accepted draft. Measured earlier with Gemma
+    3 270M for Qwen2.5-Coder-1.5B (5 HumanEval prompts x 64 tokens, batch 1, avx512_bf16 CPU): the head over the
+    96,080 tokens the target shares gave mean accepted lengths 4.0 / 3.8 against 4.6 / 4.8 and no faster pass, and a
+    head over the 32,768 standard-library tokens alone 3.95 / 3.44: without the prompt's own tokens it could not
+    copy the prompt's identifiers."""
 
     heals_boundary = True
+    head_tokens = "frequent"
 
     def translate(self, draft: Draft) -> None:
         if self._step is None or not draft.tokens:

@@ -214,3 +214,46 @@ def test_a_priced_stop_is_measured_while_decoding_and_carried_to_the_next_decode
     assert pooled.accepted + pooled.rejections > 0
     decoder = smol_target.decoder(method="slem")
     assert decoder.budget.pricing is pricing and decoder.budget.pooled is pooled
+
+
+def test_the_frequent_token_head_adds_each_rows_own_tokens_and_no_other_rows(smol_target):
+    """SLEM drafts through the drafter's head over its frequent tokens (the standard library's) plus the row's own:
+    a name only the prompt uses gets its logits in that row, and stays -inf in a row whose prompt lacks it."""
+    import torch
+
+    from specdec_core.drafters.base import RequestContext
+    from specdec_core.sampling import SamplingParams
+
+    pool = smol_target.decoder().draft_pool
+    gemma, frequent = pool.runner.tokenizer, pool.frequent
+    assert SlemDrafter.head_tokens == "frequent"
+    assert 10_000 < len(frequent.ids) <= 32_768 < pool.runner.vocab_size
+    assert not frequent.missing(gemma("    return self._value", add_special_tokens=False)["input_ids"])
+    name = "quuxblorfle_zanthrope"
+    rare = frequent.missing(gemma(name, add_special_tokens=False)["input_ids"])
+    assert rare  # pieces of the name the standard library never produces
+
+    hidden = torch.randn(2, pool.runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = pool.runner.head_logits(hidden)  # [2, |D|]
+    out = frequent.head_for_rows({5: rare, 7: set()}).for_rows([5, 7])(hidden)  # rows 5 and 7 of the cache
+    rare_ids = torch.tensor(sorted(rare))
+    torch.testing.assert_close(out[:, frequent.ids], full[:, frequent.ids])
+    torch.testing.assert_close(out[0, rare_ids], full[0, rare_ids])
+    assert torch.isinf(out[1, rare_ids]).all()
+    assert int(torch.isfinite(out[1]).sum()) == len(frequent.ids)
+    assert int(torch.isfinite(out[0]).sum()) == len(frequent.ids) + len(rare)
+
+    # A row whose prompt defines the name can draft it (the target's 8 tokens cut it short); without the row's own
+    # tokens the drafter cannot name it.
+    prompt = smol_target.tokenizer(f"def {name}(a):\n    return a\n\n\nprint({name}(1))\nprint(",
+                                   add_special_tokens=False)["input_ids"]
+    proposals = []
+    for own in (True, False):
+        drafter = SlemDrafter(pool, num_tokens=8)
+        drafter.start(prompt, RequestContext(prompt_len=len(prompt), sampling=SamplingParams()))
+        assert rare <= drafter.own_tokens
+        if not own:
+            drafter.own_tokens = set()
+        proposals.append(pool.target_text(drafter.propose(prompt, 8).tokens))
+    assert name.startswith(proposals[0]) and len(proposals[0]) >= len("quuxblorfle"), proposals
+    assert not proposals[1].startswith("quuxblorfle"), proposals
