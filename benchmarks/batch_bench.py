@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "with the option index=NAME, e.g. --index refined=out/index --methods rest:index=refined")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--drafter-dtype", default=None,
-                        help="the draft model's dtype (default: the target's); int8 = int8 linear layers (CPU)")
+                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the "
+                             "target's); int8 = int8 linear layers (CPU)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
     parser.add_argument("--drafter", default=None,

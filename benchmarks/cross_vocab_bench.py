@@ -33,7 +33,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--drafter-dtype", default=None,
-                        help="the draft model's dtype (default: the target's); int8 = int8 linear layers (CPU)")
+                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the "
+                             "target's); int8 = int8 linear layers (CPU)")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="most drafter tokens per step (slem, tli, union; default: the method's)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")

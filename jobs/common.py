@@ -36,8 +36,9 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--model", default="smollm2-135m", help="registry name, local HF directory or hub id")
     parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
     parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                        help="the draft model's dtype (default: the target's); int8 (CPU only) quantizes its linear "
-                             "layers, which makes a small drafter's tokens cheaper and changes only what it proposes")
+                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
+                             "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
+                             "cheaper and changes only what it proposes")
     parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                        help="the draft model's dtype (default: the target's); int8 (CPU only) quantizes its linear "
-                             "layers, which makes a small drafter's tokens cheaper and changes only what it proposes")
+                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
+                             "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
+                             "cheaper and changes only what it proposes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")

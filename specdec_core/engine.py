@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from .batch_decode import BatchDecoder, DecodeRequest
 from .decode import DecodeParams, DecodeResult
 from .drafters.cross_vocab_model import CrossVocabPool
@@ -28,7 +30,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
-    drafter_dtype: str | None = None  # default: the target's dtype
+    drafter_dtype: str | None = None  # default: default_drafter_dtype (int8 on a bf16 CPU, else the target's)
 
 
 @dataclass
@@ -41,6 +43,15 @@ class BatchItem:
     context_ids: list[int] | None = None
 
 
+def default_drafter_dtype(target: ModelRunner) -> str:
+    """int8 weights (computing in bf16) for a drafter of a bf16 target on a CPU: ~40 % cheaper drafter forwards at
+    the same drafts (model_runner.Int8WeightLinear); otherwise the target's dtype (an fp32 CPU's int8 path,
+    dynamic quantization, costs acceptance; a GPU runs no int8 kernel here)."""
+    if str(target.device).startswith("cpu") and target.dtype == torch.bfloat16:
+        return INT8
+    return target.dtype_name
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -51,7 +62,7 @@ class Engine:
         self.draft_model = None
         if config.drafter:
             self.draft_model = ModelRunner.load(
-                config.drafter, config.drafter_dtype or self.target.dtype_name, self.target.device
+                config.drafter, config.drafter_dtype or default_drafter_dtype(self.target), self.target.device
             )
         # Another tokenizer: only the cross-vocabulary methods (slem) can use it; `draft` refuses it per request.
         self.same_vocabulary = self.draft_model is None or same_vocabulary(self.target, self.draft_model)

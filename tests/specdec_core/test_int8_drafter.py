@@ -12,14 +12,17 @@ from specdec_core.model_runner import ModelRunner, SubsetHead, quantize_int8
 from tests.tiny_models import DigitsTokenizer, tiny_llama
 
 
-def int8_copy(seed: int = 0) -> ModelRunner:
+def int8_copy(seed: int = 0, dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """The tiny model with int8 weights: bf16 -> weight-only int8 (Int8WeightLinear), fp32 -> dynamic quantization."""
     runner = tiny_llama(seed)
+    runner.model.to(dtype)
     quantize_int8(runner.model)
-    return ModelRunner(runner.model, DigitsTokenizer(), "tiny-llama-int8", "cpu", torch.float32, quantized=True)
+    return ModelRunner(runner.model, DigitsTokenizer(), "tiny-llama-int8", "cpu", dtype, quantized=True)
 
 
-def test_an_int8_drafter_leaves_the_output_the_targets_alone_and_in_a_batch():
-    target, drafter_model = tiny_llama(0), int8_copy(0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_drafter_leaves_the_output_the_targets_alone_and_in_a_batch(dtype):
+    target, drafter_model = tiny_llama(0), int8_copy(0, dtype)
     assert drafter_model.dtype_name == "int8" and drafter_model.vocab_size == target.vocab_size
     prompts = [[5, 9, 14, 3, 7], [11, 2, 2, 40, 8, 1], [60, 61, 62]]
     params = DecodeParams(max_new_tokens=20)
@@ -37,18 +40,49 @@ def test_an_int8_drafter_leaves_the_output_the_targets_alone_and_in_a_batch():
     assert batched == plain
     # The int8 copy drafts mostly what the target says (it is the same model, rounded), so drafts are accepted.
     assert stats.accepted_tokens > stats.verified_tokens // 2
-    alone, _ = run([DraftModelDrafter(DraftModelPool(int8_copy(0)), num_tokens=4), NoDrafter(), NoDrafter()])
+    alone, _ = run([DraftModelDrafter(DraftModelPool(int8_copy(0, dtype)), num_tokens=4), NoDrafter(), NoDrafter()])
     assert alone[0] == plain[0]
 
 
-def test_a_subset_head_over_int8_weights_gives_the_whole_heads_logits_at_its_tokens():
-    runner = int8_copy(0)
-    hidden = torch.randn(3, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_subset_head_over_int8_weights_gives_the_whole_heads_logits_at_its_tokens(dtype):
+    runner = int8_copy(0, dtype)
+    hidden = torch.randn(3, 64, dtype=dtype)
     ids = torch.tensor([1, 5, 17, 90])
     whole = runner.head_logits(hidden)  # [3, vocab]
     subset = SubsetHead(runner, ids)(hidden)
     assert torch.allclose(subset[:, ids], whole[:, ids], atol=0.05)  # the int8 kernel vs the dequantized weight
     assert torch.isinf(subset[:, 0]).all()
+
+
+def test_weight_only_int8_rounds_each_output_channel_to_127_steps_of_its_own_scale():
+    """Int8WeightLinear: the kernel's product equals x times the dequantized weight, and that weight is within half
+    a step (scale / 2) of the bf16 one, per output channel."""
+    from specdec_core.model_runner import Int8WeightLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight[3] *= 50  # one channel far larger: its scale is its own
+    int8 = Int8WeightLinear(linear)
+    assert int8.weight_int8.dtype == torch.int8 and int8.weight_int8.abs().max() == 127
+    error = (int8.dequantized().float() - linear.weight.float()).abs()  # [48, 64]
+    assert (error <= int8.scale.float()[:, None] * 0.51 + 1e-2 * linear.weight.float().abs()).all()
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), int8.dequantized().float(), linear.bias.float())
+    torch.testing.assert_close(int8(x).float(), expected, atol=0.1, rtol=0.02)
+    assert int8(x).shape == (2, 5, 48)
+
+
+def test_int8_is_the_default_drafter_dtype_of_a_bf16_target_on_a_cpu_only():
+    from types import SimpleNamespace
+
+    from specdec_core.engine import default_drafter_dtype
+
+    assert default_drafter_dtype(SimpleNamespace(device="cpu", dtype=torch.bfloat16, dtype_name="bfloat16")) == "int8"
+    assert default_drafter_dtype(SimpleNamespace(device="cpu", dtype=torch.float32, dtype_name="float32")) == "float32"
+    assert default_drafter_dtype(SimpleNamespace(device="cuda", dtype=torch.bfloat16,
+                                                 dtype_name="bfloat16")) == "bfloat16"
 
 
 def test_int8_is_refused_for_targets_and_off_the_cpu():
