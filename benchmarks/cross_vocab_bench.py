@@ -35,6 +35,9 @@ def main() -> int:
     parser.add_argument("--drafter-dtype", default=None,
                         help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the "
                              "target's); int8 = int8 linear layers (CPU)")
+    parser.add_argument("--peer-drafter-dtype", default=None,
+                        help="the HF peer's assistant dtype (default: the same drafter as ours); e.g. bfloat16 to give "
+                             "the peer the model as a user loads it while ours runs its default int8")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="most drafter tokens per step (slem, tli, union; default: the method's)")
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length")
@@ -90,10 +93,15 @@ def main() -> int:
             forwards += result["target_forwards"]
         return outputs, time.perf_counter() - started, forwards
 
+    from specdec_core.model_runner import ModelRunner
+
+    peer_draft = draft if args.peer_drafter_dtype in (None, draft.dtype_name) else \
+        ModelRunner.load(args.drafter, args.peer_drafter_dtype, "cpu")
+
     def hf(assisted: bool):
         outputs, started = [], time.perf_counter()
-        extra = {"assistant_model": draft.model, "tokenizer": target.tokenizer,
-                 "assistant_tokenizer": draft.tokenizer} if assisted else {}
+        extra = {"assistant_model": peer_draft.model, "tokenizer": target.tokenizer,
+                 "assistant_tokenizer": peer_draft.tokenizer} if assisted else {}
         with torch.inference_mode():
             for ids in prompts:
                 out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -132,7 +140,7 @@ def main() -> int:
             print(json.dumps({"round": round_index, "system": name,
                               **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
         rounds.append(results)
-    print(f"\n# {args.model} <- {args.drafter} ({draft.dtype_name}), dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
+    print(f"\n# {args.model} <- {args.drafter} ({draft.dtype_name}; the HF peer's {peer_draft.dtype_name}), dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
           f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, {args.rounds} round(s) interleaved, "
           f"ours at T={args.temperature:g}; {args.draft_tokens or 'the method default of'} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}"

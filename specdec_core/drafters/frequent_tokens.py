@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..model_registry import cache_root
-from ..model_runner import ModelRunner, SubsetHead, head_weight
+from ..model_runner import ModelRunner, SubsetHead, head_rows
 from ..retrieval_index import tokenizer_fingerprint
 
 FREQUENT_TOKENS = 32_768  # at most this many frequent tokens (the sample has ~25.6k distinct Gemma 3 tokens)
@@ -115,7 +115,7 @@ class RowTokensHead:
         extra = sorted(set().union(*own.values())) if own else []
         self.extra_ids = torch.tensor(extra, dtype=torch.long)  # [E]
         linear = frequent.runner.model.get_output_embeddings()
-        self.extra_weight = head_weight(linear).detach()[self.extra_ids] if extra else None  # [E, hidden]
+        self.extra_weight = head_rows(linear, self.extra_ids) if extra else None  # [E, hidden]
         bias = linear.bias() if callable(getattr(linear, "bias", None)) else getattr(linear, "bias", None)
         self.extra_bias = bias.detach()[self.extra_ids] if bias is not None and extra else None  # [E]
         column = {token: j for j, token in enumerate(extra)}

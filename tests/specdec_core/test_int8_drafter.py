@@ -58,7 +58,7 @@ def test_a_subset_head_over_int8_weights_gives_the_whole_heads_logits_at_its_tok
 def test_weight_only_int8_rounds_each_output_channel_to_127_steps_of_its_own_scale():
     """Int8WeightLinear: the kernel's product equals x times the dequantized weight, and that weight is within half
     a step (scale / 2) of the bf16 one, per output channel."""
-    from specdec_core.model_runner import Int8WeightLinear
+    from specdec_core.model_runner import DEQUANTIZE_ROWS, Int8WeightLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
@@ -72,6 +72,9 @@ def test_weight_only_int8_rounds_each_output_channel_to_127_steps_of_its_own_sca
     expected = torch.nn.functional.linear(x.float(), int8.dequantized().float(), linear.bias.float())
     torch.testing.assert_close(int8(x).float(), expected, atol=0.1, rtol=0.02)
     assert int8(x).shape == (2, 5, 48)
+    many = torch.randn(3, DEQUANTIZE_ROWS, 64, dtype=torch.bfloat16)  # a prompt catch-up: the bf16 GEMM path
+    expected = torch.nn.functional.linear(many.float(), int8.dequantized().float(), linear.bias.float())
+    torch.testing.assert_close(int8(many).float(), expected, atol=0.1, rtol=0.02)
 
 
 def test_int8_is_the_default_drafter_dtype_of_a_bf16_target_on_a_cpu_only():
