@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +102,9 @@ class VocabMapping:
 
     draft_to_target: np.ndarray  # int64 [|D|]: the target id of each draft token, -1 outside the intersection
     target_to_draft: np.ndarray  # int64 [|T|]: the draft id of each target token, -1 outside the intersection
+    # Tables built from this map for the pair's draft model (SLRS's first tokens, TLI's head), kept with it so that
+    # every decoder of an engine reuses them: a decoder is built per batch of rows (jobs) or per prompt (the CLI).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def shared(self) -> int:

@@ -39,7 +39,7 @@ from ..model_runner import ModelRunner, SubsetHead
 from ..vocab_mapping import VocabMapping, special_ids, token_bytes
 from .base import Draft, RequestContext
 from .draft_model import DraftModelPool, PooledDrafter, choose_token
-from .frequent_tokens import FrequentTokens, RowTokensHead
+from .frequent_tokens import FrequentTokens, RowTokensHead, frequent_tokens
 
 SOURCE = "draft_model"
 LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary
@@ -59,20 +59,26 @@ class CrossVocabPool(DraftModelPool):
         self.target_specials = special_ids(target_tokenizer)
         self._extending: dict[int, torch.Tensor | None] = {}  # token -> the tokens extending it (tokens_extending)
 
-    @functools.cached_property
+    @property
     def first_tokens(self) -> torch.Tensor:
         """[|D|] the first target token of each draft token's text (SLRS), -1 where none; built once per pair."""
         from ..vocab_mapping import load_or_build_first_tokens
 
-        return torch.as_tensor(load_or_build_first_tokens(
-            self.runner.tokenizer, self.target_tokenizer, self.mapping, self.runner.vocab_size,
-            len(self.mapping.target_to_draft)))
+        derived = self.mapping.derived
+        if "first_tokens" not in derived:  # (reading the cached file still hashes both tokenizers: ~0.7 s)
+            derived["first_tokens"] = torch.as_tensor(load_or_build_first_tokens(
+                self.runner.tokenizer, self.target_tokenizer, self.mapping, self.runner.vocab_size,
+                len(self.mapping.target_to_draft)))
+        return derived["first_tokens"]
 
-    @functools.cached_property
+    @property
     def shared_head(self) -> SubsetHead:
         """The drafter's LM head over the tokens the target shares (by bytes, vocab_mapping.py); built once."""
-        shared, _ = self.mapping.shared_pairs  # draft ids [S]
-        return SubsetHead(self.runner, shared[shared < self.runner.vocab_size])
+        derived = self.mapping.derived
+        if "shared_head" not in derived:
+            shared, _ = self.mapping.shared_pairs  # draft ids [S]
+            derived["shared_head"] = SubsetHead(self.runner, shared[shared < self.runner.vocab_size])
+        return derived["shared_head"]
 
     def tokens_extending(self, token: int) -> torch.Tensor | None:
         """[n] the drafter's tokens whose bytes start with `token`'s (itself included); None for a token with no
@@ -96,10 +102,10 @@ class CrossVocabPool(DraftModelPool):
         text = table[token] if token < len(table) else None
         return bool(text) and not text.strip(b" \t")
 
-    @functools.cached_property
+    @property
     def frequent(self) -> FrequentTokens:
-        """The drafter's frequent tokens and their head (frequent_tokens.py); built once per pool."""
-        return FrequentTokens(self.runner)
+        """The drafter's frequent tokens and their head (frequent_tokens.py); built once per draft model."""
+        return frequent_tokens(self.runner)
 
     def head_for(self, pending) -> SubsetHead | RowTokensHead | None:
         """The head every row drafting now declares enough (`CrossVocabDrafter.head_tokens`), else the whole one."""

@@ -105,6 +105,14 @@ class FrequentTokens:
         return RowTokensHead(self, own)
 
 
+@functools.lru_cache(maxsize=4)
+def frequent_tokens(runner: ModelRunner) -> FrequentTokens:
+    """One FrequentTokens per draft model, not per pool: a job builds a decoder (and a pool) per batch of rows and the
+    CLI one per prompt, and building it (the tokenizer's fingerprint, the cached list, the head's rows) took ~0.7 s
+    for Gemma 3: 7 % of a 3-prompt HumanEval pass."""
+    return FrequentTokens(runner)
+
+
 class RowTokensHead:
     """The head over the frequent tokens plus, for each row, its own tokens: [N, hidden] -> [N, vocab] float32
     logits, -inf elsewhere. Each row sees only its own extra tokens, so a row's drafting distribution (a sampled

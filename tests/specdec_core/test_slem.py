@@ -227,6 +227,10 @@ def test_the_frequent_token_head_adds_each_rows_own_tokens_and_no_other_rows(smo
     pool = smol_target.decoder().draft_pool
     gemma, frequent = pool.runner.tokenizer, pool.frequent
     assert SlemDrafter.head_tokens == "frequent"
+    # Built once per draft model / pair, not per decoder (a decoder is built per batch of rows, or per prompt).
+    other = smol_target.decoder().draft_pool
+    assert other is not pool and other.frequent is frequent
+    assert other.shared_head is pool.shared_head and other.first_tokens is pool.first_tokens
     assert 10_000 < len(frequent.ids) <= 32_768 < pool.runner.vocab_size
     assert not frequent.missing(gemma("    return self._value", add_special_tokens=False)["input_ids"])
     name = "quuxblorfle_zanthrope"
