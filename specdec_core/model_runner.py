@@ -89,7 +89,7 @@ class ModelRunner:
         device = resolve_device(device)
         quantized = dtype == INT8
         if quantized and device != "cpu":
-            raise ValueError("int8 weights run on a CPU only (dynamic quantization); choose bfloat16 or float16 here")
+            raise ValueError("int8 weights run on a CPU only (PyTorch's CPU int8 kernels); choose bfloat16 or float16 here")
         # int8 weights compute in bf16 where the CPU runs bf16 fast (weight-only kernels), else in fp32 (quantize_int8)
         torch_dtype = resolve_dtype("auto", device) if quantized else resolve_dtype(dtype, device)
         path = resolve_model_path(name)
@@ -308,8 +308,7 @@ class SubsetHead:
         linear = runner.model.get_output_embeddings()
         self.token_ids = token_ids.to(runner.device)  # [S]
         self.weight = head_rows(linear, self.token_ids).contiguous()  # [S, hidden]
-        bias = linear.bias() if callable(getattr(linear, "bias", None)) else getattr(linear, "bias", None)
-        self.bias = bias.detach()[self.token_ids] if bias is not None else None
+        self.bias = head_bias_rows(linear, self.token_ids)  # [S] or None
         self.vocab_size = runner.vocab_size
         self.softcap = getattr(runner.model.config, "final_logit_softcapping", None)
 
@@ -365,6 +364,12 @@ def head_rows(linear, token_ids: torch.Tensor) -> torch.Tensor:
     if isinstance(linear, Int8WeightLinear):
         return linear.weight_int8[token_ids].to(linear.scale.dtype) * linear.scale[token_ids, None]
     return head_weight(linear).detach()[token_ids]
+
+
+def head_bias_rows(linear, token_ids: torch.Tensor) -> torch.Tensor | None:
+    """[S] the LM head's bias for some token ids (None: the head has none)."""
+    bias = linear.bias() if callable(getattr(linear, "bias", None)) else getattr(linear, "bias", None)
+    return bias.detach()[token_ids] if bias is not None else None
 
 
 class Int8WeightLinear(torch.nn.Module):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..model_registry import cache_root
-from ..model_runner import ModelRunner, SubsetHead, head_rows
+from ..model_runner import ModelRunner, SubsetHead, head_bias_rows, head_rows
 from ..retrieval_index import tokenizer_fingerprint
 
 FREQUENT_TOKENS = 32_768  # at most this many frequent tokens (the sample has ~25.6k distinct Gemma 3 tokens)
@@ -124,15 +124,17 @@ class RowTokensHead:
         self.extra_ids = torch.tensor(extra, dtype=torch.long)  # [E]
         linear = frequent.runner.model.get_output_embeddings()
         self.extra_weight = head_rows(linear, self.extra_ids) if extra else None  # [E, hidden]
-        bias = linear.bias() if callable(getattr(linear, "bias", None)) else getattr(linear, "bias", None)
-        self.extra_bias = bias.detach()[self.extra_ids] if bias is not None and extra else None  # [E]
+        self.extra_bias = head_bias_rows(linear, self.extra_ids) if extra else None  # [E]
+        # Which extra tokens each cache row may draft: one [rows, E] mask, built once per flush, read per forward.
+        self.row_index = {row: i for i, row in enumerate(own)}
         column = {token: j for j, token in enumerate(extra)}
-        self.row_columns = {row: torch.tensor([column[t] for t in sorted(tokens)], dtype=torch.long)
-                            for row, tokens in own.items()}
+        self.owned = torch.zeros(len(own), len(extra), dtype=torch.bool)  # [rows, E]
+        for i, tokens in enumerate(own.values()):
+            self.owned[i, [column[t] for t in tokens]] = True
         self.rows: list[int] = []
 
     def for_rows(self, rows: list[int]) -> "RowTokensHead":
-        """The cache rows of the next call's hidden states, in order."""
+        """The cache rows of the next call's hidden states, in order (each one a row given in `own`)."""
         self.rows = list(rows)
         return self
 
@@ -141,8 +143,6 @@ class RowTokensHead:
         if self.extra_weight is None:
             return full
         extra = self.frequent.head.project(hidden, self.extra_weight, self.extra_bias)  # [N, E]
-        for n, row in enumerate(self.rows):
-            columns = self.row_columns.get(row)
-            if columns is not None and columns.numel():
-                full[n, self.extra_ids[columns]] = extra[n, columns]
+        owned = self.owned[[self.row_index[row] for row in self.rows]]  # [N, E]
+        full[:, self.extra_ids] = extra.masked_fill(~owned, float("-inf"))
         return full

