@@ -159,7 +159,7 @@ def main() -> int:
                 f"{len(prompts) * len(runs)}" if reference is not None else "n/a")
         mal = sorted(run["mean_accepted_length"] for run in runs if run["mean_accepted_length"])
         print(f"| {name} | {sum(run['tok_s'] for run in runs) / len(runs):.2f} | {_listed(over_ar)} | "
-              f"{_listed(over_peer)} | {statistics.median(over_peer) if over_peer else float('nan'):.2f} | "
+              f"{_listed(over_peer)} | {f'{statistics.median(over_peer):.2f}' if over_peer else ''} | "
               f"{', '.join(f'{m:g}' for m in mal)} | {same} |")
     return 0
 
