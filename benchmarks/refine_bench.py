@@ -6,9 +6,14 @@ texts (issue 10's target: the job reaches >= 80 % of it).
 Raw forward: the same texts, tokenized, cut into the same windows and packed into the same forwards as the job's
 scorer (operators/perplexity.py), each forward a plain `model(input_ids, attention_mask)` with full logits, in this
 process with the actor's thread count; nothing else is timed (no reading, tokenizing, loss, Ray, writing). The job
-runs as a subprocess (embedded Ray, one scoring actor) and is timed from launch to exit (Ray start, model load, index
-build included), and by its own scoring time. Both run one after the other, never at once. Tokens = the texts'
-tokens.
+runs as a subprocess (embedded Ray, one scoring actor) and is timed three ways:
+- end to end, from launch to exit (Python and Ray start, model load, index build included);
+- its scoring stage (the job's own `scoring_s`: the actor's start and model load included);
+- steady state: the tokens of the score parts after the first, over the seconds between the first part's write and
+  the last's (the parts are renamed into place when a call finishes, so their mtimes are the calls' ends). This is
+  what a large corpus approaches, where the fixed start and finish are small.
+Raw and job run one after the other, never at once, in --rounds interleaved rounds (a 2-core machine's speed drifts
+by ~10 % between minutes: compare within a round). Tokens = the texts' tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -69,13 +75,14 @@ def main() -> int:
     parser.add_argument("--input", default="corpus:aclsum")
     parser.add_argument("--glob", default="*.txt")
     parser.add_argument("--limit", type=int, default=1500)
-    parser.add_argument("--output", required=True, help="the job's output directory (must not exist)")
+    parser.add_argument("--output", required=True, help="a new directory: round N's job writes OUTPUT/roundN")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--overlap", type=int, default=128)
     parser.add_argument("--tokens-per-forward", type=int, default=1024)
     parser.add_argument("--keep-fraction", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved raw / job rounds (default %(default)s)")
     args = parser.parse_args()
 
     import torch
@@ -87,34 +94,57 @@ def main() -> int:
     runner = ModelRunner.load(args.model, args.dtype, "cpu")
     token_lists = corpus_tokens(args.input, args.limit, runner.tokenizer, args.glob)
     tokens = sum(len(t) for t in token_lists)
-    raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
     dtype = runner.dtype_name  # what --dtype auto became (the job's actor resolves it the same way)
-    del runner
-
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), "--input", args.input,
-                           "--glob", args.glob, "--limit", str(args.limit), "--output", args.output, "--model",
-                           args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
-                           str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
-                           "--keep-fraction", str(args.keep_fraction)], capture_output=True, text=True, cwd=ROOT)
-    job_s = time.perf_counter() - started
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return 1
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    result = {"input": args.input, "texts": len(token_lists), "tokens": tokens, "job_tokens": summary["tokens"],
-              "raw_forward_s": round(raw_s, 1), "raw_tok_s": round(tokens / raw_s, 1),
-              "job_wall_s": round(job_s, 1), "job_tok_s": round(tokens / job_s, 1),
-              "job_scoring_s": summary["scoring_s"], "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
-              "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
-              "kept": summary["kept"], "kept_tokens": summary["kept_tokens"], "max_kept_ppl": summary["max_kept_ppl"]}
     print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
-          f"{args.tokens_per_forward} tokens per forward, one run")
-    print(json.dumps(result))
-    print(f"raw batched forward {result['raw_tok_s']} tok/s; job end to end {result['job_tok_s']} tok/s "
-          f"({result['job_vs_raw']:.2f}x raw), its scoring stage {result['job_scoring_tok_s']} tok/s "
-          f"({result['scoring_vs_raw']:.2f}x raw)")
+          f"{args.tokens_per_forward} tokens per forward, {args.rounds} interleaved round(s)")
+    rounds = []
+    for index in range(args.rounds):
+        raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
+        output = Path(args.output) / f"round{index + 1}"
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), "--input", args.input,
+                               "--glob", args.glob, "--limit", str(args.limit), "--output", str(output), "--model",
+                               args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
+                               str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
+                               "--keep-fraction", str(args.keep_fraction)], capture_output=True, text=True, cwd=ROOT)
+        job_s = time.perf_counter() - started
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        steady_tokens, steady_s = steady_state(output)
+        result = {"round": index + 1, "input": args.input, "texts": len(token_lists), "tokens": tokens,
+                  "job_tokens": summary["tokens"], "raw_forward_s": round(raw_s, 1),
+                  "raw_tok_s": round(tokens / raw_s, 1), "job_wall_s": round(job_s, 1),
+                  "job_tok_s": round(tokens / job_s, 1), "job_scoring_s": summary["scoring_s"],
+                  "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
+                  "steady_tok_s": round(steady_tokens / steady_s, 1) if steady_s else None,
+                  "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
+                  "steady_vs_raw": round(steady_tokens / steady_s / (tokens / raw_s), 3) if steady_s else None,
+                  "kept": summary["kept"], "kept_tokens": summary["kept_tokens"],
+                  "max_kept_ppl": summary["max_kept_ppl"]}
+        rounds.append(result)
+        print(json.dumps(result), flush=True)
+    for name, label in (("job_vs_raw", "job end to end"), ("scoring_vs_raw", "its scoring stage"),
+                        ("steady_vs_raw", "steady state")):
+        values = [r[name] for r in rounds if r[name] is not None]
+        print(f"{label}: {', '.join(f'{v:.2f}' for v in values)}x raw"
+              + (f" (median {statistics.median(values):.2f})" if values else ""))
     return 0
+
+
+def steady_state(output: Path) -> tuple[int, float]:
+    """-> (tokens of the score parts after the first, seconds from the first part's write to the last's); (0, 0.0)
+    with fewer than two parts."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    parts = sorted((output / "scores").glob("part-*.parquet"), key=lambda p: p.stat().st_mtime)
+    if len(parts) < 2:
+        return 0, 0.0
+    tokens = sum(pc.sum(pq.read_table(p, columns=["token_count"]).column("token_count")).as_py() or 0
+                 for p in parts[1:])  # error rows have no token count
+    return tokens, parts[-1].stat().st_mtime - parts[0].stat().st_mtime
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -201,9 +202,11 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
         done = done_keys(out) if config.resume else frozenset()
         before = read_scores(out, ["key", "scored_tokens", "error"]).num_rows
         cpus = config.actor_cpus(float(ray.cluster_resources().get("CPU", 1)))
-        quiet_data_context()
         texts = read_corpus(config.input, config.text_field, config.id_field, config.glob, config.limit, done,
                             LIGHT_TASK_CPUS)
+        # Ray 2.60 takes max_restarts / max_task_retries and the sink's CPUs only as ray_remote_args (deprecated for
+        # 2.64): pinned Ray, warning silenced, as in generate.py.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=Warning)
         scored = texts.map_batches(
             ScorePerplexity, batch_format="pandas", batch_size=config.rows_per_call,
             fn_constructor_kwargs={"model": config.model, "dtype": config.dtype, "device": config.device,
@@ -226,18 +229,6 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
             "tokens": int(np.nansum(np.array(totals.column("token_count").to_pylist(), dtype=np.float64))),
             "kept": manifest["texts"], "kept_tokens": manifest["tokens"], "max_kept_ppl": manifest["max_kept_ppl"],
             "scoring_s": scoring_s, "wall_s": time.perf_counter() - started, "index": str(out / INDEX_DIR)}
-
-
-def quiet_data_context() -> None:
-    """Ray Data's statistics collection runs beside the scoring on the same CPUs (its stats actor and the driver's
-    executor took ~20 % of a 2-core machine in a profile); the job reports its own numbers."""
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    for flag in ("enable_auto_log_stats", "enable_stats_summary_collection", "enable_per_node_metrics",
-                 "enable_get_object_locations_for_metrics"):
-        if hasattr(context, flag):
-            setattr(context, flag, False)
 
 
 class ScoreProgress:

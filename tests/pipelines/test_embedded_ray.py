@@ -1,4 +1,5 @@
-"""The embedded Ray cluster a job starts: token authentication on, no token file written, only loopback sockets."""
+"""The embedded Ray cluster a job starts: token authentication on, no token file written, only loopback sockets, and
+workers at the job's own priority."""
 
 import json
 import os
@@ -12,23 +13,24 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
-import json, psutil, ray
+import json, os, psutil, ray
 from pipelines.generate import init_ray
 
 init_ray(None, num_cpus=1)
-ray.get(ray.remote(lambda: 1).options(num_cpus=0).remote())  # a worker process listens too
+worker_nice = ray.get(ray.remote(lambda: os.nice(0)).options(num_cpus=0).remote())  # a worker process listens too
 tree = [psutil.Process()] + psutil.Process().children(recursive=True)
 pids = {p.pid: p.name() for p in tree}
 listening = [(pids[c.pid], c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
              if c.status == psutil.CONN_LISTEN and c.pid in pids]
 from ray._private.authentication.authentication_token_setup import AuthenticationMode, get_authentication_mode
 
-print(json.dumps({"listening": listening, "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN}))
+print(json.dumps({"listening": listening, "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN,
+                  "worker_nice": worker_nice, "driver_nice": os.nice(0)}))
 ray.shutdown()
 """
 
 
-def test_embedded_cluster_uses_token_auth_and_listens_on_loopback_only(tmp_path):
+def test_embedded_cluster_uses_token_auth_listens_on_loopback_only_and_keeps_the_jobs_priority(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
@@ -42,4 +44,6 @@ def test_embedded_cluster_uses_token_auth_and_listens_on_loopback_only(tmp_path)
     outside = [entry for entry in facts["listening"] if entry[1] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert outside == [], outside
     assert facts["token_auth"] is True
+    # Ray starts workers at nice 15 by default: on 2 cores every nice-0 Ray process then preempts the actors' forwards.
+    assert facts["worker_nice"] == facts["driver_nice"]
     assert list(home.rglob("*")) == []  # no ~/.ray/auth_token: the token lives in the environment only
