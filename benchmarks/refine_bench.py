@@ -82,6 +82,7 @@ def main() -> int:
     parser.add_argument("--overlap", type=int, default=128)
     parser.add_argument("--tokens-per-forward", type=int, default=1024)
     parser.add_argument("--keep-fraction", type=float, default=0.5)
+    parser.add_argument("--rows-per-call", type=int, default=1024, help="the job's texts per actor call")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved raw / job rounds (default %(default)s)")
     args = parser.parse_args()
 
@@ -96,7 +97,8 @@ def main() -> int:
     tokens = sum(len(t) for t in token_lists)
     dtype = runner.dtype_name  # what --dtype auto became (the job's actor resolves it the same way)
     print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
-          f"{args.tokens_per_forward} tokens per forward, {args.rounds} interleaved round(s)")
+          f"{args.tokens_per_forward} tokens per forward, {args.rows_per_call} texts per call, {args.rounds} interleaved "
+          "round(s)")
     rounds = []
     for index in range(args.rounds):
         raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
@@ -106,7 +108,8 @@ def main() -> int:
                                "--glob", args.glob, "--limit", str(args.limit), "--output", str(output), "--model",
                                args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
                                str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
-                               "--keep-fraction", str(args.keep_fraction)], capture_output=True, text=True, cwd=ROOT)
+                               "--keep-fraction", str(args.keep_fraction), "--rows-per-call", str(args.rows_per_call)],
+                              capture_output=True, text=True, cwd=ROOT)
         job_s = time.perf_counter() - started
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)

@@ -56,7 +56,7 @@ def build_parser():
     parser.add_argument("--tokens-per-forward", type=int, default=1024,
                         help="padded tokens per scoring forward (default %(default)s)")
     parser.add_argument("--max-text-tokens", type=int, default=1 << 20, help="a longer text is an error row")
-    parser.add_argument("--rows-per-call", type=int, default=256,
+    parser.add_argument("--rows-per-call", type=int, default=1024,
                         help="texts per actor call, also what a crash can lose (default %(default)s)")
     parser.add_argument("--num-actors", type=int, default=1, help="scoring actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)
