@@ -80,6 +80,12 @@ def quiet_data_context() -> None:
             setattr(context, flag, False)
 
 
+def allow_ray_remote_args() -> None:
+    """Ray 2.60 takes max_restarts / max_task_retries (and a sink's CPUs) only as **ray_remote_args, deprecated for
+    2.64, which has no named parameter for them yet: pinned Ray, warning silenced; revisit when upgrading."""
+    warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=Warning)
+
+
 @contextlib.contextmanager
 def loopback_node_address():
     """The embedded cluster serves this process only, so it listens on 127.0.0.1 alone. Ray's servers bind loopback
@@ -131,9 +137,7 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
     # outputs into one block), so its rows are written when that call finishes and a crash loses at most the calls
     # in flight. A whole JSONL file or Parquet row group in one block would be decoded and written all or nothing.
     requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS, rows_per_block=config.ray_batch_rows())
-    # Ray 2.60 takes max_restarts / max_task_retries only as **ray_remote_args, deprecated for 2.64 (which has no
-    # named parameter for them yet): pinned Ray, warning silenced; revisit when upgrading.
-    warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=Warning)
+    allow_ray_remote_args()
     if config.compress_context is not None:
         from operators.compress_context import CompressContext
 

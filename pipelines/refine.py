@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -190,6 +189,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
     from operators.read_corpus import read_corpus
     from operators.score_perplexity import ScorePerplexity
 
+    from .generate import allow_ray_remote_args
     from .outputs import RunLock
 
     out = Path(config.output)
@@ -207,9 +207,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
         cpus = config.actor_cpus(float(ray.cluster_resources().get("CPU", 1)))
         texts = read_corpus(config.input, config.text_field, config.id_field, config.glob, config.limit, done,
                             LIGHT_TASK_CPUS)
-        # Ray 2.60 takes max_restarts / max_task_retries and the sink's CPUs only as ray_remote_args (deprecated for
-        # 2.64): pinned Ray, warning silenced, as in generate.py.
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=Warning)
+        allow_ray_remote_args()
         scored = texts.map_batches(
             ScorePerplexity, batch_format="pandas", batch_size=config.rows_per_call,
             fn_constructor_kwargs={"model": config.model, "dtype": config.dtype, "device": config.device,
