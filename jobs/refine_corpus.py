@@ -45,9 +45,13 @@ def build_parser():
     keep = parser.add_mutually_exclusive_group()
     keep.add_argument("--keep", type=int, default=None, help="keep this many texts, the lowest perplexities first")
     keep.add_argument("--keep-fraction", type=float, default=None,
-                      help="keep this share of the scored texts (default 0.5 when --keep is not given)")
+                      help="keep this share of the scored texts (default 0.5 when no other --keep* is given)")
+    keep.add_argument("--keep-tokens", type=int, default=None,
+                      help="keep texts (the lowest perplexities first, or at random) while their tokens add up to at "
+                           "most this: an index of a chosen size, and a refined and a random index of equal size")
     parser.add_argument("--selection", default="lowest_ppl", choices=["lowest_ppl", "random"],
-                        help="random: as many texts drawn at random (the unrefined baseline of the paper's ablation)")
+                        help="random: as many texts (or tokens) drawn at random (the unrefined baseline of the paper's "
+                             "ablation)")
     parser.add_argument("--seed", type=int, default=0, help="--selection random's seed (default %(default)s)")
     parser.add_argument("--window", type=int, default=1024,
                         help="a longer text is scored in windows of this many tokens (default %(default)s)")

@@ -46,6 +46,8 @@ class RefineConfig(BaseModel):
     glob: str = "*.txt"
     keep: int | None = Field(None, ge=1, description="keep this many texts (the lowest perplexities)")
     keep_fraction: float | None = Field(None, gt=0, le=1, description="keep this share of the scored texts")
+    keep_tokens: int | None = Field(None, ge=1, description="keep texts, in selection order, while their tokens add "
+                                                           "up to at most this (an index of a given size)")
     selection: Literal["lowest_ppl", "random"] = "lowest_ppl"
     seed: int = 0
     window: int = Field(1024, ge=2)
@@ -64,9 +66,10 @@ class RefineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "RefineConfig":
-        if self.keep is not None and self.keep_fraction is not None:
-            raise ValueError("give --keep or --keep-fraction, not both")
-        if self.keep is None and self.keep_fraction is None:
+        given = [name for name in ("keep", "keep_fraction", "keep_tokens") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of --keep, --keep-fraction, --keep-tokens, not {' and '.join(given)}")
+        if not given:
             self.keep_fraction = 0.5
         if self.overlap > self.window - 2:
             raise ValueError(f"--overlap {self.overlap} must be at most --window - 2 ({self.window - 2})")
@@ -135,20 +138,27 @@ def done_keys(output: str | Path) -> frozenset[str]:
 
 
 def select_kept(ppl: np.ndarray, keys: list[str], keep: int | None, keep_fraction: float | None,
-                selection: str = "lowest_ppl", seed: int = 0) -> np.ndarray:
+                selection: str = "lowest_ppl", seed: int = 0, keep_tokens: int | None = None,
+                token_counts: np.ndarray | None = None) -> np.ndarray:
     """-> bool [n]: which scored texts to keep. `ppl` is NaN for error rows, which are never kept. lowest_ppl keeps
     exactly min(keep, scored) texts with the lowest perplexity (ties by key, so the choice is reproducible);
-    random keeps as many, drawn uniformly (the paper's unrefined baseline)."""
+    random keeps as many, drawn uniformly (the paper's unrefined baseline). With keep_tokens, the texts are taken
+    in that order (lowest perplexity first, or a random order) while their `token_counts` add up to at most
+    keep_tokens: a refined and a random index of the same size in tokens, which is what an index costs."""
     valid = np.flatnonzero(~np.isnan(ppl))
-    count = keep if keep is not None else int(round(keep_fraction * len(valid)))
-    count = min(max(count, 0), len(valid))
-    if selection == "random":
-        chosen = np.random.default_rng(seed).choice(valid, size=count, replace=False)
-    else:
-        order = sorted(valid, key=lambda i: (ppl[i], keys[i]))
-        chosen = np.array(order[:count], dtype=np.int64)
     kept = np.zeros(len(ppl), dtype=bool)
-    kept[chosen] = True
+    rng = np.random.default_rng(seed)
+    if keep_tokens is None:
+        count = keep if keep is not None else int(round(keep_fraction * len(valid)))
+        count = min(max(count, 0), len(valid))
+        if selection == "random":
+            kept[rng.choice(valid, size=count, replace=False)] = True
+            return kept
+    order = rng.permutation(valid) if selection == "random" else \
+        np.array(sorted(valid, key=lambda i: (ppl[i], keys[i])), dtype=np.int64)
+    if keep_tokens is not None:
+        count = int(np.searchsorted(np.cumsum(token_counts[order]), keep_tokens, side="right"))
+    kept[order[:count]] = True
     return kept
 
 
@@ -160,7 +170,8 @@ def finish(config: RefineConfig, settings: dict) -> dict:
     scores = read_scores(out)
     keys = scores.column("key").to_pylist()
     ppl = np.array([np.nan if p is None else p for p in scores.column("ppl").to_pylist()], dtype=np.float64)
-    kept = select_kept(ppl, keys, config.keep, config.keep_fraction, config.selection, config.seed)
+    kept = select_kept(ppl, keys, config.keep, config.keep_fraction, config.selection, config.seed,
+                       config.keep_tokens, np.array([c or 0 for c in scores.column("token_count").to_pylist()], dtype=np.float64))
     corpus = scores.select(["key", "id", "source", "token_count", "ppl", "error"]).append_column(
         "kept", pa.array(kept))
     write_atomically(corpus, out / CORPUS_FILE)
@@ -173,7 +184,7 @@ def finish(config: RefineConfig, settings: dict) -> dict:
         "model": config.model, "tokenizer": settings["tokenizer"], "dtype": settings["dtype"],
         "source": config.input, "refined": config.selection == "lowest_ppl", "selection": config.selection,
         "seed": config.seed if config.selection == "random" else None, "keep": config.keep,
-        "keep_fraction": config.keep_fraction, "scored": int(valid.sum()), "errors": int((~valid).sum()),
+        "keep_fraction": config.keep_fraction, "keep_tokens": config.keep_tokens, "scored": int(valid.sum()), "errors": int((~valid).sum()),
         "window": config.window, "overlap": config.overlap,
         "max_kept_ppl": float(ppl[kept].max()) if kept.any() else None,
         "median_scored_ppl": float(np.median(ppl[valid])) if valid.any() else None})

@@ -88,6 +88,7 @@ def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(tmp_pat
     (["--input", "corpus:nope"], "unknown corpus"),
     (["--input", "corpus:stdlib", "--keep", "0"], "keep"),
     (["--input", "corpus:stdlib", "--keep", "3", "--keep-fraction", "0.5"], "not allowed"),
+    (["--input", "corpus:stdlib", "--keep-tokens", "0"], "keep_tokens"),
 ])
 def test_bad_arguments_fail_fast_with_one_line(args, fragment, tmp_path):
     proc = run("--output", str(tmp_path / "out"), *args, timeout=100)

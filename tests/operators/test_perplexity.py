@@ -78,3 +78,18 @@ def test_selection_keeps_exactly_the_n_lowest_and_never_an_error_row():
     random = select_kept(ppl, keys, keep=3, keep_fraction=None, selection="random", seed=1)
     assert random.sum() == 3 and not random[np.isnan(ppl)].any()
     assert (random == select_kept(ppl, keys, keep=3, keep_fraction=None, selection="random", seed=1)).all()
+
+
+def test_a_token_budget_keeps_the_lowest_texts_that_fit_in_order():
+    ppl = np.array([5.0, np.nan, 1.5, 9.0, 1.0, 3.0, np.nan, 2.0])
+    counts = np.array([10, 0, 40, 10, 30, 10, 0, 20], dtype=np.float64)
+    keys = [f"t{i}" for i in range(len(ppl))]
+    budget = lambda tokens, **kw: select_kept(ppl, keys, None, None, keep_tokens=tokens, token_counts=counts, **kw)  # noqa
+    # lowest first: 1.0 (30), 1.5 (40) -> 70 tokens; the next, 2.0 (20), would pass 80: the selection ends there
+    assert np.flatnonzero(budget(80)).tolist() == [2, 4]
+    assert np.flatnonzero(budget(90)).tolist() == [2, 4, 7]
+    assert not budget(29).any()
+    assert budget(10_000).sum() == 6  # every scored text, never an error row
+    for seed in range(5):
+        random = budget(60, selection="random", seed=seed)
+        assert counts[random].sum() <= 60 and not random[np.isnan(ppl)].any()
