@@ -45,31 +45,32 @@ class SuffixArray:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def _compare(self, start: int, pattern: np.ndarray) -> int:
-        """Sign of (the suffix at `start`, cut to len(pattern)) - pattern, lexicographically."""
-        piece = self.tokens[start : start + len(pattern)]
-        different = np.flatnonzero(piece != pattern[: len(piece)])
-        if len(different):
-            return -1 if piece[different[0]] < pattern[different[0]] else 1
-        return -1 if len(piece) < len(pattern) else 0
-
-    def find(self, pattern: np.ndarray) -> tuple[int, int]:
-        """[lo, hi) range of `order` whose suffixes start with `pattern` (lo == hi: none)."""
-        lo, hi = 0, len(self.order)
+    def find(self, pattern: np.ndarray | Sequence[int]) -> tuple[int, int]:
+        """[lo, hi) range of `order` whose suffixes start with `pattern` (lo == hi: none). Each probe compares the
+        suffix cut to len(pattern) with the pattern as Python lists (a shorter piece that is a prefix of the pattern
+        is smaller), on plain-ndarray views of memory-mapped arrays: patterns are a few tokens, where numpy's fixed
+        cost per comparison and memmap's per slice dominated (measured: 7.5 % of a spectra+retrieval pass at
+        batch 16, ~1.5 ms a lookup)."""
+        pattern = np.asarray(pattern).tolist()
+        m = len(pattern)
+        tokens, order = self.tokens.view(np.ndarray), self.order.view(np.ndarray)
+        lo, hi = 0, len(order)
         while lo < hi:  # first suffix >= pattern
             mid = (lo + hi) // 2
-            if self._compare(int(self.order[mid]), pattern) < 0:
+            start = int(order[mid])
+            if tokens[start: start + m].tolist() < pattern:
                 lo = mid + 1
             else:
                 hi = mid
-        start, hi = lo, len(self.order)
+        first, hi = lo, len(order)
         while lo < hi:  # first suffix > pattern (past every one that starts with it)
             mid = (lo + hi) // 2
-            if self._compare(int(self.order[mid]), pattern) <= 0:
+            start = int(order[mid])
+            if tokens[start: start + m].tolist() <= pattern:
                 lo = mid + 1
             else:
                 hi = mid
-        return start, lo
+        return first, lo
 
     def longest_suffix_match(self, text: np.ndarray, min_length: int = 1) -> tuple[int, int, int] | None:
         """The longest suffix of `text` (at least min_length tokens) that occurs in the document followed by at
