@@ -97,8 +97,8 @@ def main() -> int:
     tokens = sum(len(t) for t in token_lists)
     dtype = runner.dtype_name  # what --dtype auto became (the job's actor resolves it the same way)
     print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
-          f"{args.tokens_per_forward} tokens per forward, {args.rows_per_call} texts per call, {args.rounds} interleaved "
-          "round(s)")
+          f"{args.tokens_per_forward} tokens per forward, {args.rows_per_call} texts per call, "
+          f"{args.rounds} interleaved round(s)")
     rounds = []
     for index in range(args.rounds):
         raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)

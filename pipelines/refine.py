@@ -112,7 +112,8 @@ def check_output(config: RefineConfig, settings: dict) -> None:
     before = json.loads(saved.read_text())
     changed = [k for k in settings if before.get(k) != settings[k]]
     if changed:
-        raise SpecbatchError(f"--resume: {out} was scored with other settings ({', '.join(f'{k}: {before.get(k)!r}' for k in changed)}); "
+        differences = ", ".join(f"{k}: {before.get(k)!r}" for k in changed)
+        raise SpecbatchError(f"--resume: {out} was scored with other settings ({differences}); "
                              "use the same ones or another --output")
 
 
@@ -148,17 +149,17 @@ def select_kept(ppl: np.ndarray, keys: list[str], keep: int | None, keep_fractio
     valid = np.flatnonzero(~np.isnan(ppl))
     kept = np.zeros(len(ppl), dtype=bool)
     rng = np.random.default_rng(seed)
-    if keep_tokens is None:
+    if keep_tokens is None and selection == "random":  # drawn as before --keep-tokens existed: same seed, same texts
         count = keep if keep is not None else int(round(keep_fraction * len(valid)))
-        count = min(max(count, 0), len(valid))
-        if selection == "random":
-            kept[rng.choice(valid, size=count, replace=False)] = True
-            return kept
+        kept[rng.choice(valid, size=min(max(count, 0), len(valid)), replace=False)] = True
+        return kept
     order = rng.permutation(valid) if selection == "random" else \
         np.array(sorted(valid, key=lambda i: (ppl[i], keys[i])), dtype=np.int64)
     if keep_tokens is not None:
         count = int(np.searchsorted(np.cumsum(token_counts[order]), keep_tokens, side="right"))
-    kept[order[:count]] = True
+    else:
+        count = keep if keep is not None else int(round(keep_fraction * len(valid)))
+    kept[order[:max(count, 0)]] = True
     return kept
 
 
@@ -170,8 +171,9 @@ def finish(config: RefineConfig, settings: dict) -> dict:
     scores = read_scores(out)
     keys = scores.column("key").to_pylist()
     ppl = np.array([np.nan if p is None else p for p in scores.column("ppl").to_pylist()], dtype=np.float64)
+    token_counts = np.array([c or 0 for c in scores.column("token_count").to_pylist()], dtype=np.float64)
     kept = select_kept(ppl, keys, config.keep, config.keep_fraction, config.selection, config.seed,
-                       config.keep_tokens, np.array([c or 0 for c in scores.column("token_count").to_pylist()], dtype=np.float64))
+                       config.keep_tokens, token_counts)
     corpus = scores.select(["key", "id", "source", "token_count", "ppl", "error"]).append_column(
         "kept", pa.array(kept))
     write_atomically(corpus, out / CORPUS_FILE)
@@ -184,7 +186,8 @@ def finish(config: RefineConfig, settings: dict) -> dict:
         "model": config.model, "tokenizer": settings["tokenizer"], "dtype": settings["dtype"],
         "source": config.input, "refined": config.selection == "lowest_ppl", "selection": config.selection,
         "seed": config.seed if config.selection == "random" else None, "keep": config.keep,
-        "keep_fraction": config.keep_fraction, "keep_tokens": config.keep_tokens, "scored": int(valid.sum()), "errors": int((~valid).sum()),
+        "keep_fraction": config.keep_fraction, "keep_tokens": config.keep_tokens, "scored": int(valid.sum()),
+        "errors": int((~valid).sum()),
         "window": config.window, "overlap": config.overlap,
         "max_kept_ppl": float(ppl[kept].max()) if kept.any() else None,
         "median_scored_ppl": float(np.median(ppl[valid])) if valid.any() else None})

@@ -12,7 +12,7 @@ per step), at the cost of the drafter alone. That makes accepted-length ablation
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .draft_tree import depths
 from .drafters.base import Drafter, RequestContext
@@ -34,8 +34,8 @@ class ReplayResult:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     def add(self, other: "ReplayResult") -> None:
-        for field in ("new_tokens", "target_forwards", "drafted", "accepted", "steps_with_draft"):
-            setattr(self, field, getattr(self, field) + getattr(other, field))
+        for field in fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
 def check_replayable(drafter: Drafter) -> None:

@@ -84,7 +84,10 @@ def test_a_token_budget_keeps_the_lowest_texts_that_fit_in_order():
     ppl = np.array([5.0, np.nan, 1.5, 9.0, 1.0, 3.0, np.nan, 2.0])
     counts = np.array([10, 0, 40, 10, 30, 10, 0, 20], dtype=np.float64)
     keys = [f"t{i}" for i in range(len(ppl))]
-    budget = lambda tokens, **kw: select_kept(ppl, keys, None, None, keep_tokens=tokens, token_counts=counts, **kw)  # noqa
+
+    def budget(tokens, **kw):
+        return select_kept(ppl, keys, None, None, keep_tokens=tokens, token_counts=counts, **kw)
+
     # lowest first: 1.0 (30), 1.5 (40) -> 70 tokens; the next, 2.0 (20), would pass 80: the selection ends there
     assert np.flatnonzero(budget(80)).tolist() == [2, 4]
     assert np.flatnonzero(budget(90)).tolist() == [2, 4, 7]
