@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo test bench pipeline-bench
+.PHONY: install demo test test-fast bench pipeline-bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,8 +24,13 @@ install: $(STAMP)
 demo: install
 	$(PY) jobs/summarize.py --input workload:sample --output outputs --method ar --method copyspec
 
+# Everything: the real models, Ray and the jobs too (CI runs this). --durations shows the next slow test.
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
+
+# The engine's mechanics on tiny random-weight models: no real model, no Ray, no job process (tests/slow_marker.py).
+test-fast: install
+	$(PY) -m pytest -m "not slow" --durations=25
 
 bench: install
 	$(PY) benchmarks/engine_bench.py

@@ -18,10 +18,14 @@ from jobs.common import main_for  # noqa: E402
 
 def add_options(parser):
     parser.add_argument("--instruction", default=None,
-                        help="edit instruction for every row without its own 'instruction' column")
+                     help="edit instruction for every row without its own 'instruction' column")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for("edit_documents", __doc__, default_input=str(ROOT / "samples" / "edit_documents.jsonl"),
+                   default_methods=["ar", "copyspec"], default_task="edit", default_max_new_tokens=512,
+                   add_options=add_options, argv=argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main_for("edit_documents", __doc__, default_input=str(ROOT / "samples" / "edit_documents.jsonl"),
-                      default_methods=["ar", "copyspec"], default_task="edit", default_max_new_tokens=512,
-                      add_options=add_options))
+    sys.exit(main())

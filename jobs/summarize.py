@@ -11,6 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.common import main_for  # noqa: E402
 
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for("summarize", __doc__, default_input="workload:sample", default_methods=["ar", "copyspec"],
+                   default_task="summarization", argv=argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main_for("summarize", __doc__, default_input="workload:sample", default_methods=["ar", "copyspec"],
-                      default_task="summarization"))
+    sys.exit(main())

@@ -147,7 +147,7 @@ def run_generate(argv: list[str]) -> int:
 
     from .methods import get_method
     from .model_registry import check_model_available
-    from .prompts import read_messages_file, read_text_file
+    from .prompts import check_prompt_text, read_messages_file, read_text_file
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -169,6 +169,8 @@ def run_generate(argv: list[str]) -> int:
             prompt = read_text_file(args.prompt_file)
         elif args.messages_file:
             messages = read_messages_file(args.messages_file)
+        if batch_lines is None and messages is None:
+            check_prompt_text(prompt)
         check_model_available(args.model)
         if spec.needs_draft_model:
             check_model_available(args.drafter)

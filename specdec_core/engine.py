@@ -53,14 +53,17 @@ def default_drafter_dtype(target: ModelRunner) -> str:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, target: ModelRunner | None = None,
+                 draft_model: ModelRunner | None = None):
+        """Loads config.model (and config.drafter); `target` / `draft_model` given are used as they are (models
+        already in memory: the tests' tiny random ones, a caller's own)."""
         self.config = config
         self.checked_indexes: set[str] = set()  # retrieval indexes whose tokenizer matches the target's
         if config.dtype == INT8:
             raise ValueError("int8 is for drafters only (--drafter-dtype int8): an int8 target would be another model")
-        self.target = ModelRunner.load(config.model, config.dtype, config.device)
-        self.draft_model = None
-        if config.drafter:
+        self.target = target or ModelRunner.load(config.model, config.dtype, config.device)
+        self.draft_model = draft_model
+        if config.drafter and draft_model is None:
             self.draft_model = ModelRunner.load(
                 config.drafter, config.drafter_dtype or default_drafter_dtype(self.target), self.target.device
             )
@@ -74,6 +77,13 @@ class Engine:
         # and the one-prompt CLI one per prompt; each used to start from the priors (measured, batch 1, Gemma 3
         # drafting for Qwen2.5-Coder: every request's first 3-5 steps verified 0-4 tokens, a plain probe among them).
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
+
+    @classmethod
+    def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None) -> "Engine":
+        """An engine on models already in memory (the tests' tiny random ones, a caller's own)."""
+        config = EngineConfig(model=target.name, dtype=target.dtype_name, device=str(target.device),
+                              drafter=draft_model.name if draft_model is not None else None)
+        return cls(config, target, draft_model)
 
     @property
     def tokenizer(self):

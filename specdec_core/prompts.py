@@ -41,13 +41,18 @@ def read_messages_file(path: str | Path) -> list[dict]:
     return validate_messages(data)
 
 
+def check_prompt_text(prompt: str | None) -> None:
+    """A plain prompt with nothing to decode is refused (before any model is loaded, where a caller can)."""
+    if not prompt or not prompt.strip():
+        raise BadRequestError("empty prompt: nothing to decode")
+
+
 def build_prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
     """A plain prompt goes in as one user message through the chat template, unless raw or there is no template."""
     if (prompt is None) == (messages is None):
         raise BadRequestError("give exactly one of prompt or messages")
     if messages is None:
-        if not prompt or not prompt.strip():
-            raise BadRequestError("empty prompt: nothing to decode")
+        check_prompt_text(prompt)
         if raw or not getattr(tokenizer, "chat_template", None):
             return list(tokenizer(prompt)["input_ids"])
         messages = [{"role": "user", "content": prompt}]

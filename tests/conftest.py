@@ -1,9 +1,11 @@
 """Shared fixtures: the real default model in fp32 (exactness), and as an imperfect draft model a copy of it whose
-decoder layers carry seeded noise."""
+decoder layers carry seeded noise. Hooks: the `slow` marker is enforced (tests/slow_marker.py)."""
 
 import os
 
 import pytest
+
+from tests.slow_marker import RuntimeGuard, check_collected
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -28,3 +30,27 @@ def engine():
         for parameter in engine.draft_model.base_model.layers.parameters():
             parameter.mul_(1.0 + 0.05 * torch.randn(parameter.shape, generator=generator))
     return engine
+
+
+_guard: RuntimeGuard | None = None
+
+
+def pytest_configure(config):
+    global _guard
+    _guard = RuntimeGuard()
+
+
+def pytest_collection_modifyitems(config, items):
+    check_collected(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guard.watching(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guard.watching(item):
+        return (yield)

@@ -1,10 +1,9 @@
 """Views, canned reports, read-only ad-hoc SQL and plots on a small hand-made output directory with known answers."""
 
 import json
-import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +13,6 @@ from analysis.views import ReadOnlyQueryError, check_read_only, connect, run_que
 from pipelines.outputs import write_run_row
 from contract.schema import generations_table
 
-ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime(2026, 11, 22, tzinfo=timezone.utc)
 
 
@@ -129,13 +127,23 @@ def test_ad_hoc_sql_cannot_read_other_files_and_takes_parameters(output):
                      {"j": "x' OR '1'='1"}).to_pylist() == [{"n": 0}]
 
 
-def report_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / "report.py"), *args], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+@pytest.fixture
+def report_cli(capsys):
+    """jobs/report.py's main in this process: (returncode, stdout, stderr) as the process would give them."""
+    from jobs.report import main
+
+    def run(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
-@pytest.mark.timeout(300)
-def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
+def test_report_job_writes_markdown_and_plots_and_runs_queries(output, report_cli):
     proc = report_cli("--output", str(output), "--run-id", "r1")
     assert proc.returncode == 0, proc.stderr
     report = (output / "report" / "report.md").read_text()
@@ -150,7 +158,7 @@ def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output):
+def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output, report_cli):
     """A cross join cannot take the machine down: each limit stops it with one clear line and exit status 2."""
     from analysis.views import QueryLimitError, QueryLimits
 
@@ -163,8 +171,6 @@ def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output):
     with pytest.raises(QueryLimitError, match="more than 10 rows"):
         run_query(output, "SELECT * FROM range(11)", limits=QueryLimits(max_rows=10))
     assert run_query(output, "SELECT * FROM range(10)", limits=QueryLimits(max_rows=10)).num_rows == 10
-    proc = subprocess.run([sys.executable, "jobs/report.py", "--output", str(output), "--sql", cross,
-                           "--sql-timeout-s", "1", "--sql-threads", "1"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = report_cli("--output", str(output), "--sql", cross, "--sql-timeout-s", "1", "--sql-threads", "1")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "report.py: error: the query was stopped after 1 s (--sql-timeout-s)"], proc.stderr

@@ -1,10 +1,16 @@
-"""The one-prompt CLI: bad input gives one clear line and exit 2, never a traceback; --json carries every metric."""
+"""The one-prompt CLI: bad input gives one clear line and exit 2, never a traceback; --json carries every metric.
+
+Argument checks call the CLI's main in this process (no model is loaded before they fail); the tests that decode
+load the real model, and one runs `python -m specdec_core` itself."""
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from specdec_core.cli import main
 
 CONTRACT_KEYS = {
     "output_text", "output_token_ids", "method", "model", "drafter", "dtype", "device", "temperature", "seed",
@@ -14,7 +20,21 @@ CONTRACT_KEYS = {
 }
 
 
-def run_cli(*args, timeout=300):
+@pytest.fixture
+def cli(capsys):
+    """Runs the CLI's main in-process: (returncode, stdout, stderr) as a process would give them."""
+    def run(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+def run_cli_process(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "specdec_core", *args], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -26,49 +46,49 @@ def assert_one_line_error(proc, fragment):
     assert lines[0].startswith("specbatch: error:") and fragment in lines[0], lines[0]
 
 
-def test_unknown_method():
-    assert_one_line_error(run_cli("--method", "nope", "--prompt", "hi"), "unknown method 'nope'")
+def test_unknown_method(cli):
+    assert_one_line_error(cli("--method", "nope", "--prompt", "hi"), "unknown method 'nope'")
 
 
-def test_unknown_model():
-    assert_one_line_error(run_cli("--model", "no-such-model", "--prompt", "hi"), "unknown model 'no-such-model'")
+def test_unknown_model(cli):
+    assert_one_line_error(cli("--model", "no-such-model", "--prompt", "hi"), "unknown model 'no-such-model'")
 
 
-def test_empty_prompt():
-    assert_one_line_error(run_cli("--prompt", "  "), "empty prompt")
+def test_empty_prompt(cli):
+    assert_one_line_error(cli("--prompt", "  "), "empty prompt")
 
 
-def test_invalid_utf8_file(tmp_path):
+def test_invalid_utf8_file(cli, tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"caf\xe9 \xff")
-    assert_one_line_error(run_cli("--prompt-file", str(bad)), "not valid UTF-8")
+    assert_one_line_error(cli("--prompt-file", str(bad)), "not valid UTF-8")
 
 
-def test_bad_messages_file(tmp_path):
+def test_bad_messages_file(cli, tmp_path):
     path = tmp_path / "chat.json"
     path.write_text('[{"role": "user"}]')
-    assert_one_line_error(run_cli("--messages-file", str(path)), "content")
+    assert_one_line_error(cli("--messages-file", str(path)), "content")
 
 
-def test_bad_argument_value():
-    assert_one_line_error(run_cli("--prompt", "hi", "--max-new-tokens", "many"), "--max-new-tokens")
-    assert_one_line_error(run_cli("--prompt", "hi", "--temperature", "-1"), "temperature")
+def test_bad_argument_value(cli):
+    assert_one_line_error(cli("--prompt", "hi", "--max-new-tokens", "many"), "--max-new-tokens")
+    assert_one_line_error(cli("--prompt", "hi", "--temperature", "-1"), "temperature")
 
 
-def test_draft_method_without_drafter():
-    assert_one_line_error(run_cli("--method", "draft", "--prompt", "hi"), "--drafter")
+def test_draft_method_without_drafter(cli):
+    assert_one_line_error(cli("--method", "draft", "--prompt", "hi"), "--drafter")
 
 
 @pytest.mark.slow
-def test_prompt_longer_than_context():
-    assert_one_line_error(run_cli("--raw", "--prompt", "word " * 9000), "context limit")
+def test_prompt_longer_than_context(cli):
+    assert_one_line_error(cli("--raw", "--prompt", "word " * 9000), "context limit")
 
 
 @pytest.mark.slow
 def test_json_output_has_every_metric(tmp_path):
     chat = tmp_path / "chat.json"
     chat.write_text(json.dumps([{"role": "user", "content": "Repeat after me: one two three, one two three."}]))
-    proc = run_cli("--messages-file", str(chat), "--method", "copyspec", "--max-new-tokens", "24", "--json",
+    proc = run_cli_process("--messages-file", str(chat), "--method", "copyspec", "--max-new-tokens", "24", "--json",
                    "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -77,13 +97,13 @@ def test_json_output_has_every_metric(tmp_path):
     assert result["dtype"] == "float32" and result["lossy"] is False
 
 
-def test_help_explains_itself():
-    proc = run_cli("--help")
+def test_help_explains_itself(cli):
+    proc = cli("--help")
     assert proc.returncode == 0 and "copyspec" in proc.stdout and "--drafter" in proc.stdout
 
 
 @pytest.mark.slow
-def test_batch_mode_prints_one_json_line_per_input_line_in_order(tmp_path):
+def test_batch_mode_prints_one_json_line_per_input_line_in_order(cli, tmp_path):
     """--prompts-file: every line gets its line (bad ones an error), in input order, with the single-prompt
     fields; a batched row equals the same prompt decoded alone (fp32)."""
     chat = [{"role": "user", "content": "Repeat after me: one two three, one two three."}]
@@ -95,7 +115,7 @@ def test_batch_mode_prints_one_json_line_per_input_line_in_order(tmp_path):
         json.dumps({"id": "nothing"}),
     ]) + "\n")
     common = ("--method", "copyspec", "--candidates", "2", "--max-new-tokens", "16", "--dtype", "float32", "--json")
-    proc = run_cli("--prompts-file", str(path), "--batch-size", "2", *common)
+    proc = cli("--prompts-file", str(path), "--batch-size", "2", *common)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [line["id"] for line in lines] == ["long", "line-2", "chat", "nothing"]
@@ -103,13 +123,13 @@ def test_batch_mode_prints_one_json_line_per_input_line_in_order(tmp_path):
     assert "not a JSON object" in lines[1]["error"] and "needs `prompt`" in lines[3]["error"]
     chat_file = tmp_path / "chat.json"
     chat_file.write_text(json.dumps(chat))
-    alone = json.loads(run_cli("--messages-file", str(chat_file), *common).stdout)
+    alone = json.loads(cli("--messages-file", str(chat_file), *common).stdout)
     assert alone["output_token_ids"] == lines[2]["output_token_ids"]
 
 
-def test_batch_mode_bad_file_and_bad_batch_size(tmp_path):
-    assert_one_line_error(run_cli("--prompts-file", str(tmp_path / "missing.jsonl")), "cannot read")
+def test_batch_mode_bad_file_and_bad_batch_size(cli, tmp_path):
+    assert_one_line_error(cli("--prompts-file", str(tmp_path / "missing.jsonl")), "cannot read")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert_one_line_error(run_cli("--prompts-file", str(empty)), "no requests")
-    assert_one_line_error(run_cli("--prompt", "hi", "--batch-size", "0"), "--batch-size")
+    assert_one_line_error(cli("--prompts-file", str(empty)), "no requests")
+    assert_one_line_error(cli("--prompt", "hi", "--batch-size", "0"), "--batch-size")

@@ -1,60 +1,40 @@
-"""The decode loop on the real default model: KV rollback, stop conditions, metric definitions, seeded sampling."""
+"""The decode loop on a tiny random Llama (fp32), through the engine's public calls: the pooled draft model's cache
+after rejections, stop conditions, metric definitions, seeded sampling. (Rollback against a fresh forward is
+test_kv_cache.py's; every method on the real model is test_lossless.py's.)"""
 
 import pytest
 import torch
 
 from specdec_core.batch_decode import BatchDecoder, DecodeRequest, decode
 from specdec_core.decode import DecodeParams
-from specdec_core.drafters.base import Draft, Drafter, NoDrafter, RequestContext
+from specdec_core.drafters.base import NoDrafter, RequestContext
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
+from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
 from specdec_core.sampling import SamplingParams
+from tests.tiny_models import repetitive_prompt, tiny_llama
 
-pytestmark = pytest.mark.slow
-
-PROMPT = [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}]
-
-
-class JunkDrafter(Drafter):
-    """Proposes the target's own next token followed by junk, so every step accepts 1 and rejects the rest."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def propose(self, tokens, max_tokens):
-        cache = self.target.new_cache()
-        right = int(self.target.forward(cache, list(tokens), 1).logits[0].argmax())
-        return Draft(tokens=([right] + [17, 4242, 99, 5])[:max_tokens], source="junk")
+PROMPT = repetitive_prompt(0, 40)
 
 
-def test_kv_rollback_matches_fresh_forward(engine):
-    """Real model, batch of two: after rejected junk drafts each row's next logits equal a fresh forward."""
-    target = engine.target
-    decoder = BatchDecoder(target, max_batch=2)
-    decoder.budget.enabled = False  # verify every junk token
-    decoder.submit(DecodeRequest(0, engine.prompt_ids(messages=PROMPT), DecodeParams(max_new_tokens=64),
-                                 JunkDrafter(target)))
-    decoder.submit(DecodeRequest(1, engine.prompt_ids(prompt="Count from one to ten."),
-                                 DecodeParams(max_new_tokens=64), NoDrafter()))
-    decoder.admit()
-    for _ in range(3):
-        decoder.step()
-    junk_row = decoder.rows[0].state
-    assert junk_row.metrics.accepted_tokens == 3 and junk_row.metrics.drafted_tokens == 15
-    pending = torch.tensor([[row.state.tokens[-1]] for row in decoder.rows])
-    lengths = torch.tensor(decoder.cache.lengths)
-    assert lengths.tolist() == [len(row.state.tokens) - 1 for row in decoder.rows]
-    rolled = target.forward_slots(decoder.cache, pending, lengths[:, None], torch.ones(2, 1, 1, dtype=torch.bool),
-                                  torch.tensor([[0, 0], [1, 0]]))
-    for b, row in enumerate(decoder.rows):
-        fresh = target.forward(target.new_cache(), row.state.tokens, 1).logits[0]
-        assert torch.allclose(rolled[b], fresh, atol=1e-4), (rolled[b] - fresh).abs().max()
-        assert rolled[b].argmax() == fresh.argmax()
+def noisy_copy(scale: float = 0.3):
+    """The target with seeded noise on its decoder layers: a draft model that is right often, wrong now and then."""
+    runner = tiny_llama(0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in runner.model.model.layers.parameters():
+            parameter.mul_(1.0 + scale * torch.randn(parameter.shape, generator=generator))
+    return runner
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_runners(tiny_llama(0), noisy_copy())
 
 
 def test_draft_model_cache_follows_accepted_tokens_after_rejections(engine):
     """The pooled draft model drafts what a fresh drafter would, after rejections rolled its slot back."""
-    ids = engine.prompt_ids(messages=PROMPT)
+    ids = PROMPT
     pool = DraftModelPool(engine.draft_model)
     decoder = BatchDecoder(engine.target, max_batch=1)
     decoder.budget.enabled = False
@@ -68,7 +48,7 @@ def test_draft_model_cache_follows_accepted_tokens_after_rejections(engine):
     first = drafter.propose(state.tokens, 4).tokens
     assert drafter.cache_length == len(state.tokens) + 3  # history + 3 fed draft tokens
     # The target accepts the first drafted token and rejects the second, emitting another token instead.
-    replacement = 1234 if first[1] != 1234 else 1235
+    replacement = first[1] % 90 + 1  # any other token of the vocabulary
     accepted = list(state.tokens) + [first[0], replacement]
     request = RequestContext(prompt_len=len(ids), sampling=DecodeParams().sampling, generator=state.generator)
     fresh = DraftModelDrafter(engine.draft_model, num_tokens=4)
@@ -83,7 +63,7 @@ def test_a_pooled_draft_model_drafts_no_further_than_the_plan_verifies(engine):
     cut, and the output is still ar's."""
     from specdec_core.speculation_budget import SpeculationBudget
 
-    ids = engine.prompt_ids(messages=PROMPT)
+    ids = PROMPT
     plain = decode(engine.target, NoDrafter(), ids, DecodeParams(max_new_tokens=24))
     decoder = BatchDecoder(engine.target, max_batch=1, budget=SpeculationBudget(enabled=False, token_budget=3))
     drafter = DraftModelDrafter(DraftModelPool(engine.draft_model), num_tokens=6, adaptive=True)
@@ -97,7 +77,7 @@ def test_a_pooled_draft_model_drafts_no_further_than_the_plan_verifies(engine):
 
 
 def test_metrics_follow_their_definitions(engine):
-    r = engine.generate(messages=PROMPT, method="copyspec", params=DecodeParams(max_new_tokens=80))
+    r = engine.generate_ids(PROMPT, method="copyspec", params=DecodeParams(max_new_tokens=80))
     assert r["new_tokens"] == len(r["output_token_ids"]) <= 80
     assert r["mean_accepted_length"] == pytest.approx(r["new_tokens"] / r["target_forwards"])
     assert r["acceptance_rate"] == pytest.approx(r["accepted_tokens"] / r["drafted_tokens"])
@@ -110,15 +90,15 @@ def test_metrics_follow_their_definitions(engine):
 
 def test_max_new_tokens_is_exact_and_never_overdrafted(engine):
     for method in ("ar", "copyspec", "draft"):
-        r = engine.generate(messages=PROMPT, method=method, params=DecodeParams(max_new_tokens=7))
+        r = engine.generate_ids(PROMPT, method=method, params=DecodeParams(max_new_tokens=7))
         assert r["new_tokens"] == 7 and r["finish_reason"] == "length"
         assert r["drafted_tokens"] <= 6 * r["target_forwards"]
 
 
 def test_stop_string_cuts_text(engine):
-    ar = engine.generate(messages=PROMPT, method="ar", params=DecodeParams(max_new_tokens=60))
+    ar = engine.generate_ids(PROMPT, method="ar", params=DecodeParams(max_new_tokens=60))
     stop = ar["output_text"][20:26]
-    r = engine.generate(messages=PROMPT, method="copyspec", params=DecodeParams(max_new_tokens=60, stop_strings=(stop,)))
+    r = engine.generate_ids(PROMPT, method="copyspec", params=DecodeParams(max_new_tokens=60, stop_strings=(stop,)))
     assert r["finish_reason"] == "stop"
     assert r["output_text"] == ar["output_text"][: ar["output_text"].find(stop)]
     assert r["new_tokens"] < ar["new_tokens"]
@@ -129,7 +109,7 @@ def test_stop_string_cuts_text(engine):
 
 
 def test_context_limit_stops_generation(engine, monkeypatch):
-    ids = engine.prompt_ids(messages=PROMPT)
+    ids = PROMPT
     monkeypatch.setattr(engine.target, "max_positions", len(ids) + 9)
     r = engine.generate_ids(ids, "copyspec", DecodeParams(max_new_tokens=100))
     assert r["finish_reason"] == "length" and len(ids) + r["new_tokens"] == len(ids) + 9
@@ -141,17 +121,17 @@ def test_empty_prompt_is_a_clear_error(engine):
     with pytest.raises(BadRequestError, match="empty prompt"):
         decode(engine.target, NoDrafter(), [], DecodeParams())
     with pytest.raises(BadRequestError, match="empty prompt"):
-        engine.generate(prompt="   ")
+        engine.generate_ids([], "copyspec")
 
 
 @pytest.mark.parametrize("method", ["ar", "copyspec", "draft"])
 def test_seeded_sampling_is_reproducible(engine, method):
     params = DecodeParams(max_new_tokens=48, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
-    first = engine.generate(messages=PROMPT, method=method, params=params)
-    second = engine.generate(messages=PROMPT, method=method, params=params)
+    first = engine.generate_ids(PROMPT, method=method, params=params)
+    second = engine.generate_ids(PROMPT, method=method, params=params)
     assert first["output_token_ids"] == second["output_token_ids"]
-    other = engine.generate(
-        messages=PROMPT, method=method,
+    other = engine.generate_ids(
+        PROMPT, method=method,
         params=DecodeParams(max_new_tokens=48, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8)),
     )
     assert other["output_token_ids"] != first["output_token_ids"]
@@ -160,22 +140,30 @@ def test_seeded_sampling_is_reproducible(engine, method):
 @pytest.mark.parametrize("method", ["ar", "copyspec"])
 def test_seeded_row_samples_the_same_alone_and_inside_a_batch(engine, method):
     """Each row samples with its own generator: its neighbours in the batch do not change what it draws."""
-    from specdec_core.engine import BatchItem
-
     sampled = DecodeParams(max_new_tokens=32, sampling=SamplingParams(temperature=0.8, seed=3))
-    target = BatchItem("seeded", engine.prompt_ids(messages=PROMPT), sampled)
-    others = [BatchItem(i, engine.prompt_ids(prompt=text), DecodeParams(max_new_tokens=40, sampling=SamplingParams(
-        temperature=1.0, seed=i))) for i, text in enumerate(["Name three colours.", "Describe a cat " * 20])]
+    target = BatchItem("seeded", PROMPT, sampled)
+    others = [BatchItem(i, prompt, DecodeParams(max_new_tokens=40, sampling=SamplingParams(temperature=1.0, seed=i)))
+              for i, prompt in enumerate([[5, 9, 14], repetitive_prompt(1, 60)])]
     alone = dict(engine.decode_batch([target], method, batch_size=1))["seeded"]
     together = dict(engine.decode_batch([others[0], target, others[1]], method, batch_size=3))["seeded"]
     assert alone["output_token_ids"] == together["output_token_ids"]
 
 
-def test_one_hot_speculative_sampling_draws_what_ar_draws(engine):
+@pytest.fixture(scope="module")
+def peaked_engine():
+    """A target whose next-token distributions are peaked (its head scaled up), as a trained model's are: a sampled
+    row then repeats itself, so copy drafts get accepted under sampling too."""
+    runner = tiny_llama(0)
+    with torch.no_grad():
+        runner.model.lm_head.weight.mul_(20.0)
+    return Engine.from_runners(runner)
+
+
+def test_one_hot_speculative_sampling_draws_what_ar_draws(peaked_engine):
     """One draw per emitted token (verification.py): with the same seed, copyspec samples ar's very tokens (fp32),
     although it verifies several tokens per step; the draws stay aligned with positions."""
     params = DecodeParams(max_new_tokens=40, sampling=SamplingParams(temperature=0.8, seed=11))
-    ar = engine.generate(messages=PROMPT, method="ar", params=params)
-    copy = engine.generate(messages=PROMPT, method="copyspec", params=params)
+    ar = peaked_engine.generate_ids(PROMPT, method="ar", params=params)
+    copy = peaked_engine.generate_ids(PROMPT, method="copyspec", params=params)
     assert copy["accepted_tokens"] > 0, "nothing was drafted and accepted: the test proved nothing"
     assert copy["output_token_ids"] == ar["output_token_ids"]

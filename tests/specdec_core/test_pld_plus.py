@@ -250,6 +250,7 @@ def check_pairs(runner, pairs, heads):
         torch.testing.assert_close(weights, eager_attention(runner, tokens[:-1], heads), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_head_discovery_on_the_default_model_is_deterministic_and_saved_once(engine, tmp_path, monkeypatch):
     """Two discoveries (a small prompt set) rank the heads identically and find copying heads; the saved ranking is
     read back instead of discovered again."""
