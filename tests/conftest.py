@@ -32,6 +32,18 @@ def engine():
     return engine
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One embedded Ray cluster for every job the session runs in-process (tests/job_runs.py)."""
+    import ray
+
+    from pipelines.generate import init_ray
+
+    init_ray(None)
+    yield
+    ray.shutdown()
+
+
 _guard: RuntimeGuard | None = None
 
 

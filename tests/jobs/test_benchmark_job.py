@@ -1,22 +1,18 @@
 """The benchmark job on a tiny request set: runs, throughput table, and HF batch-1 greedy identical to our ar."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.job_runs import run_job
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_benchmark_reports_speedups_throughput_and_the_hf_peer(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "benchmark.py"), "--output", str(tmp_path), "--workload", "sample",
-         "--per-workload", "2", "--max-new-tokens", "8", "--method", "ar", "--method", "copyspec", "--actors", "1",
-         "--hf-batch-sizes", "1,2", "--dtype", "float32", "--batch-size", "2", "--candidates", "2"],
-        capture_output=True, text=True, timeout=540, cwd=ROOT)
+def test_benchmark_reports_speedups_throughput_and_the_hf_peer(ray_cluster, tmp_path):
+    proc = run_job("benchmark.py", "--output", str(tmp_path), "--workload", "sample", "--per-workload", "2",
+                   "--max-new-tokens", "8", "--method", "ar", "--method", "copyspec", "--actors", "1",
+                   "--hf-batch-sizes", "1,2", "--dtype", "float32", "--batch-size", "2", "--candidates", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "benchmark" / "benchmark.json").read_text())
     assert result["config"]["batch_size"] == 2 and result["config"]["method_options"]["candidates"] == 2

@@ -1,20 +1,20 @@
-"""The edit and QA jobs end to end on the real default model: diff and quality columns, error rows, bad options."""
+"""The edit and QA jobs end to end on the real default model: diff and quality columns, error rows. (Bad options:
+test_job_arguments.py.)"""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.dataset as pads
 import pytest
 
+from tests.job_runs import run_job
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(job, *args, timeout=480):
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / job), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+def run(job, *args):
+    return run_job(job, *args)  # in-process, on the session's Ray cluster
 
 
 def rows_of(out: Path) -> dict:
@@ -22,7 +22,7 @@ def rows_of(out: Path) -> dict:
     return {(r["request_id"], r["method"]): r for r in table.to_pylist()}
 
 
-def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
+def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(ray_cluster, tmp_path):
     sample = [json.loads(line) for line in (ROOT / "samples" / "edit_documents.jsonl").read_text().splitlines()]
     assert sample[0]["max_new_tokens"] > 40
     rows = [sample[0], {"id": "empty-document", "document": "  ", "instruction": "Edit."},
@@ -52,7 +52,7 @@ def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(tmp_path):
     assert edited["diff"] == out[("edit-rename", "ar")]["diff"]
 
 
-def test_answer_job_scores_answers_by_token_f1_with_a_compressed_context(tmp_path):
+def test_answer_job_scores_answers_by_token_f1_with_a_compressed_context(ray_cluster, tmp_path):
     """--compress-context 2: the prompt carries about half the context's tokens (the question whole), the job scores
     as usual."""
     from transformers import AutoTokenizer

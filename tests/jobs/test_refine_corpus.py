@@ -1,16 +1,15 @@
-"""The corpus refinement job end to end through Ray (subprocess, with timeouts): scores, selection, index, resume.
+"""The corpus refinement job end to end through Ray (in-process on the session's cluster, with a timeout): scores,
+selection, index, resume.
 (Its bad arguments: test_job_arguments.py.)"""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.job_runs import run_job
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TEXTS = [
@@ -22,12 +21,11 @@ TEXTS = [
 ]
 
 
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+def run(*args):
+    return run_job("refine_corpus.py", *args)  # in-process, on the session's Ray cluster
 
 
-def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(tmp_path, capsys):
+def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(ray_cluster, tmp_path):
     from transformers import AutoTokenizer
 
     from specdec_core.model_registry import resolve_model_path
@@ -76,12 +74,8 @@ def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(tmp_pat
     assert all(parts_after.get(name) == stamp for name, stamp in parts_before.items())
     assert read_manifest(out / "index")["texts"] == 4
 
-    # Without --resume the directory is refused; other scoring settings on --resume are refused too (checked before
-    # Ray starts, so the job's main runs in this process).
-    from jobs.refine_corpus import main
-
-    assert main(["--input", str(corpus), "--output", str(out)]) == 2
-    stderr = capsys.readouterr().err
-    assert "--resume" in stderr and len(stderr.strip().splitlines()) == 1, stderr
-    assert main(["--input", str(corpus), "--output", str(out), "--resume", "--window", "512"]) == 2
-    assert "window" in capsys.readouterr().err
+    # Without --resume the directory is refused; other scoring settings on --resume are refused too.
+    proc = run("--input", str(corpus), "--output", str(out))
+    assert proc.returncode == 2 and "--resume" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = run("--input", str(corpus), "--output", str(out), "--resume", "--window", "512")
+    assert proc.returncode == 2 and "window" in proc.stderr

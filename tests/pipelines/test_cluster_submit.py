@@ -26,8 +26,11 @@ def cluster(tmp_path):
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "ray_start.log", "w")
+    # The dashboard agent's own port: its default (52365) is taken when another Ray instance runs on the machine
+    # (the session's embedded cluster, tests/job_runs.py), and a head without its agent accepts no job.
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
-                             "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats"],
+                             "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--disable-usage-stats",
+                             "--dashboard-agent-listen-port", str(_free_port())],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
@@ -44,6 +47,14 @@ def cluster(tmp_path):
             _quietly(proc.kill)
         _quietly(lambda: head.wait(timeout=10))
         log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _dashboard_up() -> bool:
@@ -78,7 +89,7 @@ def test_ray_job_submit_writes_the_output(cluster, tmp_path):
     proc = subprocess.run(
         [RAY, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--",
          sys.executable, "jobs/summarize.py", "--input", "workload:sample", "--limit", "2", "--output", str(out),
-         "--method", "ar", "--method", "copyspec", "--dtype", "float32"],
+         "--method", "ar", "--method", "copyspec", "--max-new-tokens", "8", "--dtype", "float32"],
         capture_output=True, text=True, timeout=420, cwd=ROOT, env=cluster)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr

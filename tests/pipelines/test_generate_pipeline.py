@@ -1,4 +1,6 @@
-"""The Ray generation pipeline end to end on the real default model: row accounting, schema, bad rows, resume."""
+"""The Ray generation pipeline end to end on the real default model: row accounting, schema, bad rows, resume, a
+killed driver, a killed actor, a poison row. Jobs run in-process on the session's Ray cluster (tests/job_runs.py),
+except the two that a fault needs in a process of their own."""
 
 import json
 import subprocess
@@ -10,14 +12,19 @@ import pyarrow.dataset as pads
 import pytest
 
 from contract.schema import GENERATIONS_SCHEMA
+from tests.job_runs import run_job as run_job_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(*args, timeout=480, env=None):
+def run_job(*args):
+    return run_job_in_process("summarize.py", *args)
+
+
+def run_job_process(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env)
+                          text=True, timeout=480, cwd=ROOT, env=env)
 
 
 def write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -63,7 +70,7 @@ BAD_IDS = {"bad-empty", "bad-missing", "mixed.jsonl:7", "mixed.jsonl:8", "bad-ro
 
 
 @pytest.fixture(scope="module")
-def first_run(mixed_input, tmp_path_factory):
+def first_run(ray_cluster, mixed_input, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     proc = run_job("--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
                    "--max-new-tokens", "12", "--dtype", "float32", "--run-id", "run-a", "--batch-size", "4",
@@ -155,15 +162,14 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
         assert 1 <= s["mean_occupancy"] <= 4 and s["peak_kv_bytes"] > 0 and s["actors"] == 1
         assert {r["batch_size"] for r in ok} == {4}
     assert by_method["copyspec"]["drafted_tokens"] >= by_method["copyspec"]["accepted_tokens"]
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "report.py"), "--output", str(out), "--no-plots",
-                           "--report-dir", str(out / "report")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_job_in_process("report.py", "--output", str(out), "--no-plots", "--report-dir", str(out / "report"))
     assert proc.returncode == 0, proc.stderr
     report = (out / "report" / "report.md").read_text()
     first_section = report.split("## ")[1]
     assert first_section.startswith("Job throughput by method") and "| run-a | copyspec |" in first_section
 
 
-def test_resume_of_a_finished_run_redoes_nothing(first_run, mixed_input):
+def test_resume_of_a_finished_run_redoes_nothing(ray_cluster, first_run, mixed_input):
     """(A reused run id without --resume is refused before Ray starts: test_job_arguments.py.)"""
     out, _, _ = first_run
     args = ["--input", str(mixed_input), "--output", str(out), "--method", "ar", "--method", "copyspec",
@@ -177,7 +183,7 @@ def test_resume_of_a_finished_run_redoes_nothing(first_run, mixed_input):
     assert (out / "generations" / "run_id=run-a" / "_SUCCESS").exists()
 
 
-def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(tmp_path):
+def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(ray_cluster, tmp_path):
     """SIGKILL the job after its first blocks are written; --resume finishes the same run: every pair once, no
     temporary file left, one runs row."""
     import os
@@ -188,7 +194,7 @@ def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(tmp_path):
             for i in range(12)]
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
-    args = ["--input", str(source), "--output", str(out), "--method", "ar", "--max-new-tokens", "16",
+    args = ["--input", str(source), "--output", str(out), "--method", "ar", "--max-new-tokens", "8",
             "--dtype", "float32", "--batch-size", "2", "--run-id", "nightly", "--rows-per-call", "2"]
     job = subprocess.Popen([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -229,9 +235,9 @@ def test_a_killed_actor_a_poison_row_and_a_corrupt_file_cost_their_own_rows_only
                    source / "good.parquet")
     (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
     marker = tmp_path / "killed"
-    proc = run_job("--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar", "--method",
-                   "copyspec", "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6",
-                   "--max-error-fraction", "0.5", env={**os.environ, FAULT_ENV: str(marker), POISON_ENV: "r2"})
+    proc = run_job_process("--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar", "--method",
+                           "copyspec", "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6",
+                           "--max-error-fraction", "0.5", env={**os.environ, FAULT_ENV: str(marker), POISON_ENV: "r2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert marker.exists(), "the actor was not killed, so the test proved nothing"
     rows = generations(tmp_path / "out").to_pylist()

@@ -13,8 +13,8 @@ from tests.prompts import LOSSLESS_CASES
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW = 64  # long enough for many draft/verify steps per row
-EARLY = {"summary_paper": 40, "no_repetition_facts": 24}  # rows that finish while others still run
+MAX_NEW = 48  # long enough for many draft/verify steps per row
+EARLY = {"summary_paper": 32, "no_repetition_facts": 20}  # rows that finish while others still run
 CROSS_VOCABULARY = {"slem", "tli", "union", "slrs"}  # test_slem.py: they need a drafter with another tokenizer
 
 # Two batches of the 8 cases, each row with its own method (every draft verified: the budget is off). In the first,
@@ -27,6 +27,21 @@ WITHOUT_CONTEXT = [("draft", MethodOptions(adaptive=True)), ("copyspec+draft", M
                    ("rest", MethodOptions()), ("spectra+retrieval", MethodOptions(spectra_pool=6)),
                    ("pld", MethodOptions(candidates=3)), ("copyspec", MethodOptions(gamma=5, copy_tokens=32)),
                    ("pld_plus_h", MethodOptions(hidden_layer=4, adaptive=True)), ("draft", MethodOptions())]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixed_induction_heads(engine):
+    """pld_plus_a ranks occurrences by the target's induction heads, discovered once per model and saved (~1 min on 2
+    cores the first time). Which heads rank them changes the drafts, never the output: here the first heads stand in
+    for the discovered ones. Discovery itself is test_pld_plus.py's."""
+    from specdec_core import batch_decode
+
+    config = engine.target.model.config
+    ranking = {"heads": [[layer, head, 1] for layer in range(config.num_hidden_layers)
+                         for head in range(config.num_attention_heads)]}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_decode, "load_or_discover", lambda runner: ranking)
+        yield
 
 
 def items(engine):
@@ -115,7 +130,7 @@ def test_context_drafters_in_one_batch_equal_ar(engine, reference):
         if method in ("pld", "copyspec", "casd_strict"):
             from_context += row["accepted_by_source"].get("context", 0)
             assert row["copied_tokens"] >= row["accepted_by_source"].get("context", 0)
-    assert from_context > 40, from_context
+    assert from_context > 20, from_context
 
 
 def test_draft_model_and_retrieval_drafters_in_one_batch_equal_ar(engine, reference, index):
