@@ -1,6 +1,6 @@
 """A bad argument, seen from the process a user starts: exit status 2 and one line on stderr, nothing else there (no
 import warning, no traceback). Every bad argument of every job is test_job_arguments.py's, in-process; the generation
-jobs share one main (jobs/common.py), the refinement and report jobs have their own."""
+jobs share one main (jobs/common.py), the refinement job has its own."""
 
 import subprocess
 import sys
@@ -15,7 +15,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 @pytest.mark.parametrize("job, args, fragment", [
     ("summarize.py", ["--method", "nope"], "unknown method"),
     ("refine_corpus.py", ["--input", "missing.jsonl"], "input not found"),
-    ("report.py", [], "output directory not found"),
 ])
 def test_a_bad_argument_is_one_line_from_the_process(job, args, fragment, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--output", str(tmp_path / "out"), *args],

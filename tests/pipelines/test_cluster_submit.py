@@ -39,11 +39,8 @@ def cluster(tmp_path):
             time.sleep(1)
         yield env
     finally:
-        tree = [head] + _descendants(psutil, head.pid)
-        for proc in tree:
-            _quietly(proc.terminate)
-        _, alive = psutil.wait_procs([p for p in tree if not isinstance(p, subprocess.Popen)], timeout=5)
-        for proc in alive:
+        # The cluster is this test's alone and its output is read: killed outright (a graceful stop took ~15 s).
+        for proc in [head] + _descendants(psutil, head.pid):
             _quietly(proc.kill)
         _quietly(lambda: head.wait(timeout=10))
         log.close()

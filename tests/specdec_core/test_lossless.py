@@ -13,8 +13,8 @@ from tests.prompts import LOSSLESS_CASES
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW = 48  # long enough for many draft/verify steps per row
-EARLY = {"summary_paper": 32, "no_repetition_facts": 20}  # rows that finish while others still run
+MAX_NEW = 40  # long enough for many draft/verify steps per row; a real-model step costs ~80 ms on 2 cores
+EARLY = {"summary_paper": 28, "no_repetition_facts": 16}  # rows that finish while others still run
 CROSS_VOCABULARY = {"slem", "tli", "union", "slrs"}  # test_slem.py: they need a drafter with another tokenizer
 
 # Two batches of the 8 cases, each row with its own method (every draft verified: the budget is off). In the first,
@@ -63,12 +63,6 @@ def test_cases_are_long_and_varied(reference, engine):
         assert r["mean_accepted_length"] == 1.0 and r["target_forwards"] == r["new_tokens"]
 
 
-def test_batched_ar_equals_single_request_ar(engine, reference):
-    got = dict(engine.decode_batch(items(engine), "ar", batch_size=8))
-    for name, ar in reference.items():
-        assert got[name]["output_token_ids"] == ar["output_token_ids"], name
-
-
 def test_every_lossless_method_is_checked_on_the_real_model():
     """A method added to the registry needs a row here (or in test_slem.py's cross-vocabulary set)."""
     checked = {method for method, _ in WITH_CONTEXT + WITHOUT_CONTEXT} | CROSS_VOCABULARY
@@ -82,7 +76,7 @@ def index(engine, reference, tmp_path_factory):
     from specdec_core.retrieval_index import tokenizer_fingerprint, write_index
 
     directory = tmp_path_factory.mktemp("index") / "index"
-    texts = [reference[name]["output_token_ids"][24:] for name in list(reference)[:-1]]
+    texts = [reference[name]["output_token_ids"][16:] for name in list(reference)[:-1]]
     texts.append(engine.tokenizer("The quick brown fox jumps over the lazy dog. " * 20)["input_ids"])
     write_index(directory, texts, {"model": engine.config.model, "tokenizer": tokenizer_fingerprint(engine.tokenizer)})
     return str(directory)

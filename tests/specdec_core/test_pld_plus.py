@@ -275,6 +275,6 @@ def test_head_discovery_finds_copying_heads_in_the_default_model(engine):
     from specdec_core import induction_heads
 
     prompts = induction_heads.discovery_prompts(engine.tokenizer, count=2)
-    found = induction_heads.discover(engine.target, prompts, new_tokens=24)
+    found = induction_heads.discover(engine.target, prompts, new_tokens=16)
     assert found["events"] > 0 and found["heads"][0][2] > 0
     assert len(found["heads"]) == engine.target.num_layers * engine.target.model.config.num_attention_heads

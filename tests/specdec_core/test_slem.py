@@ -67,13 +67,13 @@ def smol_target():
 
 
 def test_slem_with_a_gemma_drafter_equals_smollm2_ar(smol_target):
-    accepted = check_pair(smol_target, ["rename", "summary", "chat"], 40)
-    assert accepted > 20, accepted  # the translated drafts are accepted, not only verified
+    accepted = check_pair(smol_target, ["rename", "summary", "chat"], 32)
+    assert accepted > 16, accepted  # the translated drafts are accepted, not only verified
 
 
 def test_slem_with_a_smollm2_drafter_equals_gemma_ar():
-    accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["code", "chat"], 24)
-    assert accepted > 8, accepted
+    accepted = check_pair(engine_pair("gemma3-270m", "smollm2-135m"), ["code", "chat"], 16)
+    assert accepted > 5, accepted
 
 
 def test_tli_union_and_slrs_greedy_equal_smollm2_ar_in_one_mixed_batch(smol_target):
@@ -94,7 +94,7 @@ def test_tli_union_and_slrs_sample_with_a_seed_reproducibly(smol_target):
     """The sampling path (q'' / q' rows of the target's width, the OUTSIDE id fed to the target): seeded rows of the
     three methods in one batch (beside an ar row) complete and draw the same tokens twice; exactness itself is the
     χ² tests' (test_cross_vocab.py)."""
-    params = DecodeParams(max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=5))
+    params = DecodeParams(max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=5))
     items = make_items(smol_target, ["rename", "chat", "summary", "code"], params)
     methods = ["tli", "union", "slrs", "ar"]
     runs = [run_batch(smol_target, items, methods, batch_size=4) for _ in range(2)]

@@ -39,6 +39,9 @@ def simulate(target_rows, draft_rows, num_draft, generator, trials=20000, length
     """
     vocab = target_rows.shape[-1]
     counts = torch.zeros(length, vocab)
+    if draft_rows is not None:  # independent draws from each position's q, drawn up front (one call per row)
+        pools = [iter(torch.multinomial(draft_rows[j], trials * length, replacement=True, generator=generator).tolist())
+                 for j in range(length)]
     for _ in range(trials):
         out: list[int] = []
         while len(out) < length:
@@ -48,7 +51,7 @@ def simulate(target_rows, draft_rows, num_draft, generator, trials=20000, length
                 draft, q = [(pos + i) % vocab for i in range(k)], None
             else:
                 q = draft_rows[pos : pos + k]  # [k, vocab]
-                draft = [int(torch.multinomial(q[i], 1, generator=generator)) for i in range(k)]
+                draft = [next(pools[pos + i]) for i in range(k)]
             result = verify_speculative_sampling(draft, target_rows[pos : pos + k + 1], generator, q)
             out.extend(draft[: result.num_accepted] + [result.next_token])
         for j in range(length):
