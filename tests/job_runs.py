@@ -1,4 +1,5 @@
-"""Jobs run in the test process, on the one embedded Ray cluster of the test session (conftest's `ray_cluster`).
+"""Jobs (and the CLI) run in the test process; a job that gets that far runs on the one embedded Ray cluster of the
+test session (conftest's `ray_cluster`).
 
 A job's main attaches to an initialised Ray instead of starting its own, so a small job costs ~20 s here against
 ~50 s as a process of its own (Python and torch imports, the cluster's start and stop: measured on 2 cores). The
@@ -15,7 +16,11 @@ from types import SimpleNamespace
 
 def run_job(job: str, *args: str) -> SimpleNamespace:
     """jobs/JOB.py's main(args) -> (returncode, stdout, stderr), as `python jobs/JOB.py ARGS` would give them."""
-    main = importlib.import_module(f"jobs.{job.removesuffix('.py')}").main
+    return run_main(importlib.import_module(f"jobs.{job.removesuffix('.py')}").main, *args)
+
+
+def run_main(main, *args: str) -> SimpleNamespace:
+    """A command's main(argv) in this process -> (returncode, stdout, stderr)."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:

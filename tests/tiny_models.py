@@ -64,6 +64,17 @@ def tiny_qwen2(seed: int = 0) -> ModelRunner:
     return ModelRunner(model, DigitsTokenizer(), "tiny-qwen2", "cpu", torch.float32)
 
 
+def noisy_llama(scale: float = 0.3, seed: int = 0) -> ModelRunner:
+    """tiny_llama(0) with each decoder-layer weight scaled by 1 + scale x N(0, 1): a draft model that drafts what the
+    target says often and something else now and then, so verification both accepts and rolls back."""
+    runner = tiny_llama(0)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in runner.model.model.layers.parameters():
+            parameter.mul_(1.0 + scale * torch.randn(parameter.shape, generator=generator))
+    return runner
+
+
 def hf_greedy(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
     """The model's own `generate` (greedy, batch 1): the reference every batched row must equal."""
     with torch.inference_mode():

@@ -3,7 +3,6 @@
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -12,6 +11,7 @@ from analysis.reports import REPORTS, build_report, run_report
 from analysis.views import ReadOnlyQueryError, check_read_only, connect, run_query
 from pipelines.outputs import write_run_row
 from contract.schema import generations_table
+from tests.job_runs import run_job
 
 NOW = datetime(2026, 11, 22, tzinfo=timezone.utc)
 
@@ -127,23 +127,12 @@ def test_ad_hoc_sql_cannot_read_other_files_and_takes_parameters(output):
                      {"j": "x' OR '1'='1"}).to_pylist() == [{"n": 0}]
 
 
-@pytest.fixture
-def report_cli(capsys):
+def report_cli(*args):
     """jobs/report.py's main in this process: (returncode, stdout, stderr) as the process would give them."""
-    from jobs.report import main
-
-    def run(*args):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
+    return run_job("report.py", *args)
 
 
-def test_report_job_writes_markdown_and_plots_and_runs_queries(output, report_cli):
+def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
     proc = report_cli("--output", str(output), "--run-id", "r1")
     assert proc.returncode == 0, proc.stderr
     report = (output / "report" / "report.md").read_text()
@@ -158,7 +147,7 @@ def test_report_job_writes_markdown_and_plots_and_runs_queries(output, report_cl
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output, report_cli):
+def test_ad_hoc_sql_stops_at_its_time_memory_and_row_limits(output):
     """A cross join cannot take the machine down: each limit stops it with one clear line and exit status 2."""
     from analysis.views import QueryLimitError, QueryLimits
 

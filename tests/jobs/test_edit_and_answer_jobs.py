@@ -24,13 +24,13 @@ def rows_of(out: Path) -> dict:
 
 def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(ray_cluster, tmp_path):
     sample = [json.loads(line) for line in (ROOT / "samples" / "edit_documents.jsonl").read_text().splitlines()]
-    assert sample[0]["max_new_tokens"] > 40
+    assert sample[0]["max_new_tokens"] > 24
     rows = [sample[0], {"id": "empty-document", "document": "  ", "instruction": "Edit."},
             {"id": "run-instruction", "document": "Alpha beta gamma.\n", "max_new_tokens": 8}]
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = run("edit_documents.py", "--input", str(source), "--output", str(tmp_path / "out"), "--method", "ar",
-               "--method", "copyspec", "--max-new-tokens", "40", "--dtype", "float32",
+               "--method", "copyspec", "--max-new-tokens", "24", "--dtype", "float32",
                "--instruction", "Write it in upper case.")
     # 2 error rows of 6 are over the default --max-error-fraction 0.05: everything written, then exit status 3
     assert proc.returncode == 3, proc.stderr[-3000:]
@@ -38,8 +38,8 @@ def test_edit_job_stores_a_diff_per_row_and_scores_computable_edits(ray_cluster,
     out = rows_of(tmp_path / "out")
     assert len(out) == 6
     assert "empty document" in out[("empty-document", "ar")]["error"]
-    # The row asks for more than --max-new-tokens 40: the job's cap wins (it used to decode the row's own 96+).
-    assert out[("edit-rename", "ar")]["new_tokens"] == 40
+    # The row asks for more than --max-new-tokens 24: the job's cap wins (it used to decode the row's own 96+).
+    assert out[("edit-rename", "ar")]["new_tokens"] == 24
     # The row without an instruction of its own takes --instruction (without it, it would be an error row).
     assert out[("run-instruction", "copyspec")]["error"] is None
     assert out[("run-instruction", "copyspec")]["new_tokens"] == 8

@@ -4,18 +4,12 @@ processes a user starts, to see that nothing else reaches stderr there."""
 
 import pytest
 
-from jobs import answer_questions, edit_documents, refine_corpus, summarize
-
-JOBS = {"summarize.py": summarize, "edit_documents.py": edit_documents, "answer_questions.py": answer_questions,
-        "refine_corpus.py": refine_corpus}
+from tests.job_runs import run_job
 
 
-def run_main(capsys, job: str, *args: str):
-    try:
-        code = JOBS[job].main(list(args))
-    except SystemExit as exit:  # argparse's own errors
-        code = exit.code
-    return code, capsys.readouterr().err
+def run_main(job: str, *args: str):
+    proc = run_job(job, *args)
+    return proc.returncode, proc.stderr
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -28,8 +22,8 @@ def run_main(capsys, job: str, *args: str):
     (["--run-id", "/tmp/abs"], "run id"),
     (["--resume"], "no unfinished run"),
 ])
-def test_generation_job_bad_arguments_fail_fast_with_one_line(capsys, tmp_path, args, fragment):
-    code, stderr = run_main(capsys, "summarize.py", "--output", str(tmp_path), *args)
+def test_generation_job_bad_arguments_fail_fast_with_one_line(tmp_path, args, fragment):
+    code, stderr = run_main("summarize.py", "--output", str(tmp_path), *args)
     lines = stderr.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("summarize.py: error:") and fragment in lines[0], \
         stderr
@@ -43,16 +37,16 @@ def test_generation_job_bad_arguments_fail_fast_with_one_line(capsys, tmp_path, 
     ("edit_documents.py", ["--input", "/no/such.jsonl"], "input not found"),
     ("summarize.py", ["--method", "draft", "--drafter", "gemma3-270m"], "use --method slem"),
 ])
-def test_job_specific_bad_arguments_fail_fast(capsys, tmp_path, job, args, fragment):
-    code, stderr = run_main(capsys, job, "--output", str(tmp_path), *args)
+def test_job_specific_bad_arguments_fail_fast(tmp_path, job, args, fragment):
+    code, stderr = run_main(job, "--output", str(tmp_path), *args)
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and fragment in stderr, stderr
 
 
-def test_a_reused_run_id_is_refused_without_resume(capsys, tmp_path):
+def test_a_reused_run_id_is_refused_without_resume(tmp_path):
     from pipelines.outputs import run_dir
 
     run_dir(str(tmp_path), "run-a").mkdir(parents=True)
-    code, stderr = run_main(capsys, "summarize.py", "--output", str(tmp_path), "--run-id", "run-a")
+    code, stderr = run_main("summarize.py", "--output", str(tmp_path), "--run-id", "run-a")
     assert code == 2 and "already has output" in stderr and "--resume" in stderr, stderr
 
 
@@ -63,7 +57,7 @@ def test_a_reused_run_id_is_refused_without_resume(capsys, tmp_path):
     (["--input", "corpus:stdlib", "--keep", "3", "--keep-fraction", "0.5"], "not allowed"),
     (["--input", "corpus:stdlib", "--keep-tokens", "0"], "keep_tokens"),
 ])
-def test_refinement_bad_arguments_fail_fast_with_one_line(capsys, tmp_path, args, fragment):
-    code, stderr = run_main(capsys, "refine_corpus.py", "--output", str(tmp_path / "out"), *args)
+def test_refinement_bad_arguments_fail_fast_with_one_line(tmp_path, args, fragment):
+    code, stderr = run_main("refine_corpus.py", "--output", str(tmp_path / "out"), *args)
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and fragment in stderr, stderr
     assert not (tmp_path / "out").exists()

@@ -6,11 +6,11 @@ load the real model, and one runs `python -m specdec_core` itself."""
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from specdec_core.cli import main
+from tests.job_runs import run_main
 
 CONTRACT_KEYS = {
     "output_text", "output_token_ids", "method", "model", "drafter", "dtype", "device", "temperature", "seed",
@@ -20,18 +20,9 @@ CONTRACT_KEYS = {
 }
 
 
-@pytest.fixture
-def cli(capsys):
-    """Runs the CLI's main in-process: (returncode, stdout, stderr) as a process would give them."""
-    def run(*args):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code
-        out = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-
-    return run
+def cli(*args):
+    """The CLI's main in-process: (returncode, stdout, stderr) as a process would give them."""
+    return run_main(main, *args)
 
 
 def run_cli_process(*args, timeout=300):
@@ -46,41 +37,41 @@ def assert_one_line_error(proc, fragment):
     assert lines[0].startswith("specbatch: error:") and fragment in lines[0], lines[0]
 
 
-def test_unknown_method(cli):
+def test_unknown_method():
     assert_one_line_error(cli("--method", "nope", "--prompt", "hi"), "unknown method 'nope'")
 
 
-def test_unknown_model(cli):
+def test_unknown_model():
     assert_one_line_error(cli("--model", "no-such-model", "--prompt", "hi"), "unknown model 'no-such-model'")
 
 
-def test_empty_prompt(cli):
+def test_empty_prompt():
     assert_one_line_error(cli("--prompt", "  "), "empty prompt")
 
 
-def test_invalid_utf8_file(cli, tmp_path):
+def test_invalid_utf8_file(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"caf\xe9 \xff")
     assert_one_line_error(cli("--prompt-file", str(bad)), "not valid UTF-8")
 
 
-def test_bad_messages_file(cli, tmp_path):
+def test_bad_messages_file(tmp_path):
     path = tmp_path / "chat.json"
     path.write_text('[{"role": "user"}]')
     assert_one_line_error(cli("--messages-file", str(path)), "content")
 
 
-def test_bad_argument_value(cli):
+def test_bad_argument_value():
     assert_one_line_error(cli("--prompt", "hi", "--max-new-tokens", "many"), "--max-new-tokens")
     assert_one_line_error(cli("--prompt", "hi", "--temperature", "-1"), "temperature")
 
 
-def test_draft_method_without_drafter(cli):
+def test_draft_method_without_drafter():
     assert_one_line_error(cli("--method", "draft", "--prompt", "hi"), "--drafter")
 
 
 @pytest.mark.slow
-def test_prompt_longer_than_context(cli):
+def test_prompt_longer_than_context():
     assert_one_line_error(cli("--raw", "--prompt", "word " * 9000), "context limit")
 
 
@@ -97,13 +88,13 @@ def test_json_output_has_every_metric(tmp_path):
     assert result["dtype"] == "float32" and result["lossy"] is False
 
 
-def test_help_explains_itself(cli):
+def test_help_explains_itself():
     proc = cli("--help")
     assert proc.returncode == 0 and "copyspec" in proc.stdout and "--drafter" in proc.stdout
 
 
 @pytest.mark.slow
-def test_batch_mode_prints_one_json_line_per_input_line_in_order(cli, tmp_path):
+def test_batch_mode_prints_one_json_line_per_input_line_in_order(tmp_path):
     """--prompts-file: every line gets its line (bad ones an error), in input order, with the single-prompt
     fields; a batched row equals the same prompt decoded alone (fp32)."""
     chat = [{"role": "user", "content": "Repeat after me: one two three, one two three."}]
@@ -127,7 +118,7 @@ def test_batch_mode_prints_one_json_line_per_input_line_in_order(cli, tmp_path):
     assert alone["output_token_ids"] == lines[2]["output_token_ids"]
 
 
-def test_batch_mode_bad_file_and_bad_batch_size(cli, tmp_path):
+def test_batch_mode_bad_file_and_bad_batch_size(tmp_path):
     assert_one_line_error(cli("--prompts-file", str(tmp_path / "missing.jsonl")), "cannot read")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -12,24 +12,14 @@ from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
 from specdec_core.sampling import SamplingParams
-from tests.tiny_models import repetitive_prompt, tiny_llama
+from tests.tiny_models import noisy_llama, repetitive_prompt, tiny_llama
 
 PROMPT = repetitive_prompt(0, 40)
 
 
-def noisy_copy(scale: float = 0.3):
-    """The target with seeded noise on its decoder layers: a draft model that is right often, wrong now and then."""
-    runner = tiny_llama(0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in runner.model.model.layers.parameters():
-            parameter.mul_(1.0 + scale * torch.randn(parameter.shape, generator=generator))
-    return runner
-
-
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_runners(tiny_llama(0), noisy_copy())
+    return Engine.from_runners(tiny_llama(0), noisy_llama())
 
 
 def test_draft_model_cache_follows_accepted_tokens_after_rejections(engine):

@@ -1,12 +1,11 @@
 """Lossless mechanics on a tiny random Llama (fp32): for every variant of method, options, batch size and speculation
 budget, each row's greedy output equals HF greedy's for that prompt alone, token for token. One batch holds prompts of
 very different lengths, rows that finish early, rows admitted late (more requests than slots), rows with and without
-a context document; a row failing
-mid-batch errors alone; rows of one batch use different drafters. The draft model is a seeded noisy copy of the
-target, so its drafts are rejected now and then. test_lossless.py checks every method once on the real model."""
+a context document; a row failing mid-batch errors alone; rows of one batch use different drafters. The draft model
+is a seeded noisy copy of the target, so its drafts are rejected now and then. test_lossless.py checks every method
+once on the real model."""
 
 import pytest
-import torch
 
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Drafter
@@ -14,12 +13,11 @@ from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.methods import MethodOptions
 from specdec_core.retrieval_index import tokenizer_fingerprint, write_index
-from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama
+from tests.tiny_models import DigitsTokenizer, hf_greedy, noisy_llama, repetitive_prompt, tiny_llama
 
 LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]  # the longest is 10x the shortest
 MAX_NEW = 32
 EARLY = {2: 9, 5: 4}  # rows that finish while others still run
-DRAFT_NOISE = 0.3  # each decoder-layer weight of the draft model scaled by 1 + DRAFT_NOISE x N(0, 1), seed 0
 
 # (method, options, batch size, speculation budget on): the variants test_lossless.py ran on the real model.
 VARIANTS = {
@@ -46,18 +44,9 @@ VARIANTS = {
 }
 
 
-def noisy_copy(seed: int = 0):
-    runner = tiny_llama(0)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in runner.model.model.layers.parameters():
-            parameter.mul_(1.0 + DRAFT_NOISE * torch.randn(parameter.shape, generator=generator))
-    return runner
-
-
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_runners(tiny_llama(0), noisy_copy())
+    return Engine.from_runners(tiny_llama(0), noisy_llama())  # the draft model: tiny_models.noisy_llama
 
 
 @pytest.fixture(scope="module")

@@ -92,17 +92,17 @@ def test_tli_union_and_slrs_greedy_equal_smollm2_ar_in_one_mixed_batch(smol_targ
 
 def test_tli_union_and_slrs_sample_with_a_seed_reproducibly(smol_target):
     """The sampling path (q'' / q' rows of the target's width, the OUTSIDE id fed to the target): seeded rows of the
-    three methods in one batch (beside an ar row) complete and draw the same tokens twice; exactness itself is the
+    three methods in one batch complete and draw the same tokens twice; exactness itself is the
     χ² tests' (test_cross_vocab.py)."""
     params = DecodeParams(max_new_tokens=12, sampling=SamplingParams(temperature=1.0, seed=5))
-    items = make_items(smol_target, ["rename", "chat", "summary", "code"], params)
-    methods = ["tli", "union", "slrs", "ar"]
-    runs = [run_batch(smol_target, items, methods, batch_size=4) for _ in range(2)]
+    items = make_items(smol_target, ["rename", "chat", "summary"], params)
+    methods = ["tli", "union", "slrs"]
+    runs = [run_batch(smol_target, items, methods, batch_size=3) for _ in range(2)]
     for item, method in zip(items, methods):
         first = runs[0][item.key]
         assert first["error"] is None and len(first["output_token_ids"]) > 0, (method, first["error"])
         assert first["output_token_ids"] == runs[1][item.key]["output_token_ids"], method
-    assert sum(runs[0][item.key]["accepted_tokens"] for item in items[:3]) > 0
+    assert sum(runs[0][item.key]["accepted_tokens"] for item in items) > 0
 
 
 def test_draft_refuses_a_drafter_with_another_tokenizer(smol_target):

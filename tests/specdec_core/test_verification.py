@@ -31,7 +31,7 @@ def chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
-def simulate(target_rows, draft_rows, num_draft, generator, trials=20000, length=3):
+def simulate(target_rows, draft_rows, num_draft, generator, trials=12000, length=3):
     """Decode `length` tokens from a synthetic target whose position-j distribution is target_rows[j].
 
     draft_rows None = one-hot drafter that always proposes token 0 then 1, 2, ...; else sample drafts from them.
