@@ -33,13 +33,15 @@ def first_tokens(method: str, trials: int = 20000, seed: int = 0) -> tuple[torch
     counts = torch.zeros(len(P))
     accepted = 0
     target_rows = torch.stack([P, P])  # [2, |T|]: after the pending token, after the draft token
-    for _ in range(trials):
-        if method == "tli":
-            q = tli_distribution(Q, MAPPING)  # [|T|]
-            token = int(torch.multinomial(q, 1, generator=generator))
-        else:
-            q = union_distribution(Q, MAPPING)  # [|T| + 1]
-            token = union_token(int(torch.multinomial(Q, 1, generator=generator)), MAPPING)
+    # The drafts are independent draws: drawn up front, one call.
+    if method == "tli":
+        q = tli_distribution(Q, MAPPING)  # [|T|]
+        tokens = torch.multinomial(q, trials, replacement=True, generator=generator).tolist()
+    else:
+        q = union_distribution(Q, MAPPING)  # [|T| + 1]
+        tokens = [union_token(int(d), MAPPING) for d in torch.multinomial(Q, trials, replacement=True,
+                                                                          generator=generator)]
+    for token in tokens:
         result = verify_speculative_sampling([token], target_rows, generator, q[None])
         emitted = token if result.num_accepted == 1 else result.next_token
         accepted += result.num_accepted
