@@ -17,14 +17,14 @@ from jobs.common import main_for  # noqa: E402
 
 def add_options(parser):
     parser.add_argument("--max-context-chars", type=int, default=None,
-                     help="context characters placed in each prompt (default 6000)")
+                        help="context characters placed in each prompt (default 6000)")
     parser.add_argument("--compress-context", type=float, default=None, metavar="R",
-                     help="put those characters into the prompt compressed R times (in tokens): the words a "
-                          "model finds least surprising are dropped (a self-information compressor standing in "
-                          "for LLMLingua-2); the question stays whole and copy drafters still see the full "
-                          "context. Raise --max-context-chars with R to cover more of the context per prompt")
+                        help="put those characters into the prompt compressed R times (in tokens): the words a "
+                             "model finds least surprising are dropped (a self-information compressor standing in "
+                             "for LLMLingua-2); the question stays whole and copy drafters still see the full "
+                             "context. Raise --max-context-chars with R to cover more of the context per prompt")
     parser.add_argument("--compression-model", default=None,
-                     help="registry model that scores the compression (default: --model)")
+                        help="registry model that scores the compression (default: --model)")
 
 
 def main(argv: list[str] | None = None) -> int:

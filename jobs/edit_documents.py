@@ -18,7 +18,7 @@ from jobs.common import main_for  # noqa: E402
 
 def add_options(parser):
     parser.add_argument("--instruction", default=None,
-                     help="edit instruction for every row without its own 'instruction' column")
+                        help="edit instruction for every row without its own 'instruction' column")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,11 +82,14 @@ def index(engine, reference, tmp_path_factory):
     return str(directory)
 
 
-def decode_mixed(engine, plans, index=None, with_context=None):
-    """One batch of the 8 cases, row i decoded with plans[i]; returns {case: (method, result dict)}."""
-    decoder = engine.decoder(batch_size=8, speculation_budget=False)
+def decode_mixed(engine, plans, index=None, with_context=None, batch_size=8, rows=range(8)):
+    """The 8 cases (or those in `rows`), case i decoded with plans[i], batch_size at a time (1: each alone); returns
+    {case: (method, result dict)}."""
+    decoder = engine.decoder(batch_size=batch_size, speculation_budget=False)
     methods = {}
-    for item, (method, options) in zip(items(engine), plans):
+    for row, (item, (method, options)) in enumerate(zip(items(engine), plans)):
+        if row not in rows:
+            continue
         if index is not None:
             options = options.model_copy(update={"retrieval_index": index})
         if with_context is not None:
@@ -97,10 +100,16 @@ def decode_mixed(engine, plans, index=None, with_context=None):
             for request, result in decoder.run()}
 
 
+def own_answer_contexts(reference) -> dict:
+    """Each case's `context`: a document holding the last two thirds of its own answer."""
+    return {name: [11, 12] + ar["output_token_ids"][len(ar["output_token_ids"]) // 3:] + [13]
+            for name, ar in reference.items()}
+
+
 def check_equal_to_ar(results, reference):
     drafted, rejected = {}, {}
-    for name, ar in reference.items():
-        method, row = results[name]
+    for name, (method, row) in results.items():
+        ar = reference[name]
         assert row["error"] is None, (method, name, row["error"])
         assert row["output_token_ids"] == ar["output_token_ids"], f"{method} differs from ar on {name}"
         assert row["output_text"] == ar["output_text"] and row["finish_reason"] == ar["finish_reason"]
@@ -115,8 +124,7 @@ def check_equal_to_ar(results, reference):
 def test_context_drafters_in_one_batch_equal_ar(engine, reference):
     """Each row gets as its `context` a document holding the last two thirds of its own answer: context drafts are
     long and accepted, and the context copies are counted as their own source."""
-    contexts = {name: [11, 12] + ar["output_token_ids"][len(ar["output_token_ids"]) // 3:] + [13]
-                for name, ar in reference.items()}
+    contexts = own_answer_contexts(reference)
     results = decode_mixed(engine, WITH_CONTEXT, with_context=contexts)
     check_equal_to_ar(results, reference)
     from_context = 0
@@ -135,3 +143,20 @@ def test_draft_model_and_retrieval_drafters_in_one_batch_equal_ar(engine, refere
     assert rejected["draft"] + rejected["copyspec+draft"] >= 2, rejected
     assert sum(row["accepted_by_source"].get("retrieval", 0) for method, row in results.values()
                if method in ("rest", "spectra+retrieval")) > 0
+
+
+def first_row_of_each_method(plans) -> list[int]:
+    return [row for row, (method, _) in enumerate(plans) if method != "ar"
+            and method not in [m for m, _ in plans[:row]]]
+
+
+def test_each_method_alone_equals_ar(engine, reference, index):
+    """Each method once more, its row decoded alone (batch size 1), with the same case, options and context as in
+    the batches above."""
+    contexts = own_answer_contexts(reference)
+    alone = decode_mixed(engine, WITH_CONTEXT, with_context=contexts, batch_size=1,
+                         rows=first_row_of_each_method(WITH_CONTEXT))
+    check_equal_to_ar(alone, reference)
+    alone = decode_mixed(engine, WITHOUT_CONTEXT, index=index, batch_size=1,
+                         rows=first_row_of_each_method(WITHOUT_CONTEXT))
+    check_equal_to_ar(alone, reference)
