@@ -50,6 +50,9 @@ GENERATIONS_SCHEMA = pa.schema([
     ("pass_wall_s", pa.float64()),
     ("pass_mean_occupancy", pa.float64()),
     ("pass_peak_kv_bytes", pa.int64()),
+    # The pass's prompt tokens, and how many of them the prefix cache supplied instead of a forward.
+    ("pass_prompt_tokens", pa.int64()),
+    ("pass_prefix_hit_tokens", pa.int64()),
     ("batch_size", pa.int64()),
     # Hash of what determines this row's output besides the request: method, model, drafter, dtype asked for,
     # sampling and decoding parameters, prompt options. --resume skips a pair only when its key is unchanged.
@@ -68,6 +71,7 @@ METHOD_STATS = pa.struct([
     ("accepted_tokens", pa.int64()),
     ("peak_kv_bytes", pa.int64()),
     ("actors", pa.int64()),
+    ("prefix_hit_rate", pa.float64()),  # prompt tokens supplied by the prefix cache / prompt tokens
 ])
 
 RUNS_SCHEMA = pa.schema([

@@ -136,7 +136,8 @@ class DecodeRequests:
                 next_key += 1
         stats = decoder.stats
         pass_fields = {"decode_pass": f"{self.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
-                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes}
+                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
+                       "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens}
         return [{**r, **pass_fields} for r in out]
 
     def _decode_all(self, rows: list[dict]) -> list[dict]:

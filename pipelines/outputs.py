@@ -220,7 +220,8 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         return []
     rows = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
         columns=["method", "new_tokens", "drafted_tokens", "accepted_tokens", "error", "decode_pass", "pass_wall_s",
-                 "pass_mean_occupancy", "pass_peak_kv_bytes", "actor_id"]).to_pylist()
+                 "pass_mean_occupancy", "pass_peak_kv_bytes", "pass_prompt_tokens", "pass_prefix_hit_tokens",
+                 "actor_id"]).to_pylist()
     stats: dict[str, dict] = {}
     for row in rows:
         entry = stats.setdefault(row["method"], {"method": row["method"], "requests": 0, "errors": 0, "new_tokens": 0,
@@ -235,7 +236,8 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
             entry["accepted_tokens"] += row["accepted_tokens"] or 0
         if row["decode_pass"] is not None:
             entry["passes"][row["decode_pass"]] = (row["pass_wall_s"], row["pass_mean_occupancy"],
-                                                   row["pass_peak_kv_bytes"])
+                                                   row["pass_peak_kv_bytes"], row["pass_prompt_tokens"],
+                                                   row["pass_prefix_hit_tokens"])
             entry["actor_ids"].add(row["actor_id"])
     out = []
     for entry in sorted(stats.values(), key=lambda e: e["method"]):
@@ -244,7 +246,9 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         total = sum(p[0] for p in passes)
         wall = total / actors if passes else None
         occupancy = sum(p[0] * (p[1] or 0) for p in passes) / total if total else None  # time-weighted
+        prompt_tokens = sum(p[3] or 0 for p in passes)
         out.append({**entry, "decode_wall_s": wall, "actors": actors,
                     "job_tokens_per_s": entry["new_tokens"] / wall if wall else None, "mean_occupancy": occupancy,
-                    "peak_kv_bytes": max((p[2] or 0 for p in passes), default=None)})
+                    "peak_kv_bytes": max((p[2] or 0 for p in passes), default=None),
+                    "prefix_hit_rate": sum(p[4] or 0 for p in passes) / prompt_tokens if prompt_tokens else None})
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import accumulate
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from .induction_heads import load_or_discover, top_heads
 from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
+from .prefill_plan import PREFILL_TOKENS, next_forward
+from .prefix_cache import PrefixCache
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
 from .verification import VerifyResult, verify_rows
@@ -76,6 +79,12 @@ class BatchStats:
     peak_rows: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
+    prompt_tokens: int = 0  # of the admitted rows
+    prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
     def mean_occupancy(self) -> float | None:
@@ -87,7 +96,8 @@ class BatchDecoder:
 
     def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
-                 row_timeout_s: float | None = None):
+                 row_timeout_s: float | None = None, prefix_cache: PrefixCache | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
         if max_batch < 1:
             raise ValueError(f"batch size must be >= 1, got {max_batch}")
         if row_timeout_s is not None and not row_timeout_s > 0:
@@ -110,6 +120,12 @@ class BatchDecoder:
         # between steps: one forward is never interrupted).
         self.row_timeout_s = row_timeout_s
         self._head_ranking = None  # the target's induction-head ranking, loaded when a PLD+ (a) row first asks
+        # Shared by the engine's decoders (a job's actor keeps one for all its calls); a decoder on its own keeps
+        # one for its run. PrefixCache(budget_bytes=0) turns it off.
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        if prefill_tokens < 1:
+            raise ValueError(f"the prefill token budget must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
 
     # ----------------------------------------------------------------------------------------------- public
     def submit(self, request: DecodeRequest) -> None:
@@ -140,8 +156,7 @@ class BatchDecoder:
         return longest + self.step_slack
 
     def admit(self) -> None:
-        """Move waiting requests into free slots, each prefilled alone (batching prefills of different lengths
-        would pad; on CPU a prefill is compute-bound at any batch size, so one row at a time costs nothing).
+        """Move waiting requests into free slots and prefill them together (prefill_plan.py).
 
         The requests admitted together are chosen first and the cache is fitted once for all of them: fitting per
         admission reallocated (and copied) every live row's keys 16 times while a batch of 16 filled up, measured
@@ -171,8 +186,7 @@ class BatchDecoder:
             capacity = wanted
         if admitted:
             self.cache.fit(len(self.rows) + len(admitted), capacity)
-            for request in admitted:
-                self._prefill(request)
+            self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
     def _provide_defaults(self, drafter: Drafter) -> None:
@@ -184,36 +198,127 @@ class BatchDecoder:
                 self._head_ranking = load_or_discover(self.target)  # once per decoder; saved for later runs
             drafter.attention_heads = top_heads(self._head_ranking, drafter.top_heads)
 
-    def _prefill(self, request: DecodeRequest) -> None:
+    def _prefill(self, requests: list[DecodeRequest]) -> None:
+        """New rows for `requests`, their prompts fed in shared, chunked forwards after what the prefix cache
+        holds; each row's first token comes from the forward that feeds its last prompt token."""
         started = time.perf_counter()
-        state = SequenceState.new(request.prompt_ids, make_generator(request.params.sampling.seed))
-        index = self.cache.add_row()
-        row = Row(request, state, started)
-        self.rows.append(row)
-        try:
-            prompt = torch.tensor([request.prompt_ids])  # [1, P]
-            size = prompt.shape[1]
-            self._provide_defaults(request.drafter)
-            signals = wanted([request.drafter])
-            forward_started = time.perf_counter()
-            logits = self.target.forward_slots(
-                self.cache, prompt, torch.arange(size)[None], torch.ones(size, size, dtype=torch.bool).tril()[None],
-                torch.tensor([[0, size - 1]]), rows=[index], **signals.forward_kwargs(),
-            )[0]  # [vocab]
-            self.stats.prefill_s += time.perf_counter() - forward_started
-            self.cache.set_length(index, size)
-            state.metrics.target_forwards += 1
-            first = select_token(logits, request.params.sampling, state.generator)
-            emit(self.target, state, [(first, TARGET_SOURCE, False)], request.params)
-            state.metrics.ttft_s = time.perf_counter() - started
-            request.drafter.start(state.tokens, RequestContext(
-                prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
-                generator=state.generator, eos_token_ids=self.target.eos_token_ids))
-            hand_over(self.target, signals, request.drafter, self.cache, index, 0, list(range(size)))
-        except Exception as exc:  # a bad row errors alone; the batch goes on
-            row.error = f"{type(exc).__name__}: {exc}"
-        if row.error or state.finished:
-            self._retire([index])
+        pending = []
+        for request in requests:
+            row = Row(request, SequenceState.new(request.prompt_ids, make_generator(request.params.sampling.seed)),
+                      started)
+            self.cache.add_row()
+            self.rows.append(row)
+            self.stats.prompt_tokens += len(request.prompt_ids)
+            try:
+                self._provide_defaults(request.drafter)
+                pending.append(_Prefill(row, 0))
+            except Exception as exc:  # a bad row errors alone; the batch goes on
+                row.error = f"{type(exc).__name__}: {exc}"
+        while pending:
+            group, chunks = self._plan_prefill(pending)
+            try:
+                self._prefill_forward(group, chunks)
+            except Exception as exc:
+                if len(group) == 1:
+                    group[0].row.error = f"{type(exc).__name__}: {exc}"
+                else:
+                    self._prefill_alone(group)
+            pending = [p for p in pending if p.row.error is None and p.done < len(p.row.request.prompt_ids)]
+        live = {id(row): index for index, row in enumerate(self.rows)}
+        self._retire([live[id(r)] for r in self.rows[len(self.rows) - len(requests):]
+                      if r.error or r.state.finished])
+
+    def _plan_prefill(self, pending: list["_Prefill"]) -> tuple[list["_Prefill"], list[int]]:
+        """The rows of the next prefill forward and their chunks. A row looks up the prefix cache when it is first
+        planned, not at admission: by then the rows fed before it have stored their prompts' blocks, so the second
+        of 16 rows that share a chat template already reuses it."""
+        while True:
+            chunks = next_forward([len(p.row.request.prompt_ids) - p.done for p in pending], [p.done for p in pending],
+                                  self.cache.capacity, self.prefill_tokens)
+            fresh = [p for p in pending[:len(chunks)] if not p.looked_up]
+            if not fresh:
+                return pending[:len(chunks)], chunks
+            live = {id(row): index for index, row in enumerate(self.rows)}
+            for entry in fresh:
+                entry.done = self._reuse_prefix(live[id(entry.row)], entry.row.request)
+                entry.looked_up = True
+
+    def _prefill_alone(self, group: list["_Prefill"]) -> None:
+        """After a shared prefill forward failed: each of its rows fed by itself, so only a failing row fails."""
+        for entry in group:
+            prompt_len = len(entry.row.request.prompt_ids)
+            while entry.row.error is None and entry.done < prompt_len:
+                try:
+                    self._prefill_forward([entry], [min(prompt_len - entry.done, self.prefill_tokens)])
+                except Exception as exc:
+                    entry.row.error = f"{type(exc).__name__}: {exc}"
+
+    def _reuse_prefix(self, index: int, request: DecodeRequest) -> int:
+        """Copy the cached blocks the prompt starts with into its row; -> how many prompt positions they cover.
+        A drafter that reads the target's signals over the prompt (PLD+) needs them at every position, so its
+        row computes the whole prompt (and still stores it for others)."""
+        drafter = request.drafter
+        if drafter.needs_hidden_states or drafter.needs_attention:
+            return 0
+        reused = self.prefix_cache.copy_into(self.cache, index, self.prefix_cache.lookup(request.prompt_ids))
+        self.stats.prefix_hit_tokens += reused
+        return reused
+
+    def _prefill_forward(self, group: list["_Prefill"], chunks: list[int]) -> None:
+        """One forward feeding chunks[i] more prompt tokens of group[i]; rows whose prompt ends here get their first
+        token and start decoding."""
+        live = {id(row): index for index, row in enumerate(self.rows)}
+        indices = [live[id(p.row)] for p in group]
+        width = max(chunks)
+        input_ids = torch.zeros(len(group), width, dtype=torch.long)  # [b, T]
+        positions = torch.zeros(len(group), width, dtype=torch.long)  # [b, T]
+        visible = torch.zeros(len(group), width, width, dtype=torch.bool)  # [b, T, T]
+        chain = torch.ones(width, width, dtype=torch.bool).tril()
+        ending = []  # (batch row, its last node)
+        for b, (entry, chunk) in enumerate(zip(group, chunks)):
+            prompt = entry.row.request.prompt_ids
+            input_ids[b, :chunk] = torch.tensor(prompt[entry.done: entry.done + chunk])
+            positions[b] = entry.done + torch.arange(width)
+            visible[b, :chunk, :chunk] = chain[:chunk, :chunk]
+            if entry.done + chunk == len(prompt):
+                ending.append((b, chunk - 1))
+        signals = wanted([p.row.request.drafter for p in group])
+        forward_started = time.perf_counter()
+        logits = self.target.forward_slots(self.cache, input_ids, positions, visible,
+                                           torch.tensor(ending, dtype=torch.long).view(-1, 2), rows=indices,
+                                           **signals.forward_kwargs())  # [len(ending), vocab]
+        self.stats.prefill_s += time.perf_counter() - forward_started
+        for entry, chunk, index in zip(group, chunks, indices):
+            entry.done += chunk
+            self.cache.set_length(index, entry.done)
+            self.prefix_cache.store(self.cache, index, entry.row.request.prompt_ids)  # for the rows fed later
+        finishing = {b: logits[i] for i, (b, _) in enumerate(ending)}
+        for b, (entry, chunk, index) in enumerate(zip(group, chunks, indices)):
+            drafter = entry.row.request.drafter
+            try:
+                if b not in finishing:
+                    if drafter.needs_hidden_states:  # handed over with the last chunk, after the drafter starts
+                        entry.hidden.append(signals.hidden[drafter.hidden_layer][b, :chunk].clone())
+                    continue
+                self._start_row(entry, finishing[b], signals, b, index, chunk)
+            except Exception as exc:
+                entry.row.error = f"{type(exc).__name__}: {exc}"
+
+    def _start_row(self, entry: "_Prefill", logits: torch.Tensor, signals: Signals, batch_row: int, index: int,
+                   chunk: int) -> None:
+        row, request = entry.row, entry.row.request
+        state = row.state
+        state.metrics.target_forwards += 1  # the prefill counts once, however many forwards fed it
+        first = select_token(logits, request.params.sampling, state.generator)
+        emit(self.target, state, [(first, TARGET_SOURCE, False)], request.params)
+        state.metrics.ttft_s = time.perf_counter() - row.admitted_at
+        request.drafter.start(state.tokens, RequestContext(
+            prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
+            generator=state.generator, eos_token_ids=self.target.eos_token_ids))
+        if entry.hidden:
+            request.drafter.observe_hidden(torch.cat(entry.hidden))  # the earlier chunks' positions, in order
+        hand_over(self.target, signals, request.drafter, self.cache, index, batch_row,
+                  list(range(chunk)))
 
     # ----------------------------------------------------------------------------------------------- one step
     def step(self) -> None:
@@ -340,40 +445,43 @@ class BatchDecoder:
         """-> input_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
 
         A chain's node t sits at position length + t and sees nodes 0..t; a tree's node at length + its depth and
-        sees its ancestors (draft_tree.py). Padding nodes see only the cached prefix and are never read.
+        sees its ancestors (draft_tree.py). Padding nodes see nothing and are never read. Built as whole-batch
+        tensors (one from a list of the rows' ids); only tree rows are filled in one by one.
         """
-        lengths = torch.tensor(self.cache.lengths)  # [B]
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # padding id 0: its keys are never attended
-        offsets = torch.zeros(len(rows), width, dtype=torch.long)  # position - length of each node
-        visible = torch.zeros(len(rows), width, width, dtype=torch.bool)
+        counts = [1 + len(row.draft) for row in rows]
+        input_ids = torch.tensor([[row.state.tokens[-1], *row.draft.tokens] + [0] * (width - count)
+                                  for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
+        count = torch.tensor(counts)  # [B]
+        steps = torch.arange(width)  # [T]
+        inside = steps[None, :] < count[:, None]  # [B, T]: a real node
         chain = torch.ones(width, width, dtype=torch.bool).tril()
-        index = []
+        visible = chain[None] & inside[:, :, None] & inside[:, None, :]  # [B, T, T]
+        offsets = steps.repeat(len(rows), 1)  # [B, T]: position - length of each node
         for b, row in enumerate(rows):
-            draft = row.draft
-            count = 1 + len(draft)
-            input_ids[b, :count] = torch.tensor([row.state.tokens[-1], *draft.tokens])
-            if draft.parents is None:
-                offsets[b] = torch.arange(width)
-                visible[b, :count, :count] = chain[:count, :count]
-            else:
-                offsets[b, 1:count] = torch.tensor(depths(draft.parents))
-                visible[b] = ancestor_mask(draft.parents, width)
-            index.extend((b, t) for t in range(count))
+            parents = row.draft.parents
+            if parents is not None:
+                offsets[b, 1:counts[b]] = torch.tensor(depths(parents))
+                visible[b] = ancestor_mask(parents, width)
+        logit_index = torch.stack([torch.arange(len(rows)).repeat_interleave(count), steps.repeat(len(rows), 1)[inside]],
+                                  dim=1)  # [N, 2] (row, node), row-major as the verifier reads them
         # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what its
         # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
         input_ids.masked_fill_(input_ids >= self.target.vocab_size, 0)
-        return input_ids, lengths[:, None] + offsets, visible, torch.tensor(index)
+        lengths = torch.tensor(self.cache.lengths)  # [B]
+        return input_ids, lengths[:, None] + offsets, visible, logit_index
 
     def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
                               [r.state.generator for r in rows])
         done = []
-        starts = torch.tensor([0] + [1 + len(r.draft) for r in rows]).cumsum(0).tolist()  # row -> its first logit
+        starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
+        handing_over = signals is not None and bool(signals.hidden or signals.heads)
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
         for index, (row, result) in enumerate(zip(rows, results)):
             draft, state, params = row.draft, row.state, row.request.params
+            drafted = len(draft.tokens)
             try:
                 length = self.cache.lengths[index]
                 if draft.parents is not None and result.path:
@@ -381,20 +489,21 @@ class BatchDecoder:
                     nodes = [i + 1 for i in result.path]
                     self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
                 self.cache.set_length(index, length + 1 + result.num_accepted)
-                if signals is not None:
+                if handing_over:
                     # The nodes now in the cache: the pending token (node 0) and the accepted path.
                     nodes = [0] + [i + 1 for i in result.accepted_indices()]
                     hand_over(self.target, signals, row.request.drafter, self.cache, index, index, nodes)
                 state.metrics.target_forwards += 1
-                state.metrics.drafted_tokens += len(draft)
-                kept = emit(self.target, state, _sourced(draft, result), params)
+                state.metrics.drafted_tokens += drafted
+                kept = emit(self.target, state, _sourced(draft, result) if drafted
+                            else [(result.next_token, TARGET_SOURCE, False)], params)
                 accepted = min(kept, result.num_accepted)
                 state.metrics.accepted_tokens += accepted
-                self.stats.verified_tokens += len(draft)
+                self.stats.verified_tokens += drafted
                 self.stats.accepted_tokens += accepted
                 self.stats.new_tokens += kept
                 # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
-                offered = _reach(draft)[-1] if draft.probes and len(draft) else draft.max_depth
+                offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
                 if offered or not draft.probes:
                     self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
                 if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
@@ -428,6 +537,16 @@ class BatchDecoder:
             last = self.rows.pop()
             if index < len(self.rows):
                 self.rows[index] = last
+
+
+@dataclass
+class _Prefill:
+    """A row whose prompt is being fed: `done` of its positions are cached (the prefix cache's included)."""
+
+    row: Row
+    done: int
+    looked_up: bool = False  # in the prefix cache (_plan_prefill)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden] per earlier chunk (PLD+ (h) rows)
 
 
 def _pinned(row: Row) -> bool:

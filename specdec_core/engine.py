@@ -19,6 +19,7 @@ from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
 from .methods import MethodOptions, get_method
 from .model_runner import INT8, ModelRunner
+from .prefix_cache import PrefixCache
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
 from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
@@ -77,6 +78,8 @@ class Engine:
         # and the one-prompt CLI one per prompt; each used to start from the priors (measured, batch 1, Gemma 3
         # drafting for Qwen2.5-Coder: every request's first 3-5 steps verified 0-4 tokens, a plain probe among them).
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
+        # Prompt prefixes' keys and values, reused by every decoder of this engine (prefix_cache.py).
+        self.prefix_cache = PrefixCache()
 
     @classmethod
     def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None) -> "Engine":
@@ -104,7 +107,8 @@ class Engine:
         if method is not None:
             budget.pooled, budget.payoff, budget.pricing = self.learned.setdefault(
                 method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))
-        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s)
+        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
+                               prefix_cache=self.prefix_cache)
         # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
         if self.draft_model is None:
             decoder.draft_pool = None

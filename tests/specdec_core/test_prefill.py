@@ -1,0 +1,136 @@
+"""Shared, chunked prefill and the prefix cache on tiny random models (fp32): whatever the budget, chunking and
+prefix hits, every row's tokens equal HF greedy's for its prompt alone; a row that breaks a shared prefill forward
+fails alone."""
+
+import pytest
+
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.base import NoDrafter
+from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
+from specdec_core.prefill_plan import next_forward
+from specdec_core.prefix_cache import PrefixCache
+from specdec_core.speculation_budget import SpeculationBudget
+from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
+
+LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]
+NEW = 12
+
+
+def decode(runner, prompts, batch_size=8, prefill_tokens=512, prefix_cache=None, make_drafter=NoDrafter):
+    # The speculation budget off: its plan follows the clock, and the PLD+ test compares accepted tokens.
+    decoder = BatchDecoder(runner, max_batch=batch_size, budget=SpeculationBudget(enabled=False),
+                           prefill_tokens=prefill_tokens, prefix_cache=prefix_cache)
+    for key, prompt in enumerate(prompts):
+        decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=NEW), make_drafter()))
+    got = {request.key: result for request, result in decoder.run()}
+    return [got[key] for key in range(len(prompts))], decoder
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama, prompts):
+    return [hf_greedy(llama, prompt, NEW) for prompt in prompts]
+
+
+def test_the_plan_keeps_each_forward_within_the_budget():
+    assert next_forward([5, 6, 7, 8], [0, 0, 0, 0], capacity=100, budget=16) == [5, 6]  # 3 x 7 > 16
+    assert next_forward([40, 3], [0, 0], capacity=100, budget=16) == [16]  # a long prompt: one chunk, alone
+    assert next_forward([3, 3], [90, 0], capacity=100, budget=16) == [3, 3]
+    assert next_forward([3, 9], [90, 0], capacity=98, budget=16) == [3]  # row 0's padding would pass the capacity
+    with pytest.raises(ValueError):
+        next_forward([3], [0], capacity=10, budget=0)
+
+
+@pytest.mark.parametrize("prefill_tokens", [1, 7, 64, 512])
+def test_chunked_shared_prefill_equals_hf_greedy(llama, prompts, reference, prefill_tokens):
+    results, decoder = decode(llama, prompts, prefill_tokens=prefill_tokens, prefix_cache=PrefixCache(0))
+    assert [r.token_ids for r in results] == reference
+    assert decoder.stats.prompt_tokens == sum(LENGTHS) and decoder.stats.prefix_hit_tokens == 0
+    assert all(r.metrics.target_forwards == r.metrics.new_tokens for r in results)  # the prefill counts once
+
+
+def test_sliding_window_rows_chunked_equal_hf_greedy():
+    gemma = tiny_gemma3(window=8)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([30, 11, 19])]
+    results, _ = decode(gemma, prompts, prefill_tokens=9)
+    assert [r.token_ids for r in results] == [hf_greedy(gemma, prompt, NEW) for prompt in prompts]
+
+
+def test_pld_plus_hidden_states_survive_chunking(llama, prompts):
+    """PLD+ (h) reads the target's hidden state at every prompt position: handed over chunk by chunk, its drafts
+    (and so its steps) are those of an unchunked prefill."""
+    whole, _ = decode(llama, prompts, make_drafter=lambda: HiddenStateLookupDrafter(hidden_layer=1))
+    chunked, decoder = decode(llama, prompts, prefill_tokens=5, make_drafter=lambda: HiddenStateLookupDrafter(hidden_layer=1))
+    assert [r.token_ids for r in chunked] == [r.token_ids for r in whole]
+    assert [r.metrics.accepted_tokens for r in chunked] == [r.metrics.accepted_tokens for r in whole]
+    assert sum(r.metrics.accepted_tokens for r in chunked) > 0
+
+
+def test_a_prefix_hit_gives_the_tokens_of_a_miss(llama, reference, prompts):
+    shared = repetitive_prompt(99, 40)  # 2 whole blocks of 16, then each prompt's own tokens
+    with_prefix = [shared + prompt for prompt in prompts]
+    expected = [hf_greedy(llama, prompt, NEW) for prompt in with_prefix]
+    store = PrefixCache()
+    first, decoder = decode(llama, with_prefix[:1], prefix_cache=store)
+    assert decoder.stats.prefix_hit_tokens == 0
+    results, decoder = decode(llama, with_prefix, batch_size=3, prefill_tokens=20, prefix_cache=store)
+    assert first[0].token_ids == expected[0]
+    assert [r.token_ids for r in results] == expected
+    assert decoder.stats.prefix_hit_tokens == 32 * len(prompts)
+    assert decoder.stats.prefix_hit_rate == pytest.approx(32 * len(prompts) / sum(map(len, with_prefix)))
+
+
+def test_a_row_reuses_the_prefix_of_a_row_fed_before_it_in_the_same_admission(llama, prompts):
+    shared = repetitive_prompt(98, 40)
+    pair = [shared + prompts[0], shared + prompts[3]]  # 46 and 100 tokens: two forwards under a budget of 64
+    results, decoder = decode(llama, pair, prefill_tokens=64)
+    assert decoder.stats.prefix_hit_tokens == 32
+    assert [r.token_ids for r in results] == [hf_greedy(llama, prompt, NEW) for prompt in pair]
+
+
+def test_a_prompt_that_is_all_cached_still_prefills_its_last_token(llama):
+    prompt = repetitive_prompt(7, 32)  # exactly two blocks
+    store = PrefixCache()
+    decode(llama, [prompt], prefix_cache=store)
+    results, decoder = decode(llama, [prompt, prompt], prefix_cache=store)
+    assert decoder.stats.prefix_hit_tokens == 2 * 16  # the second block holds the last token: it is fed again
+    assert [r.token_ids for r in results] == [hf_greedy(llama, prompt, NEW)] * 2
+
+
+def test_the_store_stays_within_its_budget_and_forgets_a_chain_from_its_tail(llama):
+    block_bytes = llama.new_slot_cache().bytes_for(1, 16)  # one row's keys and values over 16 positions
+    store = PrefixCache(budget_bytes=3 * block_bytes)
+    first, second = repetitive_prompt(1, 49), repetitive_prompt(2, 33)
+    decode(llama, [first], prefix_cache=store)  # 3 blocks
+    assert store.nbytes == 3 * block_bytes and len(store.lookup(first)) == 3
+    decode(llama, [second], prefix_cache=store)  # 2 more blocks: the first chain's last two go
+    assert store.nbytes == 3 * block_bytes
+    assert len(store.lookup(second)) == 2 and len(store.lookup(first)) == 1
+
+
+def test_a_row_that_breaks_a_shared_prefill_fails_alone(llama, prompts, reference, monkeypatch):
+    poison = 7777  # outside the tiny vocabulary: the embedding lookup raises in any forward that feeds it
+    bad = prompts[3][:20] + [poison] + prompts[3][20:]
+    batch = prompts[:3] + [bad] + prompts[4:]
+    results, _ = decode(llama, batch, prefill_tokens=200, prefix_cache=PrefixCache(0))
+    assert isinstance(results[3], str) and "IndexError" in results[3]
+    assert [r.token_ids for i, r in enumerate(results) if i != 3] == [ref for i, ref in enumerate(reference) if i != 3]
+
+
+def test_copy_drafter_rows_after_a_prefix_hit_equal_hf_greedy(llama, prompts, reference):
+    store = PrefixCache()
+    decode(llama, prompts, prefix_cache=store, make_drafter=CopySpecDrafter)
+    results, decoder = decode(llama, prompts, batch_size=3, prefix_cache=store, make_drafter=CopySpecDrafter)
+    assert decoder.stats.prefix_hit_tokens > 0
+    assert [r.token_ids for r in results] == reference
