@@ -18,14 +18,36 @@ rounding; the batched loop's lossless tests compare whole outputs with `ar` and 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import cpu_attention
+
 NAME = "specbatch_grouped"
 MAX_QUERIES = 8  # new tokens per row above which SDPA's kernel is as fast (measured equal at T = 9)
 MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, which never materialises them
+# Keys over all rows from which a forward's attention runs the compiled kernel. Below it, handing the cores from
+# torch's threads to numba's and back costs more than the kernel saves: measured (SmolLM2 fp32, 16 rows, AVX2, 2
+# threads) 308-341 ms a step against 390-428 ms with ~1,700 keys a row, and 170-200 against 158-183 with ~160.
+KERNEL_MIN_KEYS = 8192
+_row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
+
+
+@contextmanager
+def real_keys(counts: torch.Tensor):
+    """Within this block, row r of a forward attends its first counts[r] keys only (its cached tokens and the
+    step's new ones; the rest of the padded view is other rows' length): the compiled kernel (cpu_attention.py)
+    reads just those, when there are enough of them."""
+    global _row_keys
+    before, _row_keys = _row_keys, counts if int(counts.sum()) >= KERNEL_MIN_KEYS else None
+    try:
+        yield
+    finally:
+        _row_keys = before
 
 
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -51,8 +73,12 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
     if not usable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    group = heads // kv_heads
     scale = scaling if scaling is not None else dim ** -0.5
+    if _row_keys is not None and _row_keys.shape[0] == b and int(_row_keys.max()) <= kv_len:
+        out = cpu_attention.attend(query, key, value, _row_keys, attention_mask, scale)
+        if out is not None:
+            return out.contiguous(), None
+    group = heads // kv_heads
     # Query head h uses key/value head h // group (as repeat_kv and SDPA's enable_gqa).
     stacked = query.reshape(b, kv_heads, group * num_new, dim)  # [b, KV, group x T, d]
     scores = torch.matmul(stacked, key.transpose(-1, -2))  # [b, KV, group x T, L]

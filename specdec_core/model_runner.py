@@ -204,6 +204,7 @@ class ModelRunner:
                 scope.enter_context(self.ragged.only(real))
             if self.grouped_attention:
                 scope.enter_context(self._attention(grouped_attention.NAME))
+                scope.enter_context(grouped_attention.real_keys(lengths + num_new))
             for layer in captured or ():
                 hooks.append(self._capture_hook(layer, captured))
             if query_heads:

@@ -1,0 +1,76 @@
+"""The compiled decode attention (cpu_attention.py): equal to grouped matmuls over the padded keys within fp32
+rounding, a row's result bit-identical alone and in any batch, and the batched loop exact with it on."""
+
+import pytest
+import torch
+
+from specdec_core import cpu_attention, grouped_attention
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.copyspec import CopySpecDrafter
+from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama
+
+
+def case(rows=5, num_new=3, capacity=96, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, capacity - num_new, (rows,), generator=generator)
+    keys = torch.randn(rows, 2, capacity, 16, generator=generator)  # [slots, KV, capacity, d]
+    values = torch.randn(rows, 2, capacity, 16, generator=generator)
+    query = torch.randn(rows, 6, num_new, 16, generator=generator)  # 3 query heads per key/value head
+    kv_len = int(lengths.max()) + num_new
+    key = torch.arange(kv_len)[None, None, :]
+    allowed = key < lengths[:, None, None] + torch.arange(num_new)[None, :, None] + 1  # [b, T, L]: causal chain
+    mask = torch.zeros(rows, 1, num_new, kv_len).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
+    return query, keys[:, :, :kv_len], values[:, :, :kv_len], lengths + num_new, mask
+
+
+@pytest.mark.parametrize("num_new", [1, 4])
+def test_equals_grouped_matmuls_over_the_padded_keys(num_new):
+    query, key, value, counts, mask = case(num_new=num_new)
+    got = cpu_attention.attend(query, key, value, counts, mask, 0.25)
+    assert got is not None, cpu_attention._unavailable
+    expected, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
+    query, key, value, counts, mask = case(rows=6)
+    batched = cpu_attention.attend(query, key, value, counts, mask, 0.25)
+    for row in range(6):
+        n = int(counts[row])
+        alone = cpu_attention.attend(query[row:row + 1], key[row:row + 1, :, :n], value[row:row + 1, :, :n],
+                                     counts[row:row + 1], mask[row:row + 1, :, :, :n], 0.25)
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_the_batched_loop_stays_exact_with_the_kernel_on(monkeypatch):
+    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEYS", 0)  # tiny prompts: on for every step
+    calls = []
+    real = cpu_attention.attend
+    monkeypatch.setattr(cpu_attention, "attend", lambda *args: calls.append(1) or real(*args))
+    llama = tiny_llama()
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([6, 41, 13, 60, 24])]
+    decoder = BatchDecoder(llama, max_batch=3)
+    for key, prompt in enumerate(prompts):
+        decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=16), CopySpecDrafter()))
+    got = {request.key: result.token_ids for request, result in decoder.run()}
+    assert calls
+    assert [got[key] for key in range(len(prompts))] == [hf_greedy(llama, prompt, 16) for prompt in prompts]
+
+
+def test_where_the_kernel_cannot_compile_the_matmuls_run(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_attention, "_compile", broken)
+    monkeypatch.setattr(cpu_attention, "_kernel", None)
+    monkeypatch.setattr(cpu_attention, "_unavailable", None)
+    query, key, value, counts, mask = case()
+    assert cpu_attention.attend(query, key, value, counts, mask, 0.25) is None
+    assert cpu_attention.attend(query, key, value, counts, mask, 0.25) is None
+    assert [r.message for r in caplog.records].count(
+        "compiled CPU attention unavailable (RuntimeError: no compiler here); using batched matmuls") == 1
+    with grouped_attention.real_keys(torch.full((len(counts),), 10**6)):
+        got, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
+    expected, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
+    assert torch.equal(got, expected)
