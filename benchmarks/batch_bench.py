@@ -167,6 +167,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     # passes reuse them): no method inherits another's cost model.
     engine.step_costs = StepCostModel()
     engine.learned.clear()
+    engine.prefix_cache.clear()  # nor another method's prompt prefixes
     decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text), method=method)
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))

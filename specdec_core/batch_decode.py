@@ -28,8 +28,6 @@ from .decode import (
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
 from .drafters.base import Draft, Drafter, DraftPool, RequestContext, empty_draft
-from .drafters.pld_plus import default_hidden_layer
-from .induction_heads import load_or_discover, top_heads
 from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
@@ -119,7 +117,6 @@ class BatchDecoder:
         # A row decoding longer than this since its admission retires with an error and frees its slot (checked
         # between steps: one forward is never interrupted).
         self.row_timeout_s = row_timeout_s
-        self._head_ranking = None  # the target's induction-head ranking, loaded when a PLD+ (a) row first asks
         # Shared by the engine's decoders (a job's actor keeps one for all its calls); a decoder on its own keeps
         # one for its run. PrefixCache(budget_bytes=0) turns it off.
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
@@ -189,15 +186,6 @@ class BatchDecoder:
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
-    def _provide_defaults(self, drafter: Drafter) -> None:
-        """Fill in what a drafter asked for but left to the target: PLD+'s layer and induction heads."""
-        if drafter.needs_hidden_states and drafter.hidden_layer is None:
-            drafter.hidden_layer = default_hidden_layer(self.target.num_layers)
-        if drafter.needs_attention and drafter.attention_heads is None:
-            if self._head_ranking is None:
-                self._head_ranking = load_or_discover(self.target)  # once per decoder; saved for later runs
-            drafter.attention_heads = top_heads(self._head_ranking, drafter.top_heads)
-
     def _prefill(self, requests: list[DecodeRequest]) -> None:
         """New rows for `requests`, their prompts fed in shared, chunked forwards after what the prefix cache
         holds; each row's first token comes from the forward that feeds its last prompt token."""
@@ -210,7 +198,7 @@ class BatchDecoder:
             self.rows.append(row)
             self.stats.prompt_tokens += len(request.prompt_ids)
             try:
-                self._provide_defaults(request.drafter)
+                request.drafter.prepare(self.target)
                 pending.append(_Prefill(row, 0))
             except Exception as exc:  # a bad row errors alone; the batch goes on
                 row.error = f"{type(exc).__name__}: {exc}"
@@ -374,12 +362,15 @@ class BatchDecoder:
         width = 1 + max(len(r.draft) for r in rows)
         real = sum(1 + len(r.draft) for r in rows)
         started, before = time.perf_counter(), self.stats.new_tokens
-        input_ids, positions, visible, logit_index = self._step_inputs(rows, width)
+        step_ids, positions, visible, logit_index = self._step_inputs(rows, width)
+        # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what its
+        # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
+        input_ids = step_ids.masked_fill(step_ids >= self.target.vocab_size, 0)
         signals = wanted([r.request.drafter for r in rows])
         logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index,
                                            **signals.forward_kwargs())  # [N, vocab]
         count = len(rows)
-        self._commit(rows, logits, signals)
+        self._commit(rows, logits, signals, step_ids)
         finished = time.perf_counter()
         drafting_s = started - step_started - self.budget.pricing.prefill_s
         self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
@@ -464,15 +455,13 @@ class BatchDecoder:
                 visible[b] = ancestor_mask(parents, width)
         logit_index = torch.stack([torch.arange(len(rows)).repeat_interleave(count), steps.repeat(len(rows), 1)[inside]],
                                   dim=1)  # [N, 2] (row, node), row-major as the verifier reads them
-        # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what its
-        # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
-        input_ids.masked_fill_(input_ids >= self.target.vocab_size, 0)
         lengths = torch.tensor(self.cache.lengths)  # [B]
         return input_ids, lengths[:, None] + offsets, visible, logit_index
 
-    def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None) -> None:
+    def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None,
+                step_ids: torch.Tensor | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
-                              [r.state.generator for r in rows])
+                              [r.state.generator for r in rows], step_ids)
         done = []
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)

@@ -9,10 +9,10 @@ the padded mask and attention of a wide forward grow with b x T x keys (measurem
 
 from __future__ import annotations
 
-# Padded tokens of one prefill forward. Measured on a 2-core AVX2 CPU (SmolLM2, fp32): 16 short questions (52-138
-# tokens) prefilled at 247 tok/s one by one, 392 tok/s at 512, 274 at 2048; a 1,255-token prompt at 318 tok/s whole
-# and 346 tok/s in chunks of 512 (bit-identical logits).
-PREFILL_TOKENS = 512
+# Padded tokens of one prefill forward. Measured against one whole prompt per forward, alternating in one process
+# (2-core AVX2 CPU, SmolLM2, fp32): 1.45-1.58x on 16 short questions, 1.07-1.12x on 8 summaries of 800-1,400
+# tokens, 1.0-1.03x on code edits; 512 gained less, 2,048 and 4,096 lost on short prompts (docs/decisions.md).
+PREFILL_TOKENS = 1024
 
 
 def next_forward(remaining: list[int], done: list[int], capacity: int, budget: int = PREFILL_TOKENS) -> list[int]:

@@ -210,22 +210,47 @@ def verify_conditional(parents: list[int] | None, draft_tokens: list[int], node_
 
 
 # ----------------------------------------------------------------------------------------------------- a batch
+def accept_greedy_chains(step_ids: torch.Tensor, real: torch.Tensor, argmax: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
+    """accept_greedy for every row of a step at once. step_ids [B, T]: each row's pending token and draft tokens
+    (padding after them), real [B, T]: which nodes are the row's, argmax [N]: the target's argmax after each real
+    node, row by row -> (num_accepted [B], next_token [B]). Rows that are trees get meaningless values here."""
+    grid = torch.full(step_ids.shape, -1, dtype=argmax.dtype, device=argmax.device)  # [B, T]
+    grid.masked_scatter_(real.to(argmax.device), argmax)  # grid[b, t]: the argmax after node t of row b
+    agrees = (step_ids[:, 1:].to(argmax.device) == grid[:, :-1]) & real[:, 1:].to(argmax.device)  # [B, T - 1]
+    num_accepted = agrees.long().cumprod(dim=1).sum(dim=1)  # [B]: the longest agreeing prefix
+    return num_accepted, grid.gather(1, num_accepted[:, None])[:, 0]
+
+
 def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
-                generators: list[torch.Generator]) -> list[VerifyResult]:
+                generators: list[torch.Generator], step_ids: torch.Tensor | None = None) -> list[VerifyResult]:
     """Verify every row of a batched step. logits [N, vocab]: row r's k_r + 1 rows, in row order (chain: after the
     pending token and each draft token; tree: per node). Greedy rows share one argmax over the whole [N, vocab];
-    sampling rows use their own generator, so a seeded row draws the same numbers whatever shares its batch."""
-    argmax = torch.argmax(logits, dim=-1).tolist()  # [N]
+    with step_ids ([B, T], the step's input ids before any are replaced) greedy chains are verified as one tensor
+    operation, and the step copies one tensor to the host. Sampling rows use their own generator, so a seeded row
+    draws the same numbers whatever shares its batch."""
+    argmax = torch.argmax(logits, dim=-1)  # [N]
+    chains = None
+    if step_ids is not None:
+        counts = torch.tensor([1 + len(draft.tokens) for draft in drafts])  # [B]
+        real = torch.arange(step_ids.shape[1])[None, :] < counts[:, None]  # [B, T]
+        num_accepted, next_token = accept_greedy_chains(step_ids, real, argmax)
+        on_host = torch.cat([argmax, num_accepted, next_token]).tolist()  # the step's one device-to-host copy
+        rows = len(drafts)
+        flat, chains = on_host[:len(argmax)], list(zip(on_host[-2 * rows:-rows], on_host[-rows:]))
+    else:
+        flat = argmax.tolist()
     results, offset = [], 0
-    for draft, params, generator in zip(drafts, sampling, generators):
+    for row, (draft, params, generator) in enumerate(zip(drafts, sampling, generators)):
         count = 1 + len(draft.tokens)
         if draft.rule is not None:  # CASD's lossy conditional verification (greedy-only requests)
             result = verify_conditional(draft.parents, draft.tokens, logits[offset: offset + count], draft.rule)
         elif params.greedy:
             if draft.parents is None:
-                result = VerifyResult(*accept_greedy(draft.tokens, argmax[offset: offset + count]))
+                result = VerifyResult(*(chains[row] if chains is not None
+                                        else accept_greedy(draft.tokens, flat[offset: offset + count])))
             else:
-                result = verify_tree_greedy(draft.parents, draft.tokens, argmax[offset: offset + count])
+                result = verify_tree_greedy(draft.parents, draft.tokens, flat[offset: offset + count])
         elif draft.parents is None:
             result = verify(draft.tokens, logits[offset: offset + count], params, generator, draft.probs)
         else:

@@ -169,6 +169,10 @@ class Drafter(ABC):
     #: plan then decides only whether the row drafts, not how far (its geometric acceptance model knows less)
     prices_its_length: bool = False
 
+    def prepare(self, target) -> None:
+        """Called once at admission, before the prompt is fed: take from the target (a ModelRunner) what this
+        drafter needs of it, such as PLD+'s hidden layer and induction heads. Default: nothing."""
+
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         """Called once per request after prefill, with the prompt plus the first generated token."""
         self.request = request

@@ -14,12 +14,14 @@ product over the candidates.
 
 from __future__ import annotations
 
+import weakref
 from abc import abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from ..induction_heads import load_or_discover, top_heads
 from .base import Draft, Drafter, empty_draft
 from .draft_length import DraftLength
 
@@ -37,6 +39,17 @@ DEFAULT_LAYER_FRACTION = 0.47
 
 def default_hidden_layer(num_layers: int) -> int:
     return max(1, min(num_layers, round(DEFAULT_LAYER_FRACTION * num_layers)))
+
+
+_rankings: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def head_ranking(target) -> dict:
+    """The target's induction-head ranking: read from disk (or discovered and saved) once per loaded model."""
+    ranking = _rankings.get(target)
+    if ranking is None:
+        ranking = _rankings[target] = load_or_discover(target)
+    return ranking
 
 
 def rank_by_hidden_state(history: np.ndarray, hidden: torch.Tensor, threshold: float | None) -> int | None:
@@ -109,10 +122,14 @@ class HiddenStateLookupDrafter(RankedLookupDrafter):
         if hidden_layer is not None and hidden_layer < 0:
             raise ValueError(f"hidden layer must be >= 0, got {hidden_layer}")
         super().__init__(num_tokens, adaptive)
-        self.hidden_layer = hidden_layer  # None: the loop picks default_hidden_layer() of its target at admission
+        self.hidden_layer = hidden_layer  # None: default_hidden_layer() of the target, at admission (prepare)
         self.threshold = threshold
         self._hidden = torch.zeros(0, 0)  # [capacity, H] unit-norm states of the committed positions
         self._count = 0
+
+    def prepare(self, target) -> None:
+        if self.hidden_layer is None:
+            self.hidden_layer = default_hidden_layer(target.num_layers)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         new = torch.nn.functional.normalize(hidden.float(), dim=-1)  # [m, H]
@@ -158,8 +175,12 @@ class AttentionLookupDrafter(RankedLookupDrafter):
             raise ValueError(f"top heads must be >= 1, got {top_heads}")
         super().__init__(num_tokens, adaptive)
         self.top_heads = top_heads
-        self.attention_heads = None  # None: the loop picks the target's top_heads induction heads at admission
+        self.attention_heads = None  # the target's top_heads induction heads, at admission (prepare)
         self._weights = torch.zeros(0)
+
+    def prepare(self, target) -> None:
+        if self.attention_heads is None:
+            self.attention_heads = top_heads(head_ranking(target), self.top_heads)
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         self._weights = weights

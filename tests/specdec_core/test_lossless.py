@@ -34,13 +34,13 @@ def fixed_induction_heads(engine):
     """pld_plus_a ranks occurrences by the target's induction heads, discovered once per model and saved (~1 min on 2
     cores the first time). Which heads rank them changes the drafts, never the output: here the first heads stand in
     for the discovered ones. Discovery itself is test_pld_plus.py's."""
-    from specdec_core import batch_decode
+    from specdec_core.drafters import pld_plus
 
     config = engine.target.model.config
     ranking = {"heads": [[layer, head, 1] for layer in range(config.num_hidden_layers)
                          for head in range(config.num_attention_heads)]}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batch_decode, "load_or_discover", lambda runner: ranking)
+        patch.setattr(pld_plus, "head_ranking", lambda runner: ranking)
         yield
 
 

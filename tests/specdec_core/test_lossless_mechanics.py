@@ -72,10 +72,10 @@ def index(engine, reference, tmp_path_factory):
 def fixed_induction_heads(monkeypatch):
     """pld_plus_a ranks occurrences by chosen heads; a random model has no induction heads worth discovering (and
     discovery reads the real corpora), so every head of the tiny model is chosen."""
-    from specdec_core import batch_decode
+    from specdec_core.drafters import pld_plus
 
     ranking = {"heads": [[layer, head, 1] for layer in range(2) for head in range(4)]}
-    monkeypatch.setattr(batch_decode, "load_or_discover", lambda runner: ranking)
+    monkeypatch.setattr(pld_plus, "head_ranking", lambda runner: ranking)
 
 
 def items(prompts, reference=None):

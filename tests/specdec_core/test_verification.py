@@ -193,3 +193,37 @@ def test_batched_greedy_rows_share_one_argmax():
     drafts = [Draft([1, 0], "copy"), Draft([], "none")]
     results = verify_rows(drafts, logits, [SamplingParams()] * 2, [make_generator(0)] * 2)
     assert [(r.num_accepted, r.next_token) for r in results] == [(1, 2), (0, 2)]
+
+
+def test_whole_batch_greedy_chains_equal_the_row_by_row_verifier():
+    """Random steps: chain drafts that agree with the target's argmax for a random prefix (then a random token, an id
+    past the vocabulary, or nothing), greedy trees and sampling rows among them. verify_rows with the step's ids
+    (one tensor operation for the chains) returns what the row-by-row verifier returns."""
+    vocab, generator = 50, torch.Generator().manual_seed(0)
+    seen = set()  # accepted lengths of greedy chains: the trials must cover rejections and long accepts
+    for trial in range(200):
+        rows = int(torch.randint(1, 9, (1,), generator=generator))
+        drafts, sampling = [], []
+        lengths = torch.randint(0, 7, (rows,), generator=generator).tolist()
+        logits = torch.randn(sum(length + 1 for length in lengths), vocab, generator=generator)
+        argmax, offset = logits.argmax(-1).tolist(), 0
+        for length in lengths:
+            agree = int(torch.randint(0, length + 1, (1,), generator=generator))
+            tokens = argmax[offset: offset + agree] + torch.randint(0, vocab, (length - agree,),
+                                                                  generator=generator).tolist()
+            if length > agree and trial % 3 == 0:
+                tokens[agree] = vocab + 7  # a token the target does not have: rejected
+            kind = int(torch.randint(0, 6, (1,), generator=generator))
+            if kind == 0 and length >= 2:
+                drafts.append(Draft(tokens=tokens, source="copy", parents=[-1] + [0] * (length - 1)))
+            else:
+                drafts.append(Draft(tokens=tokens, source="copy"))
+            sampling.append(SamplingParams(temperature=0.8, seed=trial) if kind == 1 else SamplingParams())
+            offset += length + 1
+        width = 1 + max(lengths)
+        step_ids = torch.tensor([[5, *d.tokens] + [0] * (width - 1 - len(d.tokens)) for d in drafts])
+        generators = lambda: [make_generator(trial) for _ in drafts]  # noqa: E731
+        expected = verify_rows(drafts, logits, sampling, generators())
+        assert verify_rows(drafts, logits, sampling, generators(), step_ids) == expected
+        seen.update(r.num_accepted for r, d, s in zip(expected, drafts, sampling) if d.parents is None and s.greedy)
+    assert {0, 1, 2, 3, 4, 5, 6} <= seen
