@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import accumulate
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -258,18 +258,13 @@ class BatchDecoder:
         live = {id(row): index for index, row in enumerate(self.rows)}
         indices = [live[id(p.row)] for p in group]
         width = max(chunks)
-        input_ids = torch.zeros(len(group), width, dtype=torch.long)  # [b, T]
-        positions = torch.zeros(len(group), width, dtype=torch.long)  # [b, T]
-        visible = torch.zeros(len(group), width, width, dtype=torch.bool)  # [b, T, T]
-        chain = torch.ones(width, width, dtype=torch.bool).tril()
-        ending = []  # (batch row, its last node)
-        for b, (entry, chunk) in enumerate(zip(group, chunks)):
-            prompt = entry.row.request.prompt_ids
-            input_ids[b, :chunk] = torch.tensor(prompt[entry.done: entry.done + chunk])
-            positions[b] = entry.done + torch.arange(width)
-            visible[b, :chunk, :chunk] = chain[:chunk, :chunk]
-            if entry.done + chunk == len(prompt):
-                ending.append((b, chunk - 1))
+        done = torch.tensor([entry.done for entry in group])  # [b]
+        input_ids = torch.tensor([entry.row.request.prompt_ids[entry.done: entry.done + chunk] + [0] * (width - chunk)
+                                  for entry, chunk in zip(group, chunks)], dtype=torch.long)  # [b, T]
+        positions = done[:, None] + torch.arange(width)  # [b, T]
+        _, visible = _chain_visibility(torch.tensor(chunks), width)  # [b, T, T]
+        ending = [(b, chunk - 1) for b, (entry, chunk) in enumerate(zip(group, chunks))
+                  if entry.done + chunk == len(entry.row.request.prompt_ids)]  # (batch row, its last node)
         signals = wanted([p.row.request.drafter for p in group])
         forward_started = time.perf_counter()
         logits = self.target.forward_slots(self.cache, input_ids, positions, visible,
@@ -433,7 +428,7 @@ class BatchDecoder:
         self._retire([live[id(row)] for row in rows])
 
     def _step_inputs(self, rows: list[Row], width: int):
-        """-> input_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
+        """-> step_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
 
         A chain's node t sits at position length + t and sees nodes 0..t; a tree's node at length + its depth and
         sees its ancestors (draft_tree.py). Padding nodes see nothing and are never read. Built as whole-batch
@@ -443,18 +438,14 @@ class BatchDecoder:
         input_ids = torch.tensor([[row.state.tokens[-1], *row.draft.tokens] + [0] * (width - count)
                                   for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
         count = torch.tensor(counts)  # [B]
-        steps = torch.arange(width)  # [T]
-        inside = steps[None, :] < count[:, None]  # [B, T]: a real node
-        chain = torch.ones(width, width, dtype=torch.bool).tril()
-        visible = chain[None] & inside[:, :, None] & inside[:, None, :]  # [B, T, T]
-        offsets = steps.repeat(len(rows), 1)  # [B, T]: position - length of each node
+        inside, visible = _chain_visibility(count, width)  # [B, T], [B, T, T]
+        offsets = torch.arange(width).repeat(len(rows), 1)  # [B, T]: position - length of each node
         for b, row in enumerate(rows):
             parents = row.draft.parents
             if parents is not None:
                 offsets[b, 1:counts[b]] = torch.tensor(depths(parents))
                 visible[b] = ancestor_mask(parents, width)
-        logit_index = torch.stack([torch.arange(len(rows)).repeat_interleave(count), steps.repeat(len(rows), 1)[inside]],
-                                  dim=1)  # [N, 2] (row, node), row-major as the verifier reads them
+        logit_index = inside.nonzero()  # [N, 2] (row, node), row-major as the verifier reads them
         lengths = torch.tensor(self.cache.lengths)  # [B]
         return input_ids, lengths[:, None] + offsets, visible, logit_index
 
@@ -536,6 +527,14 @@ class _Prefill:
     done: int
     looked_up: bool = False  # in the prefix cache (_plan_prefill)
     hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden] per earlier chunk (PLD+ (h) rows)
+
+
+def _chain_visibility(counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """counts [B]: real nodes per row -> inside [B, T] (node t is real) and visible [B, T, T] (real node t sees real
+    nodes 0..t: a chain; padding sees nothing)."""
+    inside = torch.arange(width)[None, :] < counts[:, None]
+    visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & inside[:, :, None] & inside[:, None, :]
+    return inside, visible
 
 
 def _pinned(row: Row) -> bool:

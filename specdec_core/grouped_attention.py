@@ -35,6 +35,7 @@ MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, w
 # threads) 308-341 ms a step against 390-428 ms with ~1,700 keys a row, and 170-200 against 158-183 with ~160.
 KERNEL_MIN_KEYS = 8192
 _row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
+_most_keys = 0  # their maximum, read once per forward rather than once per layer
 
 
 @contextmanager
@@ -42,12 +43,14 @@ def real_keys(counts: torch.Tensor):
     """Within this block, row r of a forward attends its first counts[r] keys only (its cached tokens and the
     step's new ones; the rest of the padded view is other rows' length): the compiled kernel (cpu_attention.py)
     reads just those, when there are enough of them."""
-    global _row_keys
-    before, _row_keys = _row_keys, counts if int(counts.sum()) >= KERNEL_MIN_KEYS else None
+    global _row_keys, _most_keys
+    before = _row_keys, _most_keys
+    _row_keys = counts if int(counts.sum()) >= KERNEL_MIN_KEYS else None
+    _most_keys = int(counts.max()) if _row_keys is not None else 0
     try:
         yield
     finally:
-        _row_keys = before
+        _row_keys, _most_keys = before
 
 
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -74,7 +77,7 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = scaling if scaling is not None else dim ** -0.5
-    if _row_keys is not None and _row_keys.shape[0] == b and int(_row_keys.max()) <= kv_len:
+    if _row_keys is not None and _row_keys.shape[0] == b and _most_keys <= kv_len:
         out = cpu_attention.attend(query, key, value, _row_keys, attention_mask, scale)
         if out is not None:
             return out.contiguous(), None
