@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .attention_probe import attention_module, attention_window, capture_queries
+from .attention_probe import attention_module, attention_window
 from .model_registry import cache_root
 
 FORMAT = 1
@@ -82,15 +82,10 @@ def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_T
         cache.fit(1, len(sequence))
         row = cache.add_row()
         queries: dict[int, torch.Tensor] = {}
-        hooks = capture_queries(runner, every_head, queries)
-        try:
-            size = len(sequence)
-            runner.forward_slots(cache, torch.tensor([sequence]), torch.arange(size)[None],
-                                 torch.ones(size, size, dtype=torch.bool).tril()[None], torch.tensor([[0, size - 1]]),
-                                 rows=[row])
-        finally:
-            for hook in hooks:
-                hook.remove()
+        size = len(sequence)
+        runner.forward_slots(cache, torch.tensor([sequence]), torch.arange(size)[None],
+                             torch.ones(size, size, dtype=torch.bool).tril()[None], torch.tensor([[0, size - 1]]),
+                             rows=[row], query_heads=every_head, queries=queries)
         positions = [p for p in range(len(prompt), len(sequence))]
         sources = [copy_source(sequence, len(prompt), p) for p in positions]
         events_here = [(p - 1, r) for p, r in zip(positions, sources) if r is not None]  # (query, source)

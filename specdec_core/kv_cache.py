@@ -143,24 +143,45 @@ class SlotKVCache(Cache):
         """Keys each bound row attends over: the longest bound row's cached positions + the new tokens."""
         return self._kv_len
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """key_states/value_states: [b, kv_heads, T, head_dim]; returns this layer's [b, kv_heads, kv_len, head_dim]."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        kv_len = self._kv_len
-        if len(self._bound) == 1:  # a prefill: one row, a plain slice write
-            row, start = self._bound[0], self.lengths[self._bound[0]]
-            keys[row, :, start : start + self._num_new] = key_states[0]
-            values[row, :, start : start + self._num_new] = value_states[0]
-            return keys[row : row + 1, :, :kv_len], values[row : row + 1, :, :kv_len]
-        row_index = self._row_index[:, None].expand_as(self._write_pos)  # [b, T]
-        # Advanced indexing on dims 0 and 2 puts them first: the target is [b, T, kv_heads, head_dim].
-        keys[row_index, :, self._write_pos] = key_states.transpose(1, 2)
-        values[row_index, :, self._write_pos] = value_states.transpose(1, 2)
+    def token_slots(self, flat: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> rows [M], positions [M]: where the bound forward's new tokens go (flat: which of its b x T tokens, in
+        row-major order; None: all of them)."""
+        rows = self._row_index[:, None].expand_as(self._write_pos).reshape(-1)  # [b x T]
+        places = self._write_pos.reshape(-1)
+        if flat is None:
+            return rows, places
+        flat = flat.to(self.device)
+        return rows[flat], places[flat]
+
+    def write_tokens(self, layer: int, rows: torch.Tensor, places: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """keys/values [M, kv_heads, head_dim] of M new tokens -> slot (rows[m], places[m]) of `layer`."""
+        if len(self._bound) == 1 and rows.numel() == self._num_new:  # one row's whole block: a slice write
+            start = self.lengths[self._bound[0]]
+            self.keys[layer][self._bound[0], :, start:start + self._num_new] = keys.transpose(0, 1)
+            self.values[layer][self._bound[0], :, start:start + self._num_new] = values.transpose(0, 1)
+            return
+        # Advanced indexing on dims 0 and 2 puts them first: the target is [M, kv_heads, head_dim].
+        self.keys[layer][rows, :, places] = keys
+        self.values[layer][rows, :, places] = values
+
+    def bound_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound rows' keys and values [b, kv_heads, kv_len, head_dim]: a view when the rows are a contiguous
+        range, else a gathered copy."""
+        keys, values, kv_len = self.keys[layer], self.values[layer], self._kv_len
         if self._contiguous:
             first, last = self._bound[0], self._bound[-1] + 1
             return keys[first:last, :, :kv_len], values[first:last, :, :kv_len]
         return (keys.index_select(0, self._row_index)[:, :, :kv_len],
                 values.index_select(0, self._row_index)[:, :, :kv_len])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """key_states/value_states: [b, kv_heads, T, head_dim]; returns this layer's [b, kv_heads, kv_len, head_dim]."""
+        rows, places = self.token_slots()
+        flat = (-1, self.kv_heads, self.head_dim)  # [b x T, kv_heads, head_dim]
+        self.write_tokens(layer_idx, rows, places, key_states.transpose(1, 2).reshape(flat),
+                          value_states.transpose(1, 2).reshape(flat))
+        return self.bound_view(layer_idx)
 
     # ----------------------------------------------------------------------------------------------- HF Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:

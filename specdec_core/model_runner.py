@@ -14,8 +14,9 @@ from functools import lru_cache
 
 import torch
 
-from . import grouped_attention
+from . import grouped_attention, packed_linear
 from .errors import SpecbatchError
+from .fast_forward import FastForward
 from .kv_cache import SlotKVCache
 from .model_registry import resolve_model_path
 from .ragged_tokens import RaggedTokens
@@ -80,6 +81,8 @@ class ModelRunner:
         ragged = RaggedTokens(layers) if on_cpu and layers is not None else None
         self.ragged = ragged if ragged is not None and ragged.hooked else None
         self.grouped_attention = on_cpu and _sdpa_family(config)
+        # CPU only for now: measured there (fast_forward.py); a GPU keeps HF's forward until measured on one.
+        self.fast = FastForward.build(model) if on_cpu and self.grouped_attention else None
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -197,6 +200,16 @@ class ModelRunner:
         mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         real = visible.diagonal(dim1=1, dim2=2)  # [b, T]: a node sees itself; padding sees no new token
+        for layer in captured or ():
+            if not 0 <= layer <= self.num_layers:
+                raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
+        if self.fast is not None:
+            with grouped_attention.real_keys(lengths + num_new):
+                hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
+                                       mask["full_attention"] if isinstance(mask, dict) else mask,
+                                       real if RaggedTokens.worth_it(real) else None, logit_index, captured,
+                                       query_heads, queries)
+            return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
         hooks = []
         with ExitStack() as scope:
             scope.callback(lambda: [hook.remove() for hook in hooks])
@@ -255,8 +268,6 @@ class ModelRunner:
 
     def _capture_hook(self, layer: int, captured: dict[int, torch.Tensor]):
         """A forward hook that stores `hidden_states[layer]` of the running forward into captured[layer]."""
-        if not 0 <= layer <= self.num_layers:
-            raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
 
         def store(module, args, kwargs, output):
             hidden = output[0] if isinstance(output, tuple) else output  # [b, T, hidden]
@@ -329,19 +340,6 @@ class SubsetHead:
         full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [N, vocab]
         full[:, self.token_ids] = logits
         return full
-
-
-class OneDnnLinear(torch.nn.Module):
-    """fp32 LM head through oneDNN: measured on this 2-core AVX2 CPU, [11, 576] x [576, 49152] takes 12 ms instead
-    of MKL's 36 ms, and one row 6 ms instead of 11 ms. The head is the largest matmul of a small model's forward."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(hidden, self.weight, self.bias, "none", [], "")
 
 
 def head_weight(linear) -> torch.Tensor:
@@ -439,15 +437,14 @@ def tune_for_cpu(model) -> None:
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    if not packed_linear.available():
+        return
+    layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
+    if layers is not None:
+        packed_linear.pack_linears(layers)  # fp32 decoder linears only (int8 drafters keep theirs)
     head = model.get_output_embeddings()
-    usable = (
-        isinstance(head, torch.nn.Linear)
-        and head.weight.dtype == torch.float32
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and torch.backends.mkldnn.is_available()
-    )
-    if usable:
-        model.set_output_embeddings(OneDnnLinear(head))
+    if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
+        model.set_output_embeddings(packed_linear.OneDnnLinear(head))
 
 
 SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}

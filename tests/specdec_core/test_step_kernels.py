@@ -70,6 +70,7 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
     from specdec_core.draft_tree import ancestor_mask, depths
 
     runner = make()
+    runner.fast = None  # the HF forward's hooks (Gemma's path); test_fast_forward.py covers the fast forward
     lengths, counts, width = [13, 30, 21], [5, 1, 2], 5
     input_ids = torch.randint(1, 90, (3, width), generator=torch.Generator().manual_seed(1))
     visible = torch.zeros(3, width, width, dtype=torch.bool)
@@ -115,6 +116,7 @@ def test_short_verify_forwards_run_grouped_attention_and_match_sdpa_inside_the_m
     """A width-3 step with masks (Gemma3: a dict of full and sliding masks) dispatches to the grouped path in every
     layer, and its logits equal the same step through SDPA; the model's own setting is restored after."""
     runner = make()
+    runner.fast = None  # the HF forward's dispatch (Gemma's path); the fast forward calls grouped attention itself
     calls = []
     original = grouped_attention.grouped_attention_forward
     monkeypatch.setattr(grouped_attention, "MAX_QUERIES", 8)

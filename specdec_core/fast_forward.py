@@ -1,0 +1,189 @@
+"""The batched loop's forward for Llama-family models (Llama, Qwen2, Mistral), written over the owned cache.
+
+Hugging Face's decoder runs each layer through a dozen modules, hooks and kwargs dicts, and hands the cache a padded
+`[b, T]` block. This forward runs the same arithmetic as a loop of tensor calls per layer:
+- the per-token work (norms, projections, MLP) runs on the real tokens only, flattened `[M, hidden]`; only
+  attention sees the padded `[b, T]` layout (grouped_attention.py picks its kernel);
+- new keys and values go straight to their slot positions, and the final norm runs only on the positions whose
+  logits are wanted;
+- hidden states of a layer and post-rotary queries of chosen heads (what PLD+ reads) come out of the same pass.
+
+It computes what HF's modules compute, op for op in the same order (RMSNorm in fp32, rotate-half RoPE from the
+model's own rotary embedding, SiLU gate), with the same linear layers (packed_linear.py), so its fp32 outputs equal
+HF's forward over the same cache (tests/specdec_core/test_fast_forward.py). Measured against HF's forward in one
+process (benchmarks/forward_bench.py): equal on a plain decode step, 1.18x on a ragged verify step. Models it does
+not cover (other architectures, int8 drafters, sliding windows) run HF's forward: `FastForward.build` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from . import grouped_attention, packed_linear
+from .packed_linear import PackedLinear
+
+log = logging.getLogger(__name__)
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class _Projection:
+    """One linear layer as a plain call: oneDNN on its reordered weight (packed_linear.py), else F.linear."""
+
+    def __init__(self, module):
+        if isinstance(module, PackedLinear):
+            self.weight, self.run = module.packed, packed_linear.linear
+        elif type(module) is torch.nn.Linear:
+            self.weight, self.run = module.weight, F.linear
+        else:
+            raise TypeError(f"{type(module).__name__} is not a plain or packed linear layer")
+        self.bias = module.bias
+        self.out_features = module.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        return self.run(x, self.weight, self.bias)
+
+
+class _Layer:
+    """One decoder layer's weights and settings."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn  # handed to SDPA for long queries (it reads num_key_value_groups and is_causal)
+        self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.q, self.k, self.v, self.o = (_Projection(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.gate, self.up, self.down = (_Projection(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        self.scaling = attn.scaling
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[M, hidden], as LlamaRMSNorm computes it (in fp32, then back to the activations' dtype)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastForward:
+    """A model's decoder layers as stacked weights; `run` is one forward over a bound SlotKVCache."""
+
+    def __init__(self, model):
+        base = getattr(model, model.base_model_prefix)
+        config = model.config
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
+        self.layers = [_Layer(layer) for layer in base.layers]
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+
+    @classmethod
+    def build(cls, model) -> "FastForward | None":
+        """The fast forward for `model`, or None (with one log line) when its architecture is not covered."""
+        reason = unsupported(model)
+        if reason is None:
+            try:
+                return cls(model)
+            except Exception as exc:  # an unexpected module layout: HF's forward still serves it
+                reason = f"{type(exc).__name__}: {exc}"
+        log.info("fast forward off for %s: %s; using the Hugging Face forward", model.config.model_type, reason)
+        return None
+
+    @torch.inference_mode()
+    def run(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, mask, real: torch.Tensor | None,
+            logit_index: torch.Tensor, captured: dict | None = None, query_heads: dict | None = None,
+            queries: dict | None = None) -> torch.Tensor:
+        """cache     bound to the forward's rows (cache.bind)
+        input_ids  [b, T]; positions [b, T]
+        mask       [b, 1, T, L] float (0 / dtype-min), or None for one row fed causally from position 0
+        real       [b, T] bool: compute only these tokens' per-token work (None: all b x T)
+        logit_index [N, 2] (row, t) whose hidden states are returned
+        captured   {layer: None} -> filled with [b, T, hidden] float32 (0 = embeddings; padding rows are zeros)
+        query_heads {layer: [heads]} -> queries[layer] = those heads' post-rotary queries [b, n, T, d] float32
+        -> [N, hidden] final-normed hidden states of the logit positions."""
+        b, num_new = input_ids.shape
+        flat = None if real is None else real.reshape(-1).nonzero().squeeze(1)  # [M] of b x T
+        ids = input_ids.reshape(-1) if flat is None else input_ids.reshape(-1)[flat]  # [M]
+        x = self.embed(ids)  # [M, hidden]
+        cos, sin = self.rotary(x, positions)  # [b, T, d] each
+        cos, sin = cos.reshape(b * num_new, 1, -1), sin.reshape(b * num_new, 1, -1)  # [b x T, 1, d]
+        if flat is not None:
+            cos, sin = cos[flat], sin[flat]  # [M, 1, d]
+        rows, places = cache.token_slots(flat)  # [M], [M]: where each token's keys go
+        if captured is not None and 0 in captured:
+            captured[0] = self._padded(x, flat, b, num_new).float()
+        for index, layer in enumerate(self.layers):
+            heads = (query_heads or {}).get(index)
+            x = self._layer(index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries)
+            if captured is not None and index + 1 in captured:
+                captured[index + 1] = self._padded(x, flat, b, num_new).float()
+        wanted = logit_index[:, 0] * num_new + logit_index[:, 1]  # [N] of b x T
+        if flat is not None:
+            where = torch.full((b * num_new,), -1, dtype=torch.long)
+            where[flat] = torch.arange(flat.numel())
+            wanted = where[wanted]
+        return _rms_norm(x[wanted], self.final_norm, self.final_eps)  # [N, hidden]
+
+    def _layer(self, index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries):
+        tokens = x.shape[0]  # M
+        normed = _rms_norm(x, layer.norm1, layer.eps1)  # [M, hidden]
+        q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
+        k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
+        v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write_tokens(index, rows, places, k, v)
+        keys, values = cache.bound_view(index)  # [b, KV, L, d] each
+        query = self._padded(q, flat, b, num_new).view(b, num_new, self.heads, self.head_dim).transpose(1, 2)
+        if heads:
+            queries[index] = query[:, heads].float()  # [b, n, T, d]
+        attended, _ = grouped_attention.grouped_attention_forward(
+            layer.attn, query, keys, values, mask, scaling=layer.scaling)  # [b, T, H, d]
+        attended = attended.reshape(b * num_new, self.heads * self.head_dim)
+        if flat is not None:
+            attended = attended[flat]  # [M, H d]
+        x = x + layer.o(attended)
+        normed = _rms_norm(x, layer.norm2, layer.eps2)
+        return x + layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
+
+    @staticmethod
+    def _padded(values: torch.Tensor, flat: torch.Tensor | None, b: int, num_new: int) -> torch.Tensor:
+        """[M, ...] per real token -> [b, T, ...] with zeros at the padding."""
+        if flat is None:
+            return values.reshape(b, num_new, *values.shape[1:])
+        full = values.new_zeros(b * num_new, *values.shape[1:])
+        full.index_copy_(0, flat, values)
+        return full.view(b, num_new, *values.shape[1:])
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot run the fast forward, or None when it can."""
+    config = model.config
+    if config.model_type not in MODEL_TYPES:
+        return f"model type {config.model_type!r} (covered: {', '.join(MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"layer types {sorted(layer_types)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding window"
+    base = getattr(model, model.base_model_prefix, None)
+    for layer in getattr(base, "layers", None) or [None]:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(type(linear) in (torch.nn.Linear, PackedLinear) for linear in linears):
+            return "linear layers that are not plain nn.Linear (quantized weights)"
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            return "query / key norms"
+    return None
