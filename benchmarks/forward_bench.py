@@ -1,6 +1,7 @@
-"""One slot-cache forward of the real model three ways over the same cache: the fast forward (fast_forward.py) and
-Hugging Face's modules, both on oneDNN's reordered fp32 weights (packed_linear.py), and the fast forward on PyTorch's
-default (MKL) linears, as before packing. Side by side in one process, alternating, median of the repeats.
+"""One slot-cache forward of the real model four ways over the same cache: the fast forward (fast_forward.py) and
+Hugging Face's modules, both on oneDNN's reordered fp32 weights (packed_linear.py); the fast forward on PyTorch's
+default (MKL) linears, as before packing; and the fast forward with --deterministic (invariant_attention.py). Side by
+side in one process, alternating, median of the repeats.
 
   python benchmarks/forward_bench.py                          # SmolLM2, batch 16, contexts of ~170 and ~600 tokens
   python benchmarks/forward_bench.py --model qwen2.5-coder-0.5b --batch-size 8 --context 300
@@ -65,8 +66,9 @@ def prefill_inputs(runner, prompts: int, length: int):
 
 
 def timed(variant, cache, inputs, repeats: int) -> tuple[list[float], torch.Tensor]:
-    runner, fast = variant
+    runner, fast, deterministic = variant
     runner.fast = fast
+    runner.deterministic = deterministic
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -84,8 +86,8 @@ def compare(variants: dict, name: str, cache, inputs, repeats: int, rounds: int)
         for label, variant in variants.items():
             spent, logits[label] = timed(variant, cache, inputs, repeats)
             times[label] += spent
-    for runner, fast in variants.values():
-        runner.fast = fast if fast is not None else runner.fast
+    for runner, fast, _ in variants.values():
+        runner.fast, runner.deterministic = fast if fast is not None else runner.fast, False
     first = next(iter(variants))
     ms = {label: statistics.median(spent) * 1e3 for label, spent in times.items()}
     cells = "   ".join(f"{label} {ms[label]:8.2f} ms ({ms[label] / ms[first]:4.2f})" for label in variants)
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     if runner.fast is None or mkl.fast is None:
         print(f"{args.model}: the fast forward does not cover this model")
         return 1
-    variants = {"fast": (runner, runner.fast), "HF": (runner, None), "fast+MKL": (mkl, mkl.fast)}
+    variants = {"fast": (runner, runner.fast, False), "HF": (runner, None, False),
+                "fast+MKL": (mkl, mkl.fast, False), "deterministic": (runner, runner.fast, True)}
     print(f"{hardware('cpu')}, dtype {runner.dtype_name}, {args.model}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads; ms per forward (time / the first's)")
     b = args.batch_size

@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import grouped_attention, packed_linear
+from . import grouped_attention, invariant_attention, packed_linear
 from .packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class FastForward:
     @torch.inference_mode()
     def run(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, mask, real: torch.Tensor | None,
             logit_index: torch.Tensor, captured: dict | None = None, query_heads: dict | None = None,
-            queries: dict | None = None) -> torch.Tensor:
+            queries: dict | None = None, invariant: tuple | None = None) -> torch.Tensor:
         """cache     bound to the forward's rows (cache.bind)
         input_ids  [b, T]; positions [b, T]
         mask       [b, 1, T, L] float (0 / dtype-min), or None for one row fed causally from position 0
@@ -109,6 +109,8 @@ class FastForward:
         logit_index [N, 2] (row, t) whose hidden states are returned
         captured   {layer: None} -> filled with [b, T, hidden] float32 (0 = embeddings; padding rows are zeros)
         query_heads {layer: [heads]} -> queries[layer] = those heads' post-rotary queries [b, n, T, d] float32
+        invariant  (visible [b, T, T], lengths [b]): attend through invariant_attention.py (mask unused), so each
+                   token's result is the same in any forward
         -> [N, hidden] final-normed hidden states of the logit positions."""
         b, num_new = input_ids.shape
         flat = None if real is None else real.reshape(-1).nonzero().squeeze(1)  # [M] of b x T
@@ -123,7 +125,8 @@ class FastForward:
             captured[0] = self._padded(x, flat, b, num_new).float()
         for index, layer in enumerate(self.layers):
             heads = (query_heads or {}).get(index)
-            x = self._layer(index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries)
+            x = self._layer(index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
+                            invariant)
             if captured is not None and index + 1 in captured:
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
         wanted = logit_index[:, 0] * num_new + logit_index[:, 1]  # [N] of b x T
@@ -133,7 +136,8 @@ class FastForward:
             wanted = where[wanted]
         return _rms_norm(x[wanted], self.final_norm, self.final_eps)  # [N, hidden]
 
-    def _layer(self, index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries):
+    def _layer(self, index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
+               invariant):
         tokens = x.shape[0]  # M
         normed = _rms_norm(x, layer.norm1, layer.eps1)  # [M, hidden]
         q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
@@ -142,12 +146,17 @@ class FastForward:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         cache.write_tokens(index, rows, places, k, v)
-        keys, values = cache.bound_view(index)  # [b, KV, L, d] each
         query = self._padded(q, flat, b, num_new).view(b, num_new, self.heads, self.head_dim).transpose(1, 2)
         if heads:
             queries[index] = query[:, heads].float()  # [b, n, T, d]
-        attended, _ = grouped_attention.grouped_attention_forward(
-            layer.attn, query, keys, values, mask, scaling=layer.scaling)  # [b, T, H, d]
+        if invariant is not None:
+            visible, lengths = invariant
+            attended = invariant_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
+                                                  lengths, visible, layer.scaling)  # [b, T, H, d]
+        else:
+            keys, values = cache.bound_view(index)  # [b, KV, L, d] each
+            attended, _ = grouped_attention.grouped_attention_forward(
+                layer.attn, query, keys, values, mask, scaling=layer.scaling)  # [b, T, H, d]
         attended = attended.reshape(b * num_new, self.heads * self.head_dim)
         if flat is not None:
             attended = attended[flat]  # [M, H d]

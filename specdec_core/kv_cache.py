@@ -136,6 +136,10 @@ class SlotKVCache(Cache):
         if self._kv_len > self.capacity:
             raise RuntimeError(f"KV cache too small: need {self._kv_len} positions, have {self.capacity}")
 
+    def bound_rows(self) -> torch.Tensor:
+        """[b] the cache row of each row the next forward feeds."""
+        return self._row_index
+
     def bound_lengths(self) -> list[int]:
         return [self.lengths[r] for r in self._bound]
 

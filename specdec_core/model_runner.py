@@ -16,7 +16,7 @@ import torch
 
 from . import grouped_attention, packed_linear
 from .errors import SpecbatchError
-from .fast_forward import FastForward
+from .fast_forward import MODEL_TYPES, FastForward
 from .kv_cache import SlotKVCache
 from .model_registry import resolve_model_path
 from .ragged_tokens import RaggedTokens
@@ -83,6 +83,21 @@ class ModelRunner:
         self.grouped_attention = on_cpu and _sdpa_family(config)
         # CPU only for now: measured there (fast_forward.py); a GPU keeps HF's forward until measured on one.
         self.fast = FastForward.build(model) if on_cpu and self.grouped_attention else None
+        self._deterministic = False
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every forward attends through invariant_attention.py: a token's numbers are then the same in any
+        forward (any batch, query count or prefill chunk), so lossless methods equal `ar` bit for bit in bf16 too."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        if on and self.fast is None:
+            raise DeterminismUnavailableError(
+                f"--deterministic runs on a CPU with Llama-family models ({', '.join(MODEL_TYPES)}) in fp32 or bf16; "
+                f"{self.name} ({self.model.config.model_type}, {self.device}, {self.dtype_name}) is not covered")
+        self._deterministic = bool(on)
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -197,12 +212,17 @@ class ModelRunner:
         b, num_new = input_ids.shape
         cache.bind(num_new, rows)
         lengths = torch.tensor(cache.bound_lengths())  # [b]
-        mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
-            self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         real = visible.diagonal(dim1=1, dim2=2)  # [b, T]: a node sees itself; padding sees no new token
         for layer in captured or ():
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
+        if self.deterministic:  # every token's attention over exactly the keys it sees (invariant_attention.py)
+            hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device), None,
+                                   real if RaggedTokens.worth_it(real) else None, logit_index, captured,
+                                   query_heads, queries, invariant=(visible.cpu(), lengths))
+            return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+        mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
+            self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         if self.fast is not None:
             with grouped_attention.real_keys(lengths + num_new):
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
@@ -444,10 +464,16 @@ def tune_for_cpu(model) -> None:
         packed_linear.pack_linears(layers)  # fp32 decoder linears only (int8 drafters keep theirs)
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
-        model.set_output_embeddings(packed_linear.OneDnnLinear(head))
+        # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a reordered copy.
+        model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
+        model.set_output_embeddings(packed_linear.PackedLinear(head))
 
 
 SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class DeterminismUnavailableError(SpecbatchError):
+    pass
 
 
 class UnsupportedArchitectureError(SpecbatchError):

@@ -1,0 +1,113 @@
+"""--deterministic (invariant_attention.py through the fast forward): a token's logits are bit-identical however it
+is fed (alone, in a verify block of 1..17 tokens, as a tree node, in a prefill chunk, beside other rows of any
+length), in fp32 and in bf16; so every lossless method's tokens equal batch-1 `ar`'s in bf16 as well."""
+
+import pytest
+import torch
+
+from specdec_core.decode import DecodeParams
+from specdec_core.draft_tree import ancestor_mask, depths
+from specdec_core.engine import BatchItem, Engine
+from specdec_core.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
+from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
+
+SEQUENCE = repetitive_prompt(7, 40)
+
+
+def runner_in(dtype: torch.dtype, make=tiny_llama) -> ModelRunner:
+    base = make()
+    model = base.model.to(dtype)
+    tune_for_cpu(model)  # as ModelRunner.load sets a CPU model up: fp32 linears and head reordered for oneDNN
+    runner = ModelRunner(model, base.tokenizer, base.name, "cpu", dtype)
+    runner.deterministic = True
+    return runner
+
+
+def feed(runner, pieces: list[int], others: list[int] = ()) -> torch.Tensor:
+    """SEQUENCE fed in chunks of the given sizes to row 0, each forward also feeding a chunk to rows of other
+    lengths (`others`: their cached lengths) -> [len(SEQUENCE), vocab] logits of row 0 at every position."""
+    cache = runner.new_slot_cache()
+    cache.fit(1 + len(others), len(SEQUENCE) + 64)
+    cache.add_row()
+    for seed, length in enumerate(others):  # the neighbours' caches, fed whole
+        row = cache.add_row()
+        ids = torch.tensor([repetitive_prompt(100 + seed, length)])
+        runner.forward_slots(cache, ids, torch.arange(length)[None], torch.ones(length, length, dtype=torch.bool).tril()[None],
+                             torch.tensor([[0, length - 1]]), rows=[row])
+        cache.set_length(row, length)
+    logits, done = [], 0
+    for size in pieces:
+        b = 1 + len(others)
+        width = size + len(others)  # the neighbours feed blocks of other widths
+        ids = torch.zeros(b, width, dtype=torch.long)
+        ids[0, :size] = torch.tensor(SEQUENCE[done:done + size])
+        counts = [size] + [1 + (size + i) % 4 for i in range(len(others))]
+        visible = torch.zeros(b, width, width, dtype=torch.bool)
+        for r, count in enumerate(counts):
+            visible[r, :count, :count] = torch.ones(count, count, dtype=torch.bool).tril()
+            if r:
+                ids[r, :count] = torch.tensor(repetitive_prompt(200 + r, count))
+        lengths = torch.tensor(cache.lengths)
+        positions = lengths[:, None] + torch.arange(width)
+        index = torch.tensor([(0, t) for t in range(size)])
+        logits.append(runner.forward_slots(cache, ids, positions, visible, index))
+        done += size
+        cache.set_length(0, done)
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype):
+    runner = runner_in(dtype)
+    alone = feed(runner, [1] * len(SEQUENCE))  # `ar`: one token a forward
+    assert torch.equal(feed(runner, [len(SEQUENCE)]), alone)  # one prefill
+    assert torch.equal(feed(runner, [17, 9, 1, 13]), alone)  # chunks and verify blocks of many sizes
+    assert torch.equal(feed(runner, [3, 5, 2, 8, 6, 16], others=[11, 37]), alone)  # beside other rows and lengths
+    for blocks in ([1] * 40, [2] * 20, list(range(1, 9)) + [4]):  # every query count 1..8 and 17 above
+        assert torch.equal(feed(runner, blocks, others=[5]), alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype):
+    """After a 20-token prefix, row 0 feeds the pending token and two branches of two drafts (draft parents -1, -1,
+    0, 1: nodes a and b under the pending token, a2 under a, b2 under b); each node's logits equal those of its
+    own path fed as a chain."""
+    runner = runner_in(dtype)
+    prefix, (root, a, b, a2, b2) = SEQUENCE[:20], SEQUENCE[20:25]
+    parents = [-1, -1, 0, 1]
+
+    def after_prefix(ids: list[int], positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        cache = runner.new_slot_cache()
+        cache.fit(1, 64)
+        cache.add_row()
+        runner.forward_slots(cache, torch.tensor([prefix]), torch.arange(20)[None],
+                             torch.ones(20, 20, dtype=torch.bool).tril()[None], torch.tensor([[0, 19]]))
+        cache.set_length(0, 20)
+        width = len(ids)
+        return runner.forward_slots(cache, torch.tensor([ids]), 20 + positions[None], visible[None],
+                                    torch.tensor([[0, t] for t in range(width)]))  # [width, vocab]
+
+    tree = after_prefix([root, a, b, a2, b2], torch.tensor([0] + depths(parents)), ancestor_mask(parents, 5))
+    for path, node in (([root, a, a2], 3), ([root, b, b2], 4), ([root, a], 1), ([root, b], 2)):
+        chain = after_prefix(path, torch.arange(len(path)), torch.ones(len(path), len(path), dtype=torch.bool).tril())
+        assert torch.equal(tree[node], chain[-1]), (path, node)
+    assert torch.equal(tree[0], chain[0])
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_lossless_methods_equal_batch_one_ar_in_bf16(make):
+    """bf16, deterministic: pld and copyspec in batches of 3 (more requests than slots, rows of different lengths)
+    give batch-1 `ar`'s tokens on every row."""
+    engine = Engine.from_runners(runner_in(torch.bfloat16, make))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([6, 41, 13, 60, 24])]
+    items = [BatchItem(key, prompt, DecodeParams(max_new_tokens=24)) for key, prompt in enumerate(prompts)]
+    reference = dict(engine.decode_batch(items, "ar", batch_size=1))
+    for method in ("ar", "pld", "copyspec"):
+        got = dict(engine.decode_batch(items, method, batch_size=3))
+        for key in reference:
+            assert got[key]["output_token_ids"] == reference[key]["output_token_ids"], (method, key)
+
+
+def test_a_model_the_fast_forward_does_not_cover_is_one_clear_error():
+    with pytest.raises(DeterminismUnavailableError, match="Llama-family"):
+        tiny_gemma3().deterministic = True
