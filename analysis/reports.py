@@ -40,12 +40,14 @@ REPORTS: dict[str, Report] = {
         SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
         FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),
     "speedup": Report("Speed-up over ar by method and task", f"""
-        SELECT coalesce(task, '-') AS task, method, bool_or(lossy) AS lossy, count(*) AS requests,
+        SELECT coalesce(task, '-') AS task, method, dtype, deterministic, bool_or(lossy) AS lossy,
+               count(*) AS requests,
                avg(speedup) AS mean_of_ratios,
                (sum(new_tokens) / sum(wall_s)) / (sum(ar_new_tokens) / sum(ar_wall_s)) AS ratio_of_totals,
                100 * avg(same_output_as_ar::INT) AS pct_same_output_as_ar
         FROM speedups WHERE {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
-        "tokens/s of the method ÷ tokens/s of ar on the same request in the same run."),
+        "tokens/s of the method ÷ tokens/s of ar on the same request in the same run. Same output as ar: "
+        "guaranteed for lossless methods in fp32, and in bf16 with --deterministic (the dtype and mode columns)."),
     "acceptance": Report("Acceptance by method and task", f"""
         SELECT coalesce(task, '-') AS task, method, count(*) AS requests, sum(new_tokens) AS new_tokens,
                sum(new_tokens) / sum(wall_s) AS tokens_per_s,

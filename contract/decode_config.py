@@ -20,6 +20,8 @@ class DecodeConfig(BaseModel):
     drafter_dtype: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    deterministic: bool = Field(False, description="every token's numbers the same in any batch or step "
+                                                   "(invariant_attention.py): lossless methods equal ar in bf16 too")
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -54,6 +54,8 @@ GENERATIONS_SCHEMA = pa.schema([
     ("pass_prompt_tokens", pa.int64()),
     ("pass_prefix_hit_tokens", pa.int64()),
     ("batch_size", pa.int64()),
+    # Decoded with --deterministic (every token's numbers independent of its batch and step: invariant_attention.py).
+    ("deterministic", pa.bool_()),
     # Hash of what determines this row's output besides the request: method, model, drafter, dtype asked for,
     # sampling and decoding parameters, prompt options. --resume skips a pair only when its key is unchanged.
     ("decode_key", pa.string()),

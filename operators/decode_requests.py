@@ -34,7 +34,8 @@ class DecodeRequests:
         transformers_logging.disable_progress_bar()  # actor output goes to the job's log: no weight-loading bars
         self.config = DecodeConfig.model_validate(config)
         cfg = self.config
-        self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype))
+        self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype,
+                                          deterministic=cfg.deterministic))
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
         self.journal = journal
@@ -61,7 +62,8 @@ class DecodeRequests:
             "device": self.engine.target.device, "temperature": cfg.temperature, "seed": cfg.seed,
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
-            "turn": turn, "batch_size": cfg.batch_size, "decode_key": cfg.decode_keys.get(method),
+            "turn": turn, "batch_size": cfg.batch_size, "deterministic": cfg.deterministic,
+            "decode_key": cfg.decode_keys.get(method),
         }
 
     def _error_rows(self, row: dict, method: str, error: str, first_turn: int = 1) -> list[dict]:

@@ -68,7 +68,7 @@ class GenerationConfig(DecodeConfig):
     # --max-prompt-tokens, --max-context-tokens and --row-timeout-s only decide which rows fail, so they are not
     # part of it either: a resume with a larger limit does not redo the rows that succeeded.
     OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "job", "model", "drafter", "drafter_dtype", "dtype", "device", "max_new_tokens", "temperature", "top_p",
+        "job", "model", "drafter", "drafter_dtype", "dtype", "device", "deterministic", "max_new_tokens", "temperature", "top_p",
         "top_k", "seed", "method_options", "task_template", "default_task", "instruction", "max_context_chars",
         "compress_context", "compression_model")
 

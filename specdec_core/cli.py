@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="every token computed the same way in any batch and step, so lossless methods give ar's "
+                             "exact tokens in bf16 too (CPU, Llama-family models)")
     parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
@@ -184,6 +187,7 @@ def run_generate(argv: list[str]) -> int:
                 device=args.device,
                 drafter=args.drafter if spec.needs_draft_model else None,
                 drafter_dtype=args.drafter_dtype,
+                deterministic=args.deterministic,
             )
         )
         if batch_lines is not None:

@@ -32,6 +32,7 @@ class EngineConfig:
     device: str = "auto"
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
     drafter_dtype: str | None = None  # default: default_drafter_dtype (int8 on a bf16 CPU, else the target's)
+    deterministic: bool = False  # the target's tokens independent of batch and step (ModelRunner.deterministic)
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Engine:
         if config.dtype == INT8:
             raise ValueError("int8 is for drafters only (--drafter-dtype int8): an int8 target would be another model")
         self.target = target or ModelRunner.load(config.model, config.dtype, config.device)
+        if config.deterministic:
+            self.target.deterministic = True  # DeterminismUnavailableError where the fast forward does not run
         self.draft_model = draft_model
         if config.drafter and draft_model is None:
             self.draft_model = ModelRunner.load(

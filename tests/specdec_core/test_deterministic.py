@@ -111,3 +111,27 @@ def test_lossless_methods_equal_batch_one_ar_in_bf16(make):
 def test_a_model_the_fast_forward_does_not_cover_is_one_clear_error():
     with pytest.raises(DeterminismUnavailableError, match="Llama-family"):
         tiny_gemma3().deterministic = True
+
+
+@pytest.mark.slow
+def test_the_real_model_in_bf16_gives_batch_one_ar_tokens_with_every_lossless_method_batched():
+    """SmolLM2 in bf16 with --deterministic: rows of different lengths, each with its own lossless method (copy
+    drafters, a candidates tree, CASD, SPECTRA, the draft model), batched, equal batch-1 ar token for token. (On the
+    AVX2 CPU these rows happen to agree without the switch too; the bitwise tests above are what prove invariance.)"""
+    from specdec_core.engine import EngineConfig
+    from specdec_core.methods import MethodOptions
+    from tests.prompts import LOSSLESS_CASES
+
+    engine = Engine(EngineConfig(dtype="bfloat16", deterministic=True, drafter="smollm2-135m"))
+    cases = list(LOSSLESS_CASES.items())[:6]
+    items = [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=16))
+             for name, messages in cases]
+    reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in items}
+    methods = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
+               ("casd_strict", MethodOptions()), ("spectra", MethodOptions(spectra_pool=6)), ("draft", MethodOptions())]
+    decoder = engine.decoder(batch_size=len(items), speculation_budget=False)
+    for item, (method, options) in zip(items, methods):
+        decoder.submit(engine.request(item, method, options, decoder))
+    got = {request.key: result for request, result in decoder.run()}
+    for item, (method, _) in zip(items, methods):
+        assert got[item.key].token_ids == reference[item.key]["output_token_ids"], (item.key, method)
