@@ -189,7 +189,6 @@ class DecodeRequests:
 
         from contract.schema import generations_table
 
-        _maybe_die_for_test()
         rows = [_plain_row(row) for row in batch.to_dict("records")]
         if self.journal is None:
             return generations_table(self._decode_all(rows))
@@ -225,18 +224,6 @@ CONTRACT_RESULT_KEYS = (
 
 def _contract_fields(result: dict) -> dict:
     return {key: result[key] for key in CONTRACT_RESULT_KEYS}
-
-
-FAULT_ENV = "SPECBATCH_TEST_KILL_ACTOR_ONCE"
-
-
-def _maybe_die_for_test() -> None:
-    """Fault-injection hook for the exactly-once test: when FAULT_ENV names a marker file that does not exist yet,
-    create it and kill this actor process mid-job (as an OOM kill or a lost node would)."""
-    marker = os.environ.get(FAULT_ENV)
-    if marker and not os.path.exists(marker):
-        open(marker, "w").close()
-        os._exit(1)
 
 
 POISON_ENV = "SPECBATCH_TEST_CRASH_ON_ROW"

@@ -20,7 +20,7 @@ def row(run, request, method, new, wall, forwards=None, ids=(1, 2, 3), **extra):
     return {"run_id": run, "job": "summarize", "request_id": request, "method": method, "task": "summarization",
             "new_tokens": new, "wall_s": wall, "tokens_per_s": new / wall, "target_forwards": forwards or new,
             "output_token_ids": list(ids), "ttft_s": 0.1, "tpot_s": (wall - 0.1) / (new - 1), "lossy": False,
-            "started_at": NOW, "mean_accepted_length": new / (forwards or new),
+            "dtype": "bfloat16", "started_at": NOW, "mean_accepted_length": new / (forwards or new),
             "accepted_by_source": extra.pop("sources", {"target": new}), **extra}
 
 
@@ -136,7 +136,8 @@ def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
     proc = report_cli("--output", str(output), "--run-id", "r1")
     assert proc.returncode == 0, proc.stderr
     report = (output / "report" / "report.md").read_text()
-    assert "| summarization | copyspec | no | 2 | 3.000 | 2.667 | 50.0 |" in report
+    # The same-output share is read with its dtype and mode (only --deterministic guarantees it in bf16).
+    assert "| summarization | copyspec | bfloat16 | no | no | 2 | 3.000 | 2.667 | 50.0 |" in report
     for png in ("speedup.png", "accepted_length.png"):
         assert (output / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = report_cli("--output", str(output), "--sql", "SELECT request_id FROM speedups WHERE speedup > $x "

@@ -207,28 +207,27 @@ def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(ray_cluster, tm
 
 
 def test_a_killed_actor_a_poison_row_and_a_corrupt_file_cost_their_own_rows_only(tmp_path):
-    """One job meets three faults: its decode actor is killed once mid-run (as an OOM kill or a lost node would);
-    row r2 kills its worker whenever it is decoded (a poison row: the batch is tried twice, then redone one (request,
-    method) at a time); one input file is not Parquet. The actor is replaced, r2's units and the corrupt file get
-    error rows, and every other pair is written exactly once."""
+    """One job meets two faults: row r2 kills its decode actor's process whenever it is decoded, mid-call (as a
+    native crash, an OOM kill or a lost node would; the batch is tried twice, then redone one (request, method) at a
+    time), and one input file is not Parquet. The actor is replaced after each kill, r2's units and the corrupt file
+    get error rows, and every other pair, decoded in the calls that were killed, is written exactly once. (A
+    separate one-time kill of the actor, proving the same recovery again, cost ~12 s of the suite.)"""
     import os
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from operators.decode_requests import FAULT_ENV, POISON_ENV
+    from operators.decode_requests import POISON_ENV
 
     source = tmp_path / "in"
     source.mkdir()
     pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Say the number {i}." for i in range(6)]}),
                    source / "good.parquet")
     (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
-    marker = tmp_path / "killed"
     proc = run_job_process("--input", str(source), "--output", str(tmp_path / "out"), "--method", "copyspec",
                            "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6",
-                           "--max-error-fraction", "0.5", env={**os.environ, FAULT_ENV: str(marker), POISON_ENV: "r2"})
+                           "--max-error-fraction", "0.5", env={**os.environ, POISON_ENV: "r2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert marker.exists(), "the actor was not killed, so the test proved nothing"
     rows = generations(tmp_path / "out").to_pylist()
     ids = [f"r{i}" for i in range(6)] + ["corrupt.parquet"]
     assert sorted(r["request_id"] for r in rows) == sorted(ids) and {r["method"] for r in rows} == {"copyspec"}

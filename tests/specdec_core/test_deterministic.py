@@ -124,7 +124,7 @@ def test_the_real_model_in_bf16_gives_batch_one_ar_tokens_with_every_lossless_me
 
     engine = Engine(EngineConfig(dtype="bfloat16", deterministic=True, drafter="smollm2-135m"))
     cases = list(LOSSLESS_CASES.items())[:6]
-    items = [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=16))
+    items = [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=12))
              for name, messages in cases]
     reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in items}
     methods = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
