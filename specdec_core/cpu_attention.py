@@ -19,21 +19,13 @@ Compiled by numba once per machine (about 10 s) and cached under $SPECBATCH_CACH
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 
-from .model_registry import cache_root
-
-log = logging.getLogger(__name__)
-_kernel = None
-_unavailable: str | None = None
+from .numba_kernels import LazyKernel, use_torch_threads
 
 
 def _compile():
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
     from numba import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True)
@@ -79,16 +71,7 @@ def _compile():
     return attend
 
 
-def kernel():
-    """The compiled kernel, or None (and one log line, once) where numba cannot compile it."""
-    global _kernel, _unavailable
-    if _kernel is None and _unavailable is None:
-        try:
-            _kernel = _compile()
-        except Exception as exc:  # no numba, or no compiler for this machine: the caller's matmul path runs
-            _unavailable = f"{type(exc).__name__}: {exc}"
-            log.warning("compiled CPU attention unavailable (%s); using batched matmuls", _unavailable)
-    return _kernel
+kernel = LazyKernel(_compile, "compiled CPU attention", "; using batched matmuls")  # the compiled kernel, or None
 
 
 def _whole(view: torch.Tensor) -> torch.Tensor:
@@ -116,11 +99,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: to
     kv_heads = key.shape[1]
     q = query.reshape(b, kv_heads, heads // kv_heads, num_new, dim).contiguous()  # [b, KV, G, T, d]
     out = torch.empty_like(q)
-    from numba import config, get_num_threads, set_num_threads
-
-    threads = min(torch.get_num_threads(), config.NUMBA_NUM_THREADS)  # the threads torch's kernels use
-    if get_num_threads() != threads:
-        set_num_threads(threads)
+    use_torch_threads()
     run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), keys.numpy().astype(np.int64),
         mask[:, 0].float().contiguous().numpy(), np.float32(scale), out.numpy())
     return out.view(b, heads, num_new, dim).transpose(1, 2)  # [b, T, H, d]

@@ -18,21 +18,13 @@ Compiled by numba once per machine (cached under $SPECBATCH_CACHE/numba).
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import torch
 
-from .model_registry import cache_root
-
-log = logging.getLogger(__name__)
-_kernel = None
-_unavailable: str | None = None
+from .numba_kernels import LazyKernel, use_torch_threads
 
 
 def _compile():
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
     from numba import njit, prange, types
     from numba.extending import overload
 
@@ -106,16 +98,7 @@ def _compile():
     return attend
 
 
-def kernel():
-    """The compiled kernel, or None (and one log line, once) where numba cannot compile it."""
-    global _kernel, _unavailable
-    if _kernel is None and _unavailable is None:
-        try:
-            _kernel = _compile()
-        except Exception as exc:  # no numba, or no compiler for this machine
-            _unavailable = f"{type(exc).__name__}: {exc}"
-            log.warning("invariant CPU attention unavailable (%s)", _unavailable)
-    return _kernel
+kernel = LazyKernel(_compile, "invariant CPU attention", "")  # the compiled kernel, or None
 
 
 def _as_array(buffer: torch.Tensor) -> np.ndarray:
@@ -134,16 +117,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots:
     -> [b, T, H, d] in the query's dtype."""
     run = kernel()
     if run is None:
-        raise RuntimeError(f"the deterministic attention needs numba: {_unavailable}")
+        raise RuntimeError(f"the deterministic attention needs numba: {kernel.unavailable}")
     b, heads, num_new, dim = query.shape
     kv_heads = keys.shape[1]
     q = query.float().reshape(b, kv_heads, heads // kv_heads, num_new, dim).contiguous()  # [b, KV, G, T, d]
     out = torch.empty_like(q)
-    from numba import config, get_num_threads, set_num_threads
-
-    threads = min(torch.get_num_threads(), config.NUMBA_NUM_THREADS)
-    if get_num_threads() != threads:
-        set_num_threads(threads)
+    use_torch_threads()
     run(q.numpy(), _as_array(keys), _as_array(values), slots.numpy().astype(np.int64),
         lengths.numpy().astype(np.int64), visible.numpy().astype(np.uint8), np.float32(scale), out.numpy())
     return out.view(b, heads, num_new, dim).transpose(1, 2).to(query.dtype)  # [b, T, H, d]

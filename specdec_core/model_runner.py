@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from . import grouped_attention, packed_linear
+from . import grouped_attention, invariant_attention, packed_linear
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
 from .kv_cache import SlotKVCache
@@ -93,6 +93,9 @@ class ModelRunner:
 
     @deterministic.setter
     def deterministic(self, on: bool) -> None:
+        if on and self.fast is not None and invariant_attention.kernel() is None:
+            raise DeterminismUnavailableError(
+                f"--deterministic needs numba's compiled attention: {invariant_attention.kernel.unavailable}")
         if on and self.fast is None:
             raise DeterminismUnavailableError(
                 f"--deterministic runs on a CPU with Llama-family models ({', '.join(MODEL_TYPES)}) in fp32 or bf16; "

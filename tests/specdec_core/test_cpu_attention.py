@@ -8,6 +8,7 @@ from specdec_core import cpu_attention, grouped_attention
 from specdec_core.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.numba_kernels import LazyKernel
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama
 
 
@@ -28,7 +29,7 @@ def case(rows=5, num_new=3, capacity=96, seed=0):
 def test_equals_grouped_matmuls_over_the_padded_keys(num_new):
     query, key, value, counts, mask = case(num_new=num_new)
     got = cpu_attention.attend(query, key, value, counts, mask, 0.25)
-    assert got is not None, cpu_attention._unavailable
+    assert got is not None, cpu_attention.kernel.unavailable
     expected, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -62,9 +63,7 @@ def test_where_the_kernel_cannot_compile_the_matmuls_run(monkeypatch, caplog):
     def broken():
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpu_attention, "_compile", broken)
-    monkeypatch.setattr(cpu_attention, "_kernel", None)
-    monkeypatch.setattr(cpu_attention, "_unavailable", None)
+    monkeypatch.setattr(cpu_attention, "kernel", LazyKernel(broken, "compiled CPU attention", "; using batched matmuls"))
     query, key, value, counts, mask = case()
     assert cpu_attention.attend(query, key, value, counts, mask, 0.25) is None
     assert cpu_attention.attend(query, key, value, counts, mask, 0.25) is None
