@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 
 from .config import GenerationConfig
 from .outputs import (
-    RunLock, clean_temporary_files, count_rows, done_pairs, mark_finished, method_stats, run_dir,
+    RunLock, clean_temporary_files, count_rows, done_pairs, drop_duplicate_pairs, mark_finished, method_stats,
+    run_dir,
     write_run_row,
 )
 
@@ -233,6 +234,7 @@ def run_generation(config: GenerationConfig) -> dict:
                                        ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
         finally:
             ray.kill(journal)
+        drop_duplicate_pairs(config.output, config.run_id)
         rows_out, errors = count_rows(config.output, config.run_id)
         wall = time.perf_counter() - started
         summary = {

@@ -147,6 +147,36 @@ def done_pairs(output: str | Path, run_id: str, decode_keys: dict[str, str]) -> 
                      if r["decode_key"] is not None and decode_keys.get(r["method"]) == r["decode_key"])
 
 
+def drop_duplicate_pairs(output: str | Path, run_id: str) -> int:
+    """Keep one row per (request, method, decode key) in a run; returns how many copies were removed.
+
+    Why: a run whose driver was killed can leave a worker that still publishes its block a moment later, after a
+    --resume listed what was done and decoded those pairs again (seen once in the driver-kill test). Both copies hold
+    the same decode; the one in the file that sorts first is kept, and the other files are rewritten without theirs
+    (atomically; a file left empty is removed). Rows of another decode key are another decode and stay."""
+    from .parquet_sink import write_atomically
+
+    seen: set[tuple] = set()
+    removed = 0
+    for file in sorted(run_dir(output, run_id).glob("method=*/*.parquet")):
+        table = pq.read_table(file)
+        pairs = zip(table.column("request_id").to_pylist(), table.column("decode_key").to_pylist())
+        keep = []
+        for pair in pairs:
+            key = (file.parent.name, *pair)
+            keep.append(key not in seen)
+            seen.add(key)
+        if all(keep):
+            continue
+        removed += keep.count(False)
+        kept = table.filter(pa.array(keep))
+        if kept.num_rows:
+            write_atomically(kept, file)
+        else:
+            file.unlink()
+    return removed
+
+
 def count_rows(output: str | Path, run_id: str) -> tuple[int, int]:
     """(rows, error rows) published for one run."""
     path = generations_dir(output) / f"run_id={run_id}"

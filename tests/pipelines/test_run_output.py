@@ -5,7 +5,6 @@ import json
 import os
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 from pydantic import ValidationError
@@ -13,7 +12,8 @@ from pydantic import ValidationError
 from contract.schema import generations_table
 from pipelines.config import GenerationConfig
 from pipelines.outputs import (
-    RunLock, RunLockedError, clean_temporary_files, done_pairs, latest_unfinished_run, mark_finished, run_dir,
+    RunLock, RunLockedError, clean_temporary_files, done_pairs, drop_duplicate_pairs, latest_unfinished_run,
+    mark_finished, run_dir,
 )
 from pipelines.parquet_sink import RunPartitionSink
 
@@ -34,6 +34,22 @@ def test_blocks_land_atomically_under_stable_names_and_a_redone_block_replaces_i
     table = pads.dataset(str(tmp_path / "generations"), format="parquet", partitioning="hive").to_table()
     assert sorted(zip(table.column("request_id").to_pylist(), map(str, table.column("method").to_pylist()))) == [
         ("a", "ar"), ("a", "pld"), ("b", "ar")]
+
+
+def test_a_pair_published_twice_keeps_one_row(tmp_path):
+    """A killed run's worker published {b, c} after the resume had decoded b and c again in other blocks: each
+    (request, method, decode key) keeps one row; other keys, other methods and untouched files stay as they were."""
+    sink = RunPartitionSink(str(run_dir(tmp_path, "r1")))
+    sink.write([generations_table(rows(["a", "b"]))], ctx=None)
+    sink.write([generations_table(rows(["c"]) + rows(["b"], method="pld"))], ctx=None)
+    sink.write([generations_table(rows(["b", "c"]))], ctx=None)  # the late block
+    sink.write([generations_table(rows(["a"], key="old"))], ctx=None)  # another decode key: another decode
+    assert drop_duplicate_pairs(tmp_path, "r1") == 2
+    table = pads.dataset(str(tmp_path / "generations"), format="parquet", partitioning="hive").to_table()
+    assert sorted(zip(table.column("request_id").to_pylist(), map(str, table.column("method").to_pylist()),
+                      table.column("decode_key").to_pylist())) == [
+        ("a", "ar", "k1"), ("a", "ar", "old"), ("b", "ar", "k1"), ("b", "pld", "k1"), ("c", "ar", "k1")]
+    assert drop_duplicate_pairs(tmp_path, "r1") == 0
 
 
 def test_half_written_temporaries_are_invisible_and_cleaned(tmp_path):
