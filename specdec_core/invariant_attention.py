@@ -28,8 +28,13 @@ def _compile():
     from numba import njit, prange, types
     from numba.extending import overload
 
-    def widen(row, bits, floats):  # pragma: no cover - replaced by the overloads below
-        raise NotImplementedError
+    def widen(row, bits, floats):
+        """A key or value row as fp32: fp32 as is, bf16 bits (uint16) widened exactly. This numpy form is what the
+        overload below compiles, per dtype, inside the kernel."""
+        if row.dtype == np.float32:
+            return row
+        bits[:] = row.astype(np.uint32) << np.uint32(16)
+        return floats
 
     @overload(widen)
     def _widen(row, bits, floats):

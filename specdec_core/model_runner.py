@@ -219,19 +219,16 @@ class ModelRunner:
         for layer in captured or ():
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
-        if self.deterministic:  # every token's attention over exactly the keys it sees (invariant_attention.py)
-            hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device), None,
-                                   real if RaggedTokens.worth_it(real) else None, logit_index, captured,
-                                   query_heads, queries, invariant=(visible.cpu(), lengths))
-            return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
-        mask = None if self._plain_prefill(lengths, positions, visible) else attention_masks(
+        # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
+        invariant = (visible.cpu(), lengths) if self.deterministic else None
+        mask = None if invariant is not None or self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         if self.fast is not None:
             with grouped_attention.real_keys(lengths + num_new):
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
                                        real if RaggedTokens.worth_it(real) else None, logit_index, captured,
-                                       query_heads, queries)
+                                       query_heads, queries, invariant)
             return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
         hooks = []
         with ExitStack() as scope:
