@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+from specdec_core.defaults import DEFAULT_BATCH_SIZE
 from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
 

@@ -30,7 +30,7 @@ def _counts(text: str) -> list[int]:
 
 def build_parser():
     from pipelines.benchmark import DEFAULT_WORKLOADS
-    from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+    from specdec_core.defaults import DEFAULT_BATCH_SIZE
     from specdec_core.cli import OneLineParser, add_batch_options
 
     parser = OneLineParser(prog="benchmark.py", description=__doc__,

@@ -21,7 +21,7 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int = 256):
-    from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+    from specdec_core.defaults import DEFAULT_BATCH_SIZE
     from specdec_core.cli import OneLineParser, add_batch_options
     from specdec_core.methods import METHODS
 

@@ -81,16 +81,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        from transformers import AutoTokenizer
-
         from operators.read_corpus import check_corpus_source
         from pipelines.refine import RefineConfig, check_output
         from specdec_core.model_registry import check_model_available, resolve_model_path
-        from specdec_core.retrieval_index import tokenizer_fingerprint
 
         config = RefineConfig(**{k: v for k, v in vars(args).items() if k != "address"})
         check_corpus_source(config.input)
         check_model_available(config.model)
+        from transformers import AutoTokenizer  # after the cheap checks: a bad argument fails in under a second
+
+        from specdec_core.retrieval_index import tokenizer_fingerprint
+
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
         settings = config.score_settings(tokenizer_fingerprint(tokenizer))
         check_output(config, settings)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdec_core.batch_decode import DEFAULT_BATCH_SIZE
+from specdec_core.defaults import DEFAULT_BATCH_SIZE
 from specdec_core.methods import MethodOptions, check_method_names
 
 DEFAULT_WORKLOADS = ["summarization", "code_edit", "rag", "multi_turn"]

@@ -1,21 +1,28 @@
-"""specdec_core: the model-agnostic speculative decoding engine (drafters, one verifier module, one decode loop)."""
+"""specdec_core: the model-agnostic speculative decoding engine (drafters, one verifier module, one decode loop).
 
-from .batch_decode import BatchDecoder, DecodeRequest, decode
-from .decode import DecodeParams, DecodeResult
-from .engine import Engine, EngineConfig
-from .methods import METHODS, MethodOptions, get_method
-from .sampling import SamplingParams
+The names below load on first use, so `import specdec_core.errors` (a job's argument check, Ray Data's reading and
+tokenizing workers) does not import torch.
+"""
 
-__all__ = [
-    "BatchDecoder",
-    "DecodeRequest",
-    "METHODS",
-    "DecodeParams",
-    "DecodeResult",
-    "Engine",
-    "EngineConfig",
-    "MethodOptions",
-    "SamplingParams",
-    "decode",
-    "get_method",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "BatchDecoder": "batch_decode",
+    "DecodeRequest": "batch_decode",
+    "decode": "batch_decode",
+    "DecodeParams": "decode",
+    "DecodeResult": "decode",
+    "Engine": "engine",
+    "EngineConfig": "engine",
+    "METHODS": "methods",
+    "MethodOptions": "methods",
+    "get_method": "methods",
+    "SamplingParams": "sampling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specdec_core' has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

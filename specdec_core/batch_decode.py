@@ -33,13 +33,11 @@ from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
 from .prefill_plan import PREFILL_TOKENS, next_forward
 from .prefix_cache import PrefixCache
+from .defaults import DEFAULT_BATCH_SIZE  # noqa: F401  (re-exported: the loop's default)
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
 from .verification import VerifyResult, verify_rows
 
-# Rows decoded at once when the caller does not say: measured on 2-core CPUs (benchmarks/batch_bench.py), batched
-# decoding keeps gaining up to 16 rows; GPUs want far more (pass --batch-size).
-DEFAULT_BATCH_SIZE = 16
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
 

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from .batch_decode import DEFAULT_BATCH_SIZE
+from .defaults import DEFAULT_BATCH_SIZE
 from .errors import SpecbatchError
 
 EPILOG = """examples:

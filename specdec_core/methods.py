@@ -1,28 +1,24 @@
-"""Registry of decoding methods by name: each entry builds a fresh per-request drafter. No if/elif on names."""
+"""Registry of decoding methods by name: each entry builds a fresh per-request drafter. No if/elif on names.
+
+The names and options load without torch: a factory imports its drafter when it builds one, so a job's argument
+check, `--help` and the Ray Data workers that only read and tokenize rows do not pay the engine's ~7 s of imports.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .drafters.base import Drafter, NoDrafter
-from .drafters.casd import ContextTreeDrafter
-from .drafters.copyspec import CopySpecDrafter
-from .drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
-from .drafters.slrs import SlrsDrafter
-from .drafters.tli import TliDrafter, UnionDrafter
-from .drafters.draft_model import DraftModelDrafter, DraftModelPool
-from .drafters.fallback import FallbackDrafter
-from .drafters.pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
-from .drafters.retrieval import RetrievalTreeDrafter
-from .drafters.spectra import SpectraDrafter
 from .errors import UnknownMethodError
-from .retrieval_index import load_index
-from .verification import ConditionalRule
+
+if TYPE_CHECKING:
+    from .drafters.base import Drafter
+    from .drafters.copyspec import CopySpecDrafter
+    from .drafters.draft_model import DraftModelDrafter, DraftModelPool
+    from .drafters.retrieval import RetrievalTreeDrafter
 
 
 class MethodOptions(BaseModel):
@@ -79,7 +75,7 @@ DEFAULT_DRAFT_TOKENS = 4  # a draft model's tokens per step when the method has 
 
 # The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
 # drafter of one decoder shares it, so the draft model steps all their rows in one forward.
-DrafterFactory = Callable[[MethodOptions, "DraftModelPool | None"], Drafter]
+DrafterFactory = Callable[[MethodOptions, "DraftModelPool | None"], "Drafter"]
 
 
 @dataclass(frozen=True)
@@ -128,11 +124,15 @@ def register_lossy(name: str, description: str):
 
 @register("ar", "plain autoregressive decoding with a KV cache (the baseline)")
 def _ar(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.base import NoDrafter
+
     return NoDrafter()
 
 
 @register("pld", "prompt lookup: match the last 3..1 tokens in the history, draft the K that followed")
 def _pld(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.prompt_lookup import PromptLookupDrafter
+
     return PromptLookupDrafter(options.lookup_tokens, options.max_ngram, options.min_ngram, options.adaptive,
                                options.candidates)
 
@@ -140,6 +140,8 @@ def _pld(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
 @register("pld_plus_h", "PLD+ (h): prompt lookup of the last token, occurrences ranked by the cosine similarity "
                         "of the target's layer-l hidden states (lossless)")
 def _pld_plus_h(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.pld_plus import HiddenStateLookupDrafter
+
     return HiddenStateLookupDrafter(options.hidden_layer, options.lookup_tokens, options.similarity_threshold,
                                     options.adaptive)
 
@@ -147,34 +149,49 @@ def _pld_plus_h(options: MethodOptions, draft_model: DraftModelPool | None) -> D
 @register("pld_plus_a", "PLD+ (a): prompt lookup of the last token, occurrences ranked by the attention of the "
                         "target's induction heads (found once per model and saved; lossless)")
 def _pld_plus_a(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.pld_plus import AttentionLookupDrafter
+
     return AttentionLookupDrafter(options.lookup_tokens, options.top_heads, options.adaptive)
 
 
 @register("casd_strict", "CASD's retrieval, verified exactly: a draft tree of the continuations of the longest "
                          "suffix match in the row's context (else its prompt), REST-style (lossless)")
 def _casd_strict(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.casd import ContextTreeDrafter
+
     return ContextTreeDrafter(None, options.tree_nodes)
 
 
 @register_lossy("casd", "CASD: context draft trees, a node accepted when p(token) > max(delta, p(EOS)) and its "
                         "parent was (LOSSY: it may differ from ar; greedy only)")
 def _casd(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.casd import ContextTreeDrafter
+    from .verification import ConditionalRule
+
     return ContextTreeDrafter(ConditionalRule(options.casd_delta), options.tree_nodes)
 
 
 @register_lossy("casd_mixed", "CASD (mixed): as casd, and the token must be in the top-k of the target's "
                               "distribution (LOSSY; greedy only)")
 def _casd_mixed(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.casd import ContextTreeDrafter
+    from .verification import ConditionalRule
+
     return ContextTreeDrafter(ConditionalRule(options.casd_delta, options.casd_top_k), options.tree_nodes)
 
 
 @register("spectra", "SPECTRA-CORE: guesses from forward/backward n-gram dictionaries that a pool of W rows, "
                      "extended by the verify forward itself, keeps filling (lossless)")
 def _spectra(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.spectra import SpectraDrafter
+
     return SpectraDrafter(options.spectra_n, options.spectra_pool, options.spectra_guesses, options.spectra_tau)
 
 
 def _retriever(options: MethodOptions) -> RetrievalTreeDrafter:
+    from .drafters.retrieval import RetrievalTreeDrafter
+    from .retrieval_index import load_index
+
     if not options.retrieval_index:
         raise UnknownMethodError("this method retrieves from a corpus index: pass --retrieval-index PATH")
     return RetrievalTreeDrafter(load_index(options.retrieval_index), options.tree_nodes)
@@ -189,16 +206,23 @@ def _rest(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter
 @register("spectra+retrieval", "SPECTRA with the corpus index's continuations filling the guesses left after its "
                                "own (--retrieval-index; lossless)")
 def _spectra_retrieval(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.spectra import SpectraDrafter
+
     return SpectraDrafter(options.spectra_n, options.spectra_pool, options.spectra_guesses, options.spectra_tau,
                           retriever=_retriever(options))
 
 
 def _copyspec_drafter(options: MethodOptions) -> CopySpecDrafter:
+    from .drafters.copyspec import CopySpecDrafter
+
     return CopySpecDrafter(options.gamma, options.copy_tokens, options.adaptive, options.max_copy_tokens,
                            options.candidates)
 
 
 def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | None) -> DraftModelDrafter:
+    from .drafters.cross_vocab_model import CrossVocabPool
+    from .drafters.draft_model import DraftModelDrafter
+
     if draft_model is None:
         raise UnknownMethodError("this method needs a draft model: pass --drafter NAME")
     if isinstance(draft_model, CrossVocabPool):
@@ -222,10 +246,14 @@ def _draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafte
 @register("slem", "SLEM: a draft model with ANY tokenizer drafts text, re-tokenized into the target's tokens and "
                   "verified by exact match (lossless; Timor et al. Alg. 2)", True)
 def _slem(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.cross_vocab_model import SlemDrafter
+
     return _cross_vocab("slem", SlemDrafter, options, draft_model)
 
 
 def _cross_vocab(name: str, drafter_class, options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.cross_vocab_model import CrossVocabPool
+
     if draft_model is None:
         raise UnknownMethodError(f"{name} needs a draft model: pass --drafter NAME")
     if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: every token is shared
@@ -241,12 +269,16 @@ def _cross_vocab(name: str, drafter_class, options: MethodOptions, draft_model: 
 @register("tli", "TLI: a draft model with ANY tokenizer samples only the tokens both vocabularies share, verified "
                  "by speculative sampling (lossless at any temperature; Timor et al. Alg. 4)", True)
 def _tli(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.tli import TliDrafter
+
     return _cross_vocab("tli", TliDrafter, options, draft_model)
 
 
 @register("union", "the union-of-vocabularies baseline for tli: the drafter samples its whole vocabulary, a token "
                    "the target lacks is always rejected (lossless; Timor et al. Alg. 1)", True)
 def _union(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.tli import UnionDrafter
+
     return _cross_vocab("union", UnionDrafter, options, draft_model)
 
 
@@ -254,9 +286,13 @@ def _union(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafte
                   "token of its text is verified against the string-level probability psi (lossless at any "
                   "temperature; Timor et al. Alg. 3)", True)
 def _slrs(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.slrs import SlrsDrafter
+
     return _cross_vocab("slrs", SlrsDrafter, options, draft_model)
 
 
 @register("copyspec+draft", "CopySpec when the index matches, else the draft model (CopySpec §3.3)", True)
 def _copyspec_draft(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.fallback import FallbackDrafter
+
     return FallbackDrafter([_copyspec_drafter(options), _draft_model_drafter(options, draft_model)])

@@ -1,0 +1,5 @@
+"""Defaults that the CLI, the jobs and their configs read without importing the engine (torch, transformers)."""
+
+# Rows decoded at once when the caller does not say: measured on 2-core CPUs (benchmarks/batch_bench.py), batched
+# decoding keeps gaining up to 16 rows; GPUs want far more (pass --batch-size).
+DEFAULT_BATCH_SIZE = 16
