@@ -1,4 +1,5 @@
-"""The job on a real Ray cluster: `ray start --head`, `ray job submit --working-dir .`, Parquet out, `ray stop`."""
+"""The job on a real Ray cluster: `ray start --head`, `ray job submit --working-dir .` with a poison row and a
+corrupt file, Parquet out, the head stopped."""
 
 import os
 import secrets
@@ -81,16 +82,41 @@ def _quietly(action) -> None:
         pass
 
 
-def test_ray_job_submit_writes_the_output(cluster, tmp_path):
+def test_ray_job_submit_survives_a_poison_row_and_a_corrupt_file_at_their_own_rows_cost(cluster, tmp_path):
+    """`ray job submit` of the job, which meets two faults on the cluster: row r2 kills its decode actor's process
+    whenever it is decoded, mid-call (as a native crash, an OOM kill or a lost node would; the batch is tried twice,
+    then redone one (request, method) at a time), and one input file is not Parquet. The actor is replaced after
+    each kill, r2 and the corrupt file get error rows, and every other row, decoded in the calls that were killed, is
+    written exactly once. The fault hook reaches the actors through the job's runtime environment. (One job for the
+    submit and the faults: each was a job of its own, ~60 s of the suite apiece.)"""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from operators.decode_requests import POISON_ENV
+
+    source = tmp_path / "in"
+    source.mkdir()
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Say the number {i}." for i in range(6)]}),
+                   source / "good.parquet")
+    (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [RAY, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".", "--",
-         sys.executable, "jobs/summarize.py", "--input", "workload:sample", "--limit", "2", "--output", str(out),
-         "--method", "ar", "--method", "copyspec", "--max-new-tokens", "8", "--dtype", "float32"],
-        capture_output=True, text=True, timeout=420, cwd=ROOT, env=cluster)
+        [RAY, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
+         "--runtime-env-json", json.dumps({"env_vars": {POISON_ENV: "r2"}}), "--",
+         sys.executable, "jobs/summarize.py", "--input", str(source), "--output", str(out), "--method", "copyspec",
+         "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6", "--max-error-fraction", "0.5"],
+        capture_output=True, text=True, timeout=480, cwd=ROOT, env=cluster)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr
     rows = pads.dataset(str(out / "generations"), format="parquet", partitioning="hive").to_table().to_pylist()
-    assert sorted((r["request_id"], str(r["method"])) for r in rows) == sorted(
-        (rid, m) for rid in ("sample-rename", "sample-summary") for m in ("ar", "copyspec"))
-    assert all(r["error"] is None and r["new_tokens"] > 0 for r in rows)
+    ids = [f"r{i}" for i in range(6)] + ["corrupt.parquet"]
+    assert sorted(r["request_id"] for r in rows) == sorted(ids) and {str(r["method"]) for r in rows} == {"copyspec"}
+    for row in rows:
+        if row["request_id"] == "r2":
+            assert row["error"].startswith("decoding crashed the worker"), row["error"]
+        elif row["request_id"] == "corrupt.parquet":
+            assert "Parquet file corrupt.parquet cannot be read" in row["error"], row["error"]
+        else:
+            assert row["error"] is None and row["new_tokens"] > 0, row

@@ -1,6 +1,6 @@
 """The Ray generation pipeline end to end on the real default model: row accounting, schema, bad rows, resume, a
-killed driver, a killed actor, a poison row. Jobs run in-process on the session's Ray cluster (tests/job_runs.py),
-except the two that a fault needs in a process of their own."""
+killed driver. Jobs run in-process on the session's Ray cluster (tests/job_runs.py), except the one a driver's kill
+needs in a process of its own. A killed actor, a poison row and a corrupt file: test_cluster_submit.py's job."""
 
 import json
 import subprocess
@@ -20,11 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_job(*args):
     return run_job_in_process("summarize.py", *args)
-
-
-def run_job_process(*args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / "summarize.py"), *args], capture_output=True,
-                          text=True, timeout=480, cwd=ROOT, env=env)
 
 
 def write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -204,37 +199,3 @@ def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(ray_cluster, tm
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")] and (run / "_SUCCESS").exists()
     # (That a changed --max-new-tokens redoes every pair is test_run_output.py's decode-key tests: a third job here
     # cost ~30 s of the suite.)
-
-
-def test_a_killed_actor_a_poison_row_and_a_corrupt_file_cost_their_own_rows_only(tmp_path):
-    """One job meets two faults: row r2 kills its decode actor's process whenever it is decoded, mid-call (as a
-    native crash, an OOM kill or a lost node would; the batch is tried twice, then redone one (request, method) at a
-    time), and one input file is not Parquet. The actor is replaced after each kill, r2's units and the corrupt file
-    get error rows, and every other pair, decoded in the calls that were killed, is written exactly once. (A
-    separate one-time kill of the actor, proving the same recovery again, cost ~12 s of the suite.)"""
-    import os
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from operators.decode_requests import POISON_ENV
-
-    source = tmp_path / "in"
-    source.mkdir()
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Say the number {i}." for i in range(6)]}),
-                   source / "good.parquet")
-    (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
-    proc = run_job_process("--input", str(source), "--output", str(tmp_path / "out"), "--method", "copyspec",
-                           "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6",
-                           "--max-error-fraction", "0.5", env={**os.environ, POISON_ENV: "r2"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = generations(tmp_path / "out").to_pylist()
-    ids = [f"r{i}" for i in range(6)] + ["corrupt.parquet"]
-    assert sorted(r["request_id"] for r in rows) == sorted(ids) and {r["method"] for r in rows} == {"copyspec"}
-    for row in rows:
-        if row["request_id"] == "r2":
-            assert row["error"].startswith("decoding crashed the worker"), row["error"]
-        elif row["request_id"] == "corrupt.parquet":
-            assert "Parquet file corrupt.parquet cannot be read" in row["error"], row["error"]
-        else:
-            assert row["error"] is None and row["new_tokens"] > 0, row
