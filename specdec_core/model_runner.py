@@ -224,7 +224,7 @@ class ModelRunner:
         mask = None if invariant is not None or self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         if self.fast is not None:
-            with grouped_attention.real_keys(lengths + num_new):
+            with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
                                        real if RaggedTokens.worth_it(real) else None, logit_index, captured,
@@ -237,7 +237,7 @@ class ModelRunner:
                 scope.enter_context(self.ragged.only(real))
             if self.grouped_attention:
                 scope.enter_context(self._attention(grouped_attention.NAME))
-                scope.enter_context(grouped_attention.real_keys(lengths + num_new))
+                scope.enter_context(grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim))
             for layer in captured or ():
                 hooks.append(self._capture_hook(layer, captured))
             if query_heads:

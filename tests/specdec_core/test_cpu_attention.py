@@ -45,7 +45,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
 
 
 def test_the_batched_loop_stays_exact_with_the_kernel_on(monkeypatch):
-    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEYS", 0)  # tiny prompts: on for every step
+    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEY_VALUES", 0)  # tiny prompts: on for every step
     calls = []
     real = cpu_attention.attend
     monkeypatch.setattr(cpu_attention, "attend", lambda *args: calls.append(1) or real(*args))
@@ -69,8 +69,19 @@ def test_where_the_kernel_cannot_compile_the_matmuls_run(monkeypatch, caplog):
     assert cpu_attention.attend(query, key, value, counts, mask, 0.25) is None
     assert [r.message for r in caplog.records].count(
         "compiled CPU attention unavailable (RuntimeError: no compiler here); using batched matmuls") == 1
-    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEYS", 0)
-    with grouped_attention.real_keys(counts):  # the kernel is asked for, is unavailable: the matmuls answer
+    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEY_VALUES", 0)
+    with grouped_attention.real_keys(counts, 1):  # the kernel is asked for, is unavailable: the matmuls answer
         got, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
     expected, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
     assert torch.equal(got, expected)
+
+
+def test_the_kernel_threshold_counts_key_values_not_keys():
+    """The thread handoff costs the same per layer whatever the model: the kernel pays only when the keys it reads
+    are many values. 64 rows of 140 keys engage it for SmolLM2 (3 x 64 values a key), not for a 2 x 16 model."""
+    counts = torch.full((64,), 140)
+    with grouped_attention.real_keys(counts, 3 * 64):
+        assert grouped_attention._row_keys is counts
+    with grouped_attention.real_keys(counts, 2 * 16):
+        assert grouped_attention._row_keys is None
+    assert grouped_attention._row_keys is None  # restored after the block

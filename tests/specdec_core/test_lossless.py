@@ -128,7 +128,7 @@ def test_context_drafters_in_one_batch_equal_ar(engine, reference, monkeypatch):
     without it."""
     from specdec_core import grouped_attention
 
-    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEYS", 0)
+    monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEY_VALUES", 0)
     contexts = own_answer_contexts(reference)
     results = decode_mixed(engine, WITH_CONTEXT, with_context=contexts)
     check_equal_to_ar(results, reference)
