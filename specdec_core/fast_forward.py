@@ -72,6 +72,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[M, heads, d] rotated by each token's [M, 1, d] cos / sin (rotate-half form, as HF's apply_rotary_pos_emb)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class FastForward:
     """A model's decoder layers as stacked weights; `run` is one forward over a bound SlotKVCache."""
 
@@ -143,8 +152,7 @@ class FastForward:
         q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
         k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
         v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         cache.write_tokens(index, rows, places, k, v)
         query = self._padded(q, flat, b, num_new).view(b, num_new, self.heads, self.head_dim).transpose(1, 2)
         if heads:
@@ -162,7 +170,7 @@ class FastForward:
             attended = attended[flat]  # [M, H d]
         x = x + layer.o(attended)
         normed = _rms_norm(x, layer.norm2, layer.eps2)
-        return x + layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
+        return x + layer.down(_silu_mul(layer.gate(normed), layer.up(normed)))
 
     @staticmethod
     def _padded(values: torch.Tensor, flat: torch.Tensor | None, b: int, num_new: int) -> torch.Tensor:
