@@ -272,8 +272,7 @@ class BatchDecoder:
         for entry, chunk, index in zip(group, chunks, indices):
             entry.done += chunk
             self.cache.set_length(index, entry.done)
-            # for the rows fed later (the blocks this chunk completed)
-            self.prefix_cache.store(self.cache, index, entry.row.request.prompt_ids, entry.done - chunk)
+            self.prefix_cache.store(self.cache, index, entry.row.request.prompt_ids)  # for the rows fed later
         finishing = {b: logits[i] for i, (b, _) in enumerate(ending)}
         for b, (entry, chunk, index) in enumerate(zip(group, chunks, indices)):
             drafter = entry.row.request.drafter

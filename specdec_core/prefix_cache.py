@@ -10,12 +10,6 @@ prefix (30 layers x 16 tokens of SmolLM2 in fp32: 0.7 MB a block), which is what
 The store is bounded (least recently used blocks go first) and lives as long as its engine: a job's actor reuses
 it over all its calls.
 
-A block is kept the second time it is prefilled, not the first: a copy store that kept every block of every prompt
-copied all of a long-prompt job's keys (8 summaries, 9,775 tokens: ~430 MB, over the budget, so it also evicted as
-it went; 506 ms an admission against 0.9 ms for hashing them). A prefix that repeats (a chat template, a shared
-instruction) is seen by the second row that feeds it, so the third row on reuses it; a block seen once costs one
-hash in a bounded set.
-
 Numbers: a prefix's keys are the ones some earlier forward computed (alone, in a batch, or in chunks). In fp32 those
 forwards agree to the last bits on the engine's CPUs (prefill_plan.py); the tests hold hit and miss to equal tokens.
 """
@@ -29,7 +23,6 @@ import torch
 
 BLOCK = 16  # tokens per block: fine enough to catch a chat template (~25 tokens) and cheap to copy
 DEFAULT_BUDGET_BYTES = 256 << 20
-SEEN_BLOCKS = 1 << 17  # block keys remembered as prefilled once (ints: ~10 MB), least recently seen forgotten first
 
 
 @dataclass
@@ -47,7 +40,6 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.block = block
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
-        self._seen: OrderedDict[int, None] = OrderedDict()  # keys prefilled once, not kept yet
         self.nbytes = 0
 
     def _chain(self, prompt: list[int], limit: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
@@ -89,33 +81,25 @@ class PrefixCache:
         cache.set_length(row, length)
         return length
 
-    def store(self, cache, row: int, prompt: list[int], start: int = 0) -> None:
-        """After a forward fed positions start.. of a row's prompt: keep its whole blocks that end past `start` and
-        were prefilled before, by another row (the store holds the rest of the chain already, or never will)."""
+    def store(self, cache, row: int, prompt: list[int]) -> None:
+        """Keep the whole blocks of a prefilled row's prompt that the store does not hold yet."""
         if not self.budget_bytes:
             return
         chain = self._chain(prompt, min(len(prompt), cache.lengths[row]))
         for index, (key, parent, tokens) in enumerate(chain):
-            if key in self._blocks or (index + 1) * self.block <= start:
+            if key in self._blocks:
                 continue
-            if key not in self._seen:
-                self._seen[key] = None
-                if len(self._seen) > SEEN_BLOCKS:
-                    self._seen.popitem(last=False)
-                continue
-            del self._seen[key]
             start = index * self.block
             keys = torch.stack([cache.keys[layer][row, :, start: start + self.block] for layer in range(cache.num_layers)])
             values = torch.stack([cache.values[layer][row, :, start: start + self.block]
                                   for layer in range(cache.num_layers)])
             self._blocks[key] = _Block(parent, tokens, keys, values)
             self.nbytes += 2 * keys.numel() * keys.element_size()
-        self._touch([key for key, _, _ in chain if key in self._blocks])
+        self._touch([key for key, _, _ in chain])
         while self.nbytes > self.budget_bytes and self._blocks:
             _, old = self._blocks.popitem(last=False)
             self.nbytes -= 2 * old.keys.numel() * old.keys.element_size()
 
     def clear(self) -> None:
         self._blocks.clear()
-        self._seen.clear()
         self.nbytes = 0

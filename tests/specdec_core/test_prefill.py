@@ -82,11 +82,8 @@ def test_a_prefix_hit_gives_the_tokens_of_a_miss(llama, reference, prompts):
     with_prefix = [shared + prompt for prompt in prompts]
     expected = [hf_greedy(llama, prompt, NEW) for prompt in with_prefix]
     store = PrefixCache()
-    first, decoder = decode(llama, with_prefix[:1], prefill_tokens=20, prefix_cache=store)  # fed in chunks
-    # Seen once (its own later chunks do not count as a second sight): not kept.
-    assert decoder.stats.prefix_hit_tokens == 0 and store.lookup(with_prefix[0]) == [] and store.nbytes == 0
-    decode(llama, with_prefix[1:2], prefix_cache=store)  # a second prompt feeds the shared blocks: now they are kept
-    assert len(store.lookup(with_prefix[0])) == 2
+    first, decoder = decode(llama, with_prefix[:1], prefix_cache=store)
+    assert decoder.stats.prefix_hit_tokens == 0
     results, decoder = decode(llama, with_prefix, batch_size=3, prefill_tokens=20, prefix_cache=store)
     assert first[0].token_ids == expected[0]
     assert [r.token_ids for r in results] == expected
@@ -94,21 +91,18 @@ def test_a_prefix_hit_gives_the_tokens_of_a_miss(llama, reference, prompts):
     assert decoder.stats.prefix_hit_rate == pytest.approx(32 * len(prompts) / sum(map(len, with_prefix)))
 
 
-def test_a_row_reuses_the_prefix_that_two_rows_fed_before_it_in_the_same_admission(llama, prompts):
-    """The first row to feed a block only marks it; the second keeps it; the third, planned into a later forward,
-    reuses it."""
+def test_a_row_reuses_the_prefix_of_a_row_fed_before_it_in_the_same_admission(llama, prompts):
     shared = repetitive_prompt(98, 40)
-    rows = [shared + prompts[0], shared + prompts[3], shared + prompts[1]]  # 46, 100, 46+ tokens; a budget of 64
-    results, decoder = decode(llama, rows, prefill_tokens=64)
+    pair = [shared + prompts[0], shared + prompts[3]]  # 46 and 100 tokens: two forwards under a budget of 64
+    results, decoder = decode(llama, pair, prefill_tokens=64)
     assert decoder.stats.prefix_hit_tokens == 32
-    assert [r.token_ids for r in results] == [hf_greedy(llama, prompt, NEW) for prompt in rows]
+    assert [r.token_ids for r in results] == [hf_greedy(llama, prompt, NEW) for prompt in pair]
 
 
 def test_a_prompt_that_is_all_cached_still_prefills_its_last_token(llama):
     prompt = repetitive_prompt(7, 32)  # exactly two blocks
     store = PrefixCache()
-    for _ in range(2):  # kept the second time it is prefilled
-        decode(llama, [prompt], prefix_cache=store)
+    decode(llama, [prompt], prefix_cache=store)
     results, decoder = decode(llama, [prompt, prompt], prefix_cache=store)
     assert decoder.stats.prefix_hit_tokens == 2 * 16  # the second block holds the last token: it is fed again
     assert [r.token_ids for r in results] == [hf_greedy(llama, prompt, NEW)] * 2
@@ -118,11 +112,9 @@ def test_the_store_stays_within_its_budget_and_forgets_a_chain_from_its_tail(lla
     block_bytes = llama.new_slot_cache().bytes_for(1, 16)  # one row's keys and values over 16 positions
     store = PrefixCache(budget_bytes=3 * block_bytes)
     first, second = repetitive_prompt(1, 49), repetitive_prompt(2, 33)
-    for _ in range(2):  # kept the second time they are prefilled: 3 blocks
-        decode(llama, [first], prefix_cache=store)
+    decode(llama, [first], prefix_cache=store)  # 3 blocks
     assert store.nbytes == 3 * block_bytes and len(store.lookup(first)) == 3
-    for _ in range(2):  # 2 more blocks: the first chain's last two go
-        decode(llama, [second], prefix_cache=store)
+    decode(llama, [second], prefix_cache=store)  # 2 more blocks: the first chain's last two go
     assert store.nbytes == 3 * block_bytes
     assert len(store.lookup(second)) == 2 and len(store.lookup(first)) == 1
 
@@ -138,8 +130,7 @@ def test_a_row_that_breaks_a_shared_prefill_fails_alone(llama, prompts, referenc
 
 def test_copy_drafter_rows_after_a_prefix_hit_equal_hf_greedy(llama, prompts, reference):
     store = PrefixCache()
-    for _ in range(2):  # the prompts' blocks are kept the second time they are prefilled
-        decode(llama, prompts, prefix_cache=store, make_drafter=CopySpecDrafter)
+    decode(llama, prompts, prefix_cache=store, make_drafter=CopySpecDrafter)
     results, decoder = decode(llama, prompts, batch_size=3, prefix_cache=store, make_drafter=CopySpecDrafter)
     assert decoder.stats.prefix_hit_tokens > 0
     assert [r.token_ids for r in results] == reference
