@@ -43,12 +43,9 @@ def ours(runner, prompts: list[list[int]], new_tokens: int, batch_size: int) -> 
 def hf(runner, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds per decode step of HF `generate` over the left-padded batch (its prefill included, as it is one of
     new_tokens forwards)."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+    from pipelines.hf_batch_peer import left_padded
+
+    ids, mask = left_padded(prompts)  # [n, longest], padding id 0
     started = time.perf_counter()
     with torch.inference_mode():
         runner.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,

@@ -50,12 +50,9 @@ def ours(engine, prompts: list[list[int]], budget: int | None, prefix_cache: boo
 
 def hf_one_forward(engine, prompts: list[list[int]]) -> float:
     """Seconds of the model's own forward over the left-padded batch (last position's logits only)."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+    from pipelines.hf_batch_peer import left_padded
+
+    ids, mask = left_padded(prompts)  # [n, longest], padding id 0
     model = engine.target.model
     started = time.perf_counter()
     with torch.inference_mode():

@@ -28,16 +28,23 @@ def _new_tokens(row_ids: list[int], limit: int, eos_ids: frozenset[int]) -> list
     return kept
 
 
-def generate_batch(runner, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
-    """Greedy HF generate over left-padded prompts -> each row's new token ids (up to its limit / EOS)."""
-    tokenizer = runner.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(runner.eos_token_ids))
+def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> input_ids, attention_mask [batch, longest]: each prompt right-aligned, as HF's decoder-only models expect."""
     width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [batch, width]
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, prompt in enumerate(prompts):
         input_ids[i, width - len(prompt):] = torch.tensor(prompt)
         attention_mask[i, width - len(prompt):] = 1
+    return input_ids, attention_mask
+
+
+def generate_batch(runner, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
+    """Greedy HF generate over left-padded prompts -> each row's new token ids (up to its limit / EOS)."""
+    tokenizer = runner.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(runner.eos_token_ids))
+    input_ids, attention_mask = left_padded(prompts, pad_id)  # [batch, width]
+    width = input_ids.shape[1]
     with torch.inference_mode():
         out = runner.model.generate(input_ids=input_ids.to(runner.device),
                                     attention_mask=attention_mask.to(runner.device), do_sample=False,

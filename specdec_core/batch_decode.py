@@ -33,7 +33,6 @@ from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
 from .prefill_plan import PREFILL_TOKENS, next_forward
 from .prefix_cache import PrefixCache
-from .defaults import DEFAULT_BATCH_SIZE  # noqa: F401  (re-exported: the loop's default)
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
 from .verification import VerifyResult, verify_rows

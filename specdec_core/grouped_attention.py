@@ -31,10 +31,10 @@ NAME = "specbatch_grouped"
 MAX_QUERIES = 8  # new tokens per row above which SDPA's kernel is as fast (measured equal at T = 9)
 MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, which never materialises them
 # Key values (keys over all rows x kv_heads x head_dim) from which a forward's attention runs the compiled kernel.
-# Below it, handing the cores from torch's threads to numba's and back (a fixed cost per layer) costs more than the
-# kernel saves: measured (SmolLM2 fp32, 3 x 64 values a key, 16 rows, AVX2, 2 threads) 308-341 ms a step against
+# Below it, the kernel's fixed cost per layer (its parallel region, the copies into numpy views) is more than it
+# saves: measured (SmolLM2 fp32, 3 x 64 values a key, 16 rows, AVX2, 2 threads) 308-341 ms a step against
 # 390-428 ms with ~1,700 keys a row, and 170-200 against 158-183 with ~160: hence 8,192 SmolLM2 keys. Counted in
-# keys alone, a tiny model (2 x 16 values a key) crossed it at batch 64 and lost 1.1 ms a step to the handoff.
+# keys alone, a tiny model (2 x 16 values a key) crossed it at batch 64 and lost 1.1 ms a step to that fixed cost.
 KERNEL_MIN_KEY_VALUES = 8192 * 3 * 64
 _row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
 _most_keys = 0  # their maximum, read once per forward rather than once per layer
