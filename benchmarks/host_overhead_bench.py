@@ -2,8 +2,13 @@
 time is the loop's own Python and host work. Our batched `ar` against HF `generate` (greedy, one padded batch), per
 decode step, side by side in one run, alternating, best of the rounds.
 
+--shape gives the random model a real model's architecture instead (no weights to fetch): the step then costs what
+that model's forward costs, e.g. Qwen2.5-Coder-1.5B on a lent GPU. Random weights decide the tokens, so this times
+`ar` only (speculation's acceptance needs the real weights).
+
   python benchmarks/host_overhead_bench.py                     # batch 64, 128 new tokens, 3 rounds
   python benchmarks/host_overhead_bench.py --batch-size 16 --profile
+  python benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400
 """
 
 from __future__ import annotations
@@ -22,35 +27,71 @@ from specdec_core.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.base import NoDrafter  # noqa: E402
 from specdec_core.speculation_budget import SpeculationBudget  # noqa: E402
-from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama  # noqa: E402
+from tests.tiny_models import DigitsTokenizer, repetitive_prompt, tiny_llama  # noqa: E402
+
+# Real models' architectures (their config.json values), built with random weights.
+SHAPES = {
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                                   max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, rope_theta=1000000.0,
+                                   max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+}
 
 
-def ours(runner, prompts: list[list[int]], new_tokens: int, batch_size: int) -> tuple[float, list[list[int]]]:
-    """-> (seconds per decode step after the prefill, each row's tokens)."""
+def shaped_runner(shape: str, device: str, dtype: torch.dtype):
+    """A random-weight model with `shape`'s architecture on `device` (no EOS: every row runs to its length)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec_core.model_runner import ModelRunner
+
+    if shape == "tiny":
+        runner = tiny_llama()
+        return runner if device == "cpu" and dtype == torch.float32 else ModelRunner(
+            runner.model.to(device, dtype), runner.tokenizer, runner.name, device, dtype)
+    model_type, values = SHAPES[shape]
+    config = AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None, pad_token_id=0, **values)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return ModelRunner(model, DigitsTokenizer(), f"random {shape}", device, dtype)
+
+
+def ours(runner, prompts: list[list[int]], new_tokens: int, batch_size: int) -> tuple[float, float, list[list[int]]]:
+    """-> (seconds per decode step after the prefill, the whole pass's seconds / new_tokens, each row's tokens)."""
     decoder = BatchDecoder(runner, max_batch=batch_size, budget=SpeculationBudget(enabled=False))
     for key, prompt in enumerate(prompts):
         decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=new_tokens), NoDrafter()))
+    admitted = time.perf_counter()
     decoder.admit()
+    runner.synchronize()
     started, steps = time.perf_counter(), 0
     while decoder.rows:
         decoder.step()
         steps += 1
-    seconds = (time.perf_counter() - started) / steps
+    runner.synchronize()
+    errors = [result for _, result in decoder.finished if isinstance(result, str)]
+    if errors:
+        raise SystemExit(f"{len(errors)} rows failed, e.g. {errors[0]}")
+    ended = time.perf_counter()
     got = {request.key: result.token_ids for request, result in decoder.finished}
-    return seconds, [got[key] for key in range(len(prompts))]
+    return (ended - started) / steps, (ended - admitted) / new_tokens, [got[key] for key in range(len(prompts))]
 
 
-def hf(runner, prompts: list[list[int]], new_tokens: int) -> float:
+def hf(runner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds per decode step of HF `generate` over the left-padded batch (its prefill included, as it is one of
     new_tokens forwards)."""
     from pipelines.hf_batch_peer import left_padded
 
     ids, mask = left_padded(prompts)  # [n, longest], padding id 0
+    ids, mask = ids.to(runner.device), mask.to(runner.device)
     started = time.perf_counter()
     with torch.inference_mode():
-        runner.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, pad_token_id=0)
-    return (time.perf_counter() - started) / new_tokens
+        out = runner.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, pad_token_id=0)
+    runner.synchronize()
+    return (time.perf_counter() - started) / new_tokens, out[:, ids.shape[1]:].tolist()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,25 +100,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's table of our steps")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES],
+                        help="the random model's architecture (default: a 2-layer Llama, hidden 64)")
+    parser.add_argument("--prompt-tokens", type=int, default=32,
+                        help="mean prompt length; lengths spread over [n/2, 3n/2) (default 32)")
     args = parser.parse_args(argv)
-    runner = tiny_llama()
-    prompts = [repetitive_prompt(seed, 16 + seed % 32) for seed in range(args.batch_size)]
-    _, tokens = ours(runner, prompts[:4], 8, 4)
-    assert tokens == [hf_greedy(runner, prompt, 8) for prompt in prompts[:4]], "ar must equal HF greedy"
-    hf(runner, prompts, 4)  # warm-up
-    ours_s, hf_s = [], []
+    dtype = getattr(torch, args.dtype)
+    runner = shaped_runner(args.shape, args.device, dtype)
+    n = args.prompt_tokens
+    prompts = [repetitive_prompt(seed, n // 2 + (seed * 37) % max(1, n)) for seed in range(args.batch_size)]
+    *_, tokens = ours(runner, prompts[:4], 8, 4)
+    same = sum(a == b for a, b in zip(tokens, [hf(runner, [p], 8)[1][0] for p in prompts[:4]]))
+    if dtype == torch.float32:
+        assert same == 4, "ar must equal HF greedy in fp32"
+    ours_s, ours_pass, hf_s, agree = [], [], [], 0
     for _ in range(args.rounds):
-        ours_s.append(ours(runner, prompts, args.new_tokens, args.batch_size)[0])
-        hf_s.append(hf(runner, prompts, args.new_tokens))
-    print(f"{hardware('cpu')}, dtype float32, tiny Llama (2 layers, hidden 64), batch {args.batch_size}, "
+        seconds, whole, ours_tokens = ours(runner, prompts, args.new_tokens, args.batch_size)
+        ours_s.append(seconds)
+        ours_pass.append(whole)
+        seconds, hf_tokens = hf(runner, prompts, args.new_tokens)
+        hf_s.append(seconds)
+        agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
+    print(f"{hardware(args.device)}, dtype {args.dtype}, random {args.shape} "
+          f"({runner.model.config.num_hidden_layers} layers, hidden {runner.model.config.hidden_size}), "
+          f"batch {args.batch_size}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.new_tokens} new tokens, best of {args.rounds}")
+    print(f"rows equal to HF greedy alone (first 4, 8 tokens): {same}/4; rows equal to HF's padded batch: "
+          f"{agree}/{len(prompts)}" + ("" if dtype == torch.float32 else " (bf16/fp16: near-ties may flip)"))
     print(f"ours ar:      {min(ours_s) * 1e3:.2f} ms/step  (rounds: {', '.join(f'{s * 1e3:.2f}' for s in ours_s)})")
     print(f"HF generate:  {min(hf_s) * 1e3:.2f} ms/step  (rounds: {', '.join(f'{s * 1e3:.2f}' for s in hf_s)})")
-    print(f"ours / HF speed: {min(hf_s) / min(ours_s):.2f}x")
+    print(f"ours / HF speed: {min(hf_s) / min(ours_s):.2f}x  (HF's time holds its prefill, ours does not)")
+    print(f"whole pass, prefill included, per new token: ours {min(ours_pass) * 1e3:.2f} ms, HF {min(hf_s) * 1e3:.2f} ms: "
+          f"{min(hf_s) / min(ours_pass):.2f}x")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        with profile(activities=activities) as prof:
             ours(runner, prompts, 16, args.batch_size)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return 0

@@ -31,7 +31,7 @@ from .drafters.base import Draft, Drafter, DraftPool, RequestContext, empty_draf
 from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
-from .prefill_plan import PREFILL_TOKENS, next_forward
+from .prefill_plan import default_budget, next_forward
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
@@ -92,7 +92,7 @@ class BatchDecoder:
     def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
                  row_timeout_s: float | None = None, prefix_cache: PrefixCache | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int | None = None):
         if max_batch < 1:
             raise ValueError(f"batch size must be >= 1, got {max_batch}")
         if row_timeout_s is not None and not row_timeout_s > 0:
@@ -117,9 +117,11 @@ class BatchDecoder:
         # Shared by the engine's decoders (a job's actor keeps one for all its calls); a decoder on its own keeps
         # one for its run. PrefixCache(budget_bytes=0) turns it off.
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        if prefill_tokens is None:
+            prefill_tokens = default_budget(target.device)
         if prefill_tokens < 1:
             raise ValueError(f"the prefill token budget must be >= 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (prefill_plan.py)
 
     # ----------------------------------------------------------------------------------------------- public
     def submit(self, request: DecodeRequest) -> None:

@@ -13,6 +13,15 @@ from __future__ import annotations
 # (2-core AVX2 CPU, SmolLM2, fp32): 1.45-1.58x on 16 short questions, 1.07-1.12x on 8 summaries of 800-1,400
 # tokens, 1.0-1.03x on code edits; 512 gained less, 2,048 and 4,096 lost on short prompts (docs/decisions.md).
 PREFILL_TOKENS = 1024
+# On a GPU a forward of 1,024 tokens is launch-bound, so a budget that small fed 64 code edits over ~64 forwards: 1.5 s
+# of a 5.0 s pass (H100, SmolLM2, bf16, batch 64), while HF's one padded forward took a fraction of that. This budget
+# fits a batch of 64 prompts of 256 tokens (or 16 of 1,024) in one forward; the padded mask is b x T x keys.
+GPU_PREFILL_TOKENS = 16384
+
+
+def default_budget(device: str) -> int:
+    """Padded prefill tokens per forward on `device`."""
+    return PREFILL_TOKENS if str(device).startswith("cpu") else GPU_PREFILL_TOKENS
 
 
 def next_forward(remaining: list[int], done: list[int], capacity: int, budget: int = PREFILL_TOKENS) -> list[int]:

@@ -3,13 +3,14 @@ prefix hits, every row's tokens equal HF greedy's for its prompt alone; a row th
 fails alone."""
 
 import pytest
+import torch
 
 from specdec_core.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
-from specdec_core.prefill_plan import next_forward
+from specdec_core.prefill_plan import GPU_PREFILL_TOKENS, PREFILL_TOKENS, default_budget, next_forward
 from specdec_core.prefix_cache import PrefixCache
 from specdec_core.speculation_budget import SpeculationBudget
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
@@ -109,14 +110,24 @@ def test_a_prompt_that_is_all_cached_still_prefills_its_last_token(llama):
 
 
 def test_the_store_stays_within_its_budget_and_forgets_a_chain_from_its_tail(llama):
+    """A row's new blocks share one allocation (a span). Eviction takes the least recently used chain's blocks
+    tail first; a span left half empty moves its live blocks to a smaller one, so the store's bytes are what it
+    holds and a kept head block does not pin its whole span."""
     block_bytes = llama.new_slot_cache().bytes_for(1, 16)  # one row's keys and values over 16 positions
     store = PrefixCache(budget_bytes=3 * block_bytes)
     first, second = repetitive_prompt(1, 49), repetitive_prompt(2, 33)
-    decode(llama, [first], prefix_cache=store)  # 3 blocks
+    decode(llama, [first], prefix_cache=store)  # 3 blocks, one span
     assert store.nbytes == 3 * block_bytes and len(store.lookup(first)) == 3
+    head = store.lookup(first)[0].keys.clone()
     decode(llama, [second], prefix_cache=store)  # 2 more blocks: the first chain's last two go
     assert store.nbytes == 3 * block_bytes
     assert len(store.lookup(second)) == 2 and len(store.lookup(first)) == 1
+    assert torch.equal(store.lookup(first)[0].keys, head)  # (moved to a span of its own, unchanged)
+    store.budget_bytes = 5 * block_bytes
+    expected = hf_greedy(llama, first, NEW)
+    results, decoder = decode(llama, [first], prefix_cache=store)  # the head hits, 2 blocks are stored again
+    assert decoder.stats.prefix_hit_tokens == 16 and results[0].token_ids == expected
+    assert store.nbytes == 5 * block_bytes
 
 
 def test_a_row_that_breaks_a_shared_prefill_fails_alone(llama, prompts, reference, monkeypatch):
@@ -134,3 +145,42 @@ def test_copy_drafter_rows_after_a_prefix_hit_equal_hf_greedy(llama, prompts, re
     results, decoder = decode(llama, prompts, batch_size=3, prefix_cache=store, make_drafter=CopySpecDrafter)
     assert decoder.stats.prefix_hit_tokens > 0
     assert [r.token_ids for r in results] == reference
+
+
+def test_prefill_budget_defaults_to_the_device(llama):
+    """A CPU's prefill is compute-bound (1,024 padded tokens per forward suffice); a GPU's forward of that size is
+    launch-bound, so it gets a budget that takes a whole batch of prompts in a few forwards."""
+    assert BatchDecoder(llama).prefill_tokens == PREFILL_TOKENS
+    assert default_budget("cuda:0") == default_budget("cuda") == GPU_PREFILL_TOKENS > 8 * PREFILL_TOKENS
+    with pytest.raises(ValueError, match="prefill token budget"):
+        BatchDecoder(llama, prefill_tokens=0)
+
+
+def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exactly(llama):
+    """Blocks are cut from one slice per layer (not one per block and layer); a chain whose middle block is missing
+    stores just that block; copy_into writes every block back bit for bit."""
+    prompt = repetitive_prompt(5, 70)  # 4 whole blocks
+    cache = llama.new_slot_cache()
+    cache.fit(2, 80)
+    source, target = cache.add_row(), cache.add_row()
+    generator = torch.Generator().manual_seed(0)
+    for buffer in cache.keys + cache.values:
+        buffer.copy_(torch.randn(buffer.shape, generator=generator))
+    cache.set_length(source, len(prompt))
+    store = PrefixCache()
+    store.store(cache, source, prompt)
+    del store._blocks[list(store._blocks)[1]]
+    store.store(cache, source, prompt)
+    blocks = store.lookup(prompt)
+    assert len(blocks) == 4 and all(block.keys.is_contiguous() for block in blocks)
+
+    def held(row, index):  # [layers, kv_heads, 16, head_dim] of block `index` in `row`
+        span = slice(16 * index, 16 * index + 16)
+        return (torch.stack([keys[row, :, span] for keys in cache.keys]),
+                torch.stack([values[row, :, span] for values in cache.values]))
+
+    assert all(torch.equal(block.keys, held(source, i)[0]) and torch.equal(block.values, held(source, i)[1])
+               for i, block in enumerate(blocks))
+    assert store.copy_into(cache, target, blocks) == 64 and cache.lengths[target] == 64
+    assert all(torch.equal(block.keys, held(target, i)[0]) and torch.equal(block.values, held(target, i)[1])
+               for i, block in enumerate(blocks))

