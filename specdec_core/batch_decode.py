@@ -31,7 +31,7 @@ from .drafters.base import Draft, Drafter, DraftPool, RequestContext, empty_draf
 from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
-from .prefill_plan import default_budget, next_forward
+from .prefill_plan import default_budget, next_forward, worth_reusing
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
@@ -247,7 +247,10 @@ class BatchDecoder:
         drafter = request.drafter
         if drafter.needs_hidden_states or drafter.needs_attention:
             return 0
-        reused = self.prefix_cache.copy_into(self.cache, index, self.prefix_cache.lookup(request.prompt_ids))
+        blocks = self.prefix_cache.lookup(request.prompt_ids)
+        if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens):
+            blocks = []
+        reused = self.prefix_cache.copy_into(self.cache, index, blocks)
         self.stats.prefix_hit_tokens += reused
         return reused
 

@@ -10,7 +10,8 @@ from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
-from specdec_core.prefill_plan import GPU_PREFILL_TOKENS, PREFILL_TOKENS, default_budget, next_forward
+from specdec_core.prefill_plan import (GPU_PREFILL_TOKENS, MIN_HIT_SHARE, PREFILL_TOKENS, default_budget, next_forward,
+                                      worth_reusing)
 from specdec_core.prefix_cache import PrefixCache
 from specdec_core.speculation_budget import SpeculationBudget
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
@@ -184,3 +185,19 @@ def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exa
     assert store.copy_into(cache, target, blocks) == 64 and cache.lengths[target] == 64
     assert all(torch.equal(block.keys, held(target, i)[0]) and torch.equal(block.values, held(target, i)[1])
                for i, block in enumerate(blocks))
+
+
+def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(llama):
+    """A prompt that fills its own forward prefills from position 0 without a mask (SDPA's causal kernel); a hit
+    under MIN_HIT_SHARE of it would cost the mask more than it saves, so it is not used. Rows that share their
+    forward are masked anyway and use any hit."""
+    assert not worth_reusing(16, 400, budget=512) and worth_reusing(16, 100, budget=512)
+    assert worth_reusing(int(MIN_HIT_SHARE * 400), 400, budget=512) and not worth_reusing(0, 100, budget=512)
+    template = repetitive_prompt(11, 16)  # one block
+    long_prompt = template + repetitive_prompt(12, 200)
+    expected = hf_greedy(llama, long_prompt, NEW)
+    for budget, hit in ((256, 0), (1024, 16)):  # fed alone / could share its forward
+        store = PrefixCache()
+        decode(llama, [template + [5, 6, 7]], prefix_cache=store)
+        results, decoder = decode(llama, [long_prompt], prefill_tokens=budget, prefix_cache=store)
+        assert decoder.stats.prefix_hit_tokens == hit and results[0].token_ids == expected
