@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The device checks for a lent GPU machine (the `device` tool), in two calls because one call carries 64 MiB:
+# The device checks for a lent GPU machine (the `device` tool), in stages (one call carries 64 MiB), run back to back:
 #   stage 1: correctness on CUDA (device_check.py), host overhead (tiny model) and a Qwen2.5-1.5B-shaped random model
 #            (ar vs HF generate, bf16, batch 64); keeps the first half of SmolLM2's GGUF for stage 2
 #   stage 2: SmolLM2-135M (real weights, bf16): batch_bench on code edits, HF vs ar / pld / copyspec
 #   stage 3: the two shaped models of stage 1 alone
 # Here, before the calls: pip download transformers, gguf and pydantic wheels into .whl/ (the image lacks them or
 # has other versions) and split SmolLM2's GGUF into .smol_a/part1 and .smol_b/part2 (both git-ignored, carried).
-set -uo pipefail
+set -uo pipefail  # not -e: one failing check must not hide the others' results (read the logs)
 stage=$1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site SPECBATCH_CACHE=/tmp/sbcache
 keep=/root/specbatch_keep

@@ -25,11 +25,12 @@ BLOCK = 16  # tokens per block: fine enough to catch a chat template (~25 tokens
 DEFAULT_BUDGET_BYTES = 256 << 20
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a span and its blocks hold tensors
 class _Span:
     """One allocation holding the blocks a row stored together, filled with one copy per layer (a kernel launch
     each on a GPU). Its bytes count until its last block goes; when evictions leave it half empty, its live blocks
-    move to a smaller span, so a hot block (a chat template) never pins a whole prompt's worth."""
+    move to a smaller span, so a hot block (a chat template) never pins a whole prompt's worth. The cost: live
+    blocks may fill only half the budget, and an eviction may take up to half a span more than it needed."""
 
     keys: torch.Tensor  # [blocks, layers, kv_heads, BLOCK, head_dim]
     values: torch.Tensor
@@ -40,7 +41,7 @@ class _Span:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Block:
     parent: int | None
     tokens: tuple[int, ...]

@@ -170,10 +170,14 @@ def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exa
     cache.set_length(source, len(prompt))
     store = PrefixCache()
     store.store(cache, source, prompt)
-    del store._blocks[list(store._blocks)[1]]
+    stored = store.nbytes
+    for key in list(store._blocks)[1::2]:  # blocks 1 and 3 go: storing again takes the non-contiguous path
+        block = store._blocks.pop(key)
+        block.span.blocks.remove(block)
     store.store(cache, source, prompt)
+    assert store.nbytes == stored + stored // 2  # a new span of the 2 missing blocks
     blocks = store.lookup(prompt)
-    assert len(blocks) == 4 and all(block.keys.is_contiguous() for block in blocks)
+    assert len(blocks) == 4 and [block.span is blocks[0].span for block in blocks] == [True, False, True, False]
 
     def held(row, index):  # [layers, kv_heads, 16, head_dim] of block `index` in `row`
         span = slice(16 * index, 16 * index + 16)
@@ -187,7 +191,7 @@ def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exa
                for i, block in enumerate(blocks))
 
 
-def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(llama):
+def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(llama, monkeypatch):
     """A prompt that fills its own forward prefills from position 0 without a mask (SDPA's causal kernel); a hit
     under MIN_HIT_SHARE of it would cost the mask more than it saves, so it is not used. Rows that share their
     forward are masked anyway and use any hit."""
@@ -196,8 +200,14 @@ def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(l
     template = repetitive_prompt(11, 16)  # one block
     long_prompt = template + repetitive_prompt(12, 200)
     expected = hf_greedy(llama, long_prompt, NEW)
-    for budget, hit in ((256, 0), (1024, 16)):  # fed alone / could share its forward
+    plain = []
+    unmasked = type(llama)._plain_prefill
+    monkeypatch.setattr(type(llama), "_plain_prefill", lambda self, *args: plain.append(unmasked(self, *args))
+                        or plain[-1])
+    for budget, hit, unmasked_forwards in ((256, 0, 1), (1024, 16, 0)):  # fed alone / could share its forward
         store = PrefixCache()
         decode(llama, [template + [5, 6, 7]], prefix_cache=store)
+        plain.clear()
         results, decoder = decode(llama, [long_prompt], prefill_tokens=budget, prefix_cache=store)
         assert decoder.stats.prefix_hit_tokens == hit and results[0].token_ids == expected
+        assert sum(plain) == unmasked_forwards  # the prompt's one forward ran without a mask only without the hit
