@@ -13,9 +13,8 @@ from __future__ import annotations
 # (2-core AVX2 CPU, SmolLM2, fp32): 1.45-1.58x on 16 short questions, 1.07-1.12x on 8 summaries of 800-1,400
 # tokens, 1.0-1.03x on code edits; 512 gained less, 2,048 and 4,096 lost on short prompts (docs/decisions.md).
 PREFILL_TOKENS = 1024
-# On a GPU a forward of 1,024 tokens is launch-bound, so a budget that small fed 64 code edits over ~64 forwards: 1.5 s
-# of a 5.0 s pass (H100, SmolLM2, bf16, batch 64), while HF's one padded forward took a fraction of that. This budget
-# fits a batch of 64 prompts of 256 tokens (or 16 of 1,024) in one forward; the padded mask is b x T x keys.
+# A GPU's forward of 1,024 tokens is launch-bound: a batch's prompts go in a few wide forwards instead (64 prompts of
+# 256 tokens in one; docs/decisions.md, session 5). The padded mask grows with b x T x keys.
 GPU_PREFILL_TOKENS = 16384
 
 
@@ -25,9 +24,8 @@ def default_budget(device: str) -> int:
 
 
 # A prompt that fills a forward of its own, fed from position 0, needs no mask: SDPA runs its causal kernel
-# (model_runner._plain_prefill, 6-17 % faster). A prefix hit shifts its start and brings the mask back, so a hit must
-# save more than that: measured on 8 summaries (AVX2 fp32), whose hit is the chat template's 2-3 blocks of ~1,200
-# tokens, the prefix cache made their prefill 0.86x as fast as without it.
+# (model_runner._plain_prefill, 6-17 % faster). A prefix hit shifts its start and brings the mask back, so a small
+# hit (a chat template before a long document) costs more than it saves.
 MIN_HIT_SHARE = 1 / 8
 
 
