@@ -32,10 +32,13 @@ REPORTS: dict[str, Report] = {
         SELECT m.run_id, method, requests, errors, new_tokens, decode_wall_s, job_tokens_per_s,
                job_tokens_per_s / ar.ar_tokens_per_s AS x_ar, mean_occupancy,
                accepted_tokens / nullif(drafted_tokens, 0) AS acceptance_rate, drafted_tokens, accepted_tokens,
-               peak_kv_bytes / 1048576.0 AS peak_kv_mib
+               peak_kv_bytes / 1048576.0 AS peak_kv_mib, 100 * prefix_hit_rate AS pct_prefix_hit,
+               memory_tokens, 100 * memory_accepted_share AS pct_accepted_from_memory
         FROM m LEFT JOIN ar USING (run_id) ORDER BY m.run_id, method""",
         "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes, model load excluded); "
-        "x ar = that ÷ ar's in the same run; occupancy = mean live rows per decode step."),
+        "x ar = that ÷ ar's in the same run; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
+        "the prefix cache supplied; memory = the job memory's output tokens (suffix, auto) and the share of accepted "
+        "draft tokens drafted from it."),
     "runs": Report("Runs", f"""
         SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
         FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec_core.defaults import DEFAULT_BATCH_SIZE
+from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MEMORY_TOKENS
 from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
 
@@ -35,6 +35,10 @@ class DecodeConfig(BaseModel):
                                                                   "(default and cap: the model's context)")
     row_timeout_s: float | None = Field(None, gt=0, description="a row decoding longer than this gets an error row "
                                                                  "and frees its slot; default: no limit")
+    memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=0, description="suffix/auto: the job memory's bound in "
+                               "output tokens per decode actor and method, oldest outputs evicted first (0: none)")
+    memory_from: str | None = Field(None, description="suffix/auto: seed the job memory with the outputs of earlier "
+                                                      "runs in this output directory (same tokenizer)")
     speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")
     decode_keys: dict[str, str] = Field(default_factory=dict, description="method -> the run's decode key (the "
                                                                             "output rows' `decode_key`)")

@@ -53,6 +53,8 @@ GENERATIONS_SCHEMA = pa.schema([
     # The pass's prompt tokens, and how many of them the prefix cache supplied instead of a forward.
     ("pass_prompt_tokens", pa.int64()),
     ("pass_prefix_hit_tokens", pa.int64()),
+    # The actor's job memory for the method (suffix, auto) at the pass's end, in output tokens; null without one.
+    ("pass_memory_tokens", pa.int64()),
     ("batch_size", pa.int64()),
     # Decoded with --deterministic (every token's numbers independent of its batch and step: invariant_attention.py).
     ("deterministic", pa.bool_()),
@@ -74,6 +76,8 @@ METHOD_STATS = pa.struct([
     ("peak_kv_bytes", pa.int64()),
     ("actors", pa.int64()),
     ("prefix_hit_rate", pa.float64()),  # prompt tokens supplied by the prefix cache / prompt tokens
+    ("memory_tokens", pa.int64()),  # the largest job memory a pass of the method ended with (null: none)
+    ("memory_accepted_share", pa.float64()),  # accepted draft tokens drafted from the job memory / accepted tokens
 ])
 
 RUNS_SCHEMA = pa.schema([

@@ -21,7 +21,7 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int = 256):
-    from specdec_core.defaults import DEFAULT_BATCH_SIZE
+    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MEMORY_TOKENS
     from specdec_core.cli import OneLineParser, add_batch_options
     from specdec_core.methods import METHODS
 
@@ -51,6 +51,12 @@ def build_parser(prog: str, description: str, default_input: str | None, default
                              "exact tokens in bf16 too (CPU, Llama-family models; costs ~5-15 %% on the AVX2 CPU "
                              "measured)")
     add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")
+    parser.add_argument("--memory-tokens", type=int, default=DEFAULT_MEMORY_TOKENS,
+                        help="suffix/auto: output tokens each decode actor remembers per method to draft from "
+                             "(~5 KB each), oldest evicted first; 0 = no job memory")
+    parser.add_argument("--memory-from", default=None, metavar="OUTPUT",
+                        help="suffix/auto: seed the job memory with earlier runs' outputs in this output directory "
+                             "(e.g. last night's --output; same tokenizer); it changes speed, never outputs")
     parser.add_argument("--num-actors", type=int, default=1, help="decode actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)
     parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
@@ -97,7 +103,9 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
         limit=args.limit, resume=args.resume, rows_per_call=args.rows_per_call, row_timeout_s=args.row_timeout_s,
         max_prompt_tokens=args.max_prompt_tokens, max_context_tokens=args.max_context_tokens,
-        max_error_fraction=args.max_error_fraction,
+        max_error_fraction=args.max_error_fraction, memory_tokens=args.memory_tokens,
+        # Actors may not share the driver's working directory: the outputs by their absolute path.
+        memory_from=os.path.abspath(args.memory_from) if args.memory_from else None,
     )
     for job_option in ("instruction", "max_context_chars", "compress_context", "compression_model"):  # some jobs
         if getattr(args, job_option, None) is not None:
@@ -137,6 +145,8 @@ def preflight(config) -> None:
         spec = get_method(method)
         if not spec.needs_draft_model:
             spec.build_drafter(config.method_options, None)
+    if config.memory_from and any(get_method(m).uses_job_memory for m in config.methods):
+        check_memory_from(config)
     if config.method_options.retrieval_index:  # before Ray starts: a missing or foreign index is one line
         from transformers import AutoTokenizer
 
@@ -152,6 +162,18 @@ def preflight(config) -> None:
         except (OSError, ValueError) as exc:  # a missing or corrupt array file
             raise SpecbatchError(f"retrieval index {config.method_options.retrieval_index} cannot be read: "
                                  f"{exc}") from None
+
+
+def check_memory_from(config) -> None:
+    """--memory-from that is not a job's output, or holds another tokenizer's outputs: one line, before Ray."""
+    from transformers import AutoTokenizer
+
+    from specdec_core.job_memory import read_outputs
+    from specdec_core.model_registry import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
+    own_output = os.path.abspath(config.output) == config.memory_from  # a nightly job's first night: nothing yet
+    read_outputs(config.memory_from, tokenizer, config.model, config.memory_tokens, missing_ok=own_output)
 
 
 def check_drafter_vocabulary(config) -> None:

@@ -35,7 +35,8 @@ class DecodeRequests:
         self.config = DecodeConfig.model_validate(config)
         cfg = self.config
         self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype,
-                                          deterministic=cfg.deterministic))
+                                          deterministic=cfg.deterministic, memory_tokens=cfg.memory_tokens,
+                                          memory_from=cfg.memory_from))
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
         self.journal = journal
@@ -139,7 +140,8 @@ class DecodeRequests:
         stats = decoder.stats
         pass_fields = {"decode_pass": f"{self.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
                        "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
-                       "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens}
+                       "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens,
+                       "pass_memory_tokens": decoder.job_memory.tokens if decoder.job_memory is not None else None}
         return [{**r, **pass_fields} for r in out]
 
     def _decode_all(self, rows: list[dict]) -> list[dict]:

@@ -251,12 +251,12 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
     rows = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
         columns=["method", "new_tokens", "drafted_tokens", "accepted_tokens", "error", "decode_pass", "pass_wall_s",
                  "pass_mean_occupancy", "pass_peak_kv_bytes", "pass_prompt_tokens", "pass_prefix_hit_tokens",
-                 "actor_id"]).to_pylist()
+                 "pass_memory_tokens", "accepted_by_source", "actor_id"]).to_pylist()
     stats: dict[str, dict] = {}
     for row in rows:
         entry = stats.setdefault(row["method"], {"method": row["method"], "requests": 0, "errors": 0, "new_tokens": 0,
                                                  "drafted_tokens": 0, "accepted_tokens": 0, "passes": {},
-                                                 "actor_ids": set()})
+                                                 "actor_ids": set(), "memory_accepted": 0})
         entry["requests"] += 1
         if row["error"] is not None:
             entry["errors"] += 1
@@ -264,10 +264,11 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
             entry["new_tokens"] += row["new_tokens"] or 0
             entry["drafted_tokens"] += row["drafted_tokens"] or 0
             entry["accepted_tokens"] += row["accepted_tokens"] or 0
+            entry["memory_accepted"] += dict(row["accepted_by_source"] or ()).get("memory", 0)
         if row["decode_pass"] is not None:
             entry["passes"][row["decode_pass"]] = (row["pass_wall_s"], row["pass_mean_occupancy"],
                                                    row["pass_peak_kv_bytes"], row["pass_prompt_tokens"],
-                                                   row["pass_prefix_hit_tokens"])
+                                                   row["pass_prefix_hit_tokens"], row["pass_memory_tokens"])
             entry["actor_ids"].add(row["actor_id"])
     out = []
     for entry in sorted(stats.values(), key=lambda e: e["method"]):
@@ -277,8 +278,13 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         wall = total / actors if passes else None
         occupancy = sum(p[0] * (p[1] or 0) for p in passes) / total if total else None  # time-weighted
         prompt_tokens = sum(p[3] or 0 for p in passes)
+        memory_accepted = entry.pop("memory_accepted")
+        memory_sizes = [p[5] for p in passes if p[5] is not None]
         out.append({**entry, "decode_wall_s": wall, "actors": actors,
                     "job_tokens_per_s": entry["new_tokens"] / wall if wall else None, "mean_occupancy": occupancy,
                     "peak_kv_bytes": max((p[2] or 0 for p in passes), default=None),
-                    "prefix_hit_rate": sum(p[4] or 0 for p in passes) / prompt_tokens if prompt_tokens else None})
+                    "prefix_hit_rate": sum(p[4] or 0 for p in passes) / prompt_tokens if prompt_tokens else None,
+                    "memory_tokens": max(memory_sizes) if memory_sizes else None,
+                    "memory_accepted_share": (memory_accepted / entry["accepted_tokens"]
+                                              if memory_sizes and entry["accepted_tokens"] else None)})
     return out

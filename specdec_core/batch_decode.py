@@ -108,6 +108,7 @@ class BatchDecoder:
         self.finished: deque[tuple[DecodeRequest, DecodeResult | str]] = deque()
         self.stats = BatchStats()
         self.draft_pool = None  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
+        self.job_memory = None  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
         self.max_draft = max_draft
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft
@@ -299,7 +300,7 @@ class BatchDecoder:
         state.metrics.ttft_s = time.perf_counter() - row.admitted_at
         request.drafter.start(state.tokens, RequestContext(
             prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
-            generator=state.generator, eos_token_ids=self.target.eos_token_ids))
+            generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory))
         if entry.hidden:
             request.drafter.observe_hidden(torch.cat(entry.hidden))  # the earlier chunks' positions, in order
         hand_over(self.target, signals, request.drafter, self.cache, index, batch_row,

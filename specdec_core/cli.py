@@ -114,6 +114,10 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
     parser.add_argument("--spectra-tau", type=float, default=0.1,
                         help="spectra: a pool row takes the target's plain argmax with probability tau, else its best "
                              "token not yet in the forward dictionary (default 0.1)")
+    parser.add_argument("--suffix-spec-factor", type=float, default=1.0,
+                        help="suffix/auto: a draft tree has at most this x the matched suffix's length nodes")
+    parser.add_argument("--suffix-min-prob", type=float, default=0.1,
+                        help="suffix/auto: draft-tree branches whose estimated probability is below this are cut")
     parser.add_argument("--batch-size", type=int, default=batch_size_default, help=batch_size_help)
     parser.add_argument("--token-budget", type=int, default=None,
                         help="most tokens one batched forward may verify (rows x width); default: no cap")
@@ -134,7 +138,8 @@ def shared_method_options(args) -> dict:
                 similarity_threshold=args.similarity_threshold, top_heads=args.top_heads, casd_delta=args.casd_delta,
                 casd_top_k=args.casd_top_k, spectra_n=args.spectra_n, spectra_pool=args.spectra_pool,
                 spectra_guesses=args.spectra_guesses, spectra_tau=args.spectra_tau,
-                retrieval_index=args.retrieval_index)
+                retrieval_index=args.retrieval_index, suffix_spec_factor=args.suffix_spec_factor,
+                suffix_min_prob=args.suffix_min_prob)
 
 
 def _params(args):

@@ -17,6 +17,8 @@ from .decode import DecodeParams, DecodeResult
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
+from .defaults import DEFAULT_MEMORY_TOKENS
+from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
 from .model_runner import INT8, ModelRunner
 from .prefix_cache import PrefixCache
@@ -33,6 +35,8 @@ class EngineConfig:
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
     drafter_dtype: str | None = None  # default: default_drafter_dtype (int8 on a bf16 CPU, else the target's)
     deterministic: bool = False  # the target's tokens independent of batch and step (ModelRunner.deterministic)
+    memory_tokens: int = DEFAULT_MEMORY_TOKENS  # bound of each method's job memory (job_memory.py); 0 = none
+    memory_from: str | None = None  # earlier runs' outputs to seed the job memory with (job_memory.read_outputs)
 
 
 @dataclass
@@ -83,6 +87,9 @@ class Engine:
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
         # Prompt prefixes' keys and values, reused by every decoder of this engine (prefix_cache.py).
         self.prefix_cache = PrefixCache()
+        # Job memory, one per method that drafts from it, kept for the engine's life (a job's actor: all its calls).
+        self.memories: dict[str, JobMemory] = {}
+        self._memory_seed: list[list[int]] | None = None
 
     @classmethod
     def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None) -> "Engine":
@@ -112,6 +119,8 @@ class Engine:
                 method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))
         decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
                                prefix_cache=self.prefix_cache)
+        if method is not None and get_method(method).uses_job_memory:
+            decoder.job_memory = self.memory_for(method)
         # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
         if self.draft_model is None:
             decoder.draft_pool = None
@@ -120,6 +129,19 @@ class Engine:
         else:
             decoder.draft_pool = CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping())
         return decoder
+
+    def memory_for(self, method: str) -> JobMemory:
+        """`method`'s job memory, seeded from config.memory_from when first asked for."""
+        memory = self.memories.get(method)
+        if memory is None:
+            memory = self.memories[method] = JobMemory(self.config.memory_tokens)
+            if self.config.memory_from:
+                if self._memory_seed is None:
+                    # (checked by the job before it started: the first night's own --output may not exist yet)
+                    self._memory_seed = read_outputs(self.config.memory_from, self.target.tokenizer,
+                                                     self.config.model, self.config.memory_tokens, missing_ok=True)
+                memory.seed_sequences(self._memory_seed)
+        return memory
 
     def vocab_mapping(self):
         """The drafter's and the target's shared tokens (built once per pair, cached on disk)."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .drafters.copyspec import CopySpecDrafter
     from .drafters.draft_model import DraftModelDrafter, DraftModelPool
     from .drafters.retrieval import RetrievalTreeDrafter
+    from .drafters.suffix import SuffixDrafter
 
 
 class MethodOptions(BaseModel):
@@ -62,6 +63,10 @@ class MethodOptions(BaseModel):
                                                           "(specdec_core/retrieval_index.py)")
     spectra_tau: float = Field(0.1, ge=0.0, le=1.0, description="SPECTRA: a pool row takes the plain argmax when "
                                                                 "r <= tau, else the best token not yet a forward key")
+    suffix_spec_factor: float = Field(1.0, gt=0.0, description="suffix: a draft tree has at most this x the matched "
+                                                               "suffix's length nodes (vLLM's default 1.0)")
+    suffix_min_prob: float = Field(0.1, ge=0.0, le=1.0, description="suffix: draft-tree branches whose estimated "
+                                                                     "probability is below this are cut (0.1)")
 
     @field_validator("draft_confidence")
     @classmethod
@@ -85,16 +90,18 @@ class MethodSpec:
     build_drafter: DrafterFactory
     needs_draft_model: bool = False
     lossless: bool = True
+    uses_job_memory: bool = False  # its decoders get the engine's job memory for the method (job_memory.py)
 
 
 METHODS: dict[str, MethodSpec] = {}
 
 
-def register(name: str, description: str, needs_draft_model: bool = False, lossless: bool = True):
+def register(name: str, description: str, needs_draft_model: bool = False, lossless: bool = True,
+             uses_job_memory: bool = False):
     def wrap(factory: DrafterFactory) -> DrafterFactory:
         if name in METHODS:
             raise ValueError(f"method {name!r} registered twice")
-        METHODS[name] = MethodSpec(name, description, factory, needs_draft_model, lossless)
+        METHODS[name] = MethodSpec(name, description, factory, needs_draft_model, lossless, uses_job_memory)
         return factory
 
     return wrap
@@ -236,6 +243,32 @@ def _draft_model_drafter(options: MethodOptions, draft_model: DraftModelPool | N
 @register("copyspec", "CopySpec: copy m tokens after the first earlier occurrence of the last γ tokens")
 def _copyspec(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     return _copyspec_drafter(options)
+
+
+@register("suffix", "SuffixDecoding: a frequency-ranked draft tree from the longest suffix match in the request's "
+                    "own text or in the job memory (the outputs of the job's earlier and running rows; lossless)",
+          uses_job_memory=True)
+def _suffix(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    return _suffix_drafter(options)
+
+
+def _suffix_drafter(options: MethodOptions) -> SuffixDrafter:
+    from .drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(options.suffix_spec_factor, options.suffix_min_prob)
+
+
+@register("auto", "per row and step, the drafter expected to give the most accepted tokens: suffix trees (own "
+                  "text, job memory), CopySpec (history, context), the draft model when one is loaded (lossless)",
+          uses_job_memory=True)
+def _auto(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
+    from .drafters.cascade import CascadeDrafter
+    from .drafters.cross_vocab_model import SlemDrafter
+
+    candidates = [_suffix_drafter(options), _copyspec_drafter(options)]
+    if draft_model is not None:  # the target's tokenizer: plain drafts; another: SLEM's, which cross vocabularies
+        candidates.append(_cross_vocab("auto", SlemDrafter, options, draft_model))
+    return CascadeDrafter(candidates)
 
 
 @register("draft", "speculative decoding with a same-vocabulary draft model (δ tokens per step)", True)

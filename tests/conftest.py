@@ -33,6 +33,14 @@ def engine():
 
 
 @pytest.fixture(scope="session")
+def lossless_reference(engine):
+    """Single-request ar greedy results of every lossless case (batch size 1, one request at a time)."""
+    from tests.prompts import lossless_items
+
+    return {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in lossless_items(engine)}
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One embedded Ray cluster for every job the session runs in-process (tests/job_runs.py)."""
     import ray

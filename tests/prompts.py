@@ -107,3 +107,16 @@ LOSSLESS_CASES = {
                              "paint."}],
     "no_repetition_facts": [{"role": "user", "content": "Give me five facts about volcanoes."}],
 }
+
+# New tokens per lossless case: long enough for many draft/verify steps per row (a real-model step costs ~80 ms on 2
+# cores); two rows finish while the others still run.
+LOSSLESS_MAX_NEW = {name: {"summary_paper": 24, "no_repetition_facts": 12}.get(name, 32) for name in LOSSLESS_CASES}
+
+
+def lossless_items(engine):
+    """The lossless cases as batch items, each with its LOSSLESS_MAX_NEW."""
+    from specdec_core.decode import DecodeParams
+    from specdec_core.engine import BatchItem
+
+    return [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=LOSSLESS_MAX_NEW[name]))
+            for name, messages in LOSSLESS_CASES.items()]

@@ -17,6 +17,7 @@ import torch
 from ..draft_tree import build_trie_with_origins, chain_parents, depths
 
 if TYPE_CHECKING:
+    from ..job_memory import JobMemory
     from ..speculation_budget import DraftPricing
 
 
@@ -119,6 +120,7 @@ class RequestContext:
     sampling: object = None  # SamplingParams; drafters that sample use it with the request's generator
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()  # the target's
+    job_memory: "JobMemory | None" = None  # the outputs of the job's rows so far (job_memory.py); None: no memory
 
 
 class DraftPool(ABC):

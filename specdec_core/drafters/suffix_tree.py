@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 
 class _Node:
@@ -98,23 +99,50 @@ class SuffixTree:
         for token in tokens:
             self.append(cursor, token)
 
-    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0,
-              min_prob: float = 0.1) -> tuple[list[int], list[int], int]:
-        """The draft tree from the longest held suffix that has a continuation.
-        -> (tokens, parents, match length): parents[i] is the index of token i's parent (-1 = the row's last
-        token), parents before children; empty lists when nothing matches or nothing survives the cut."""
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Take back one sequence that `extend` added from a fresh cursor (eviction): every path of its suffixes
+        counts once less, and a node left at 0 goes with its subtree (a child never counts more than its parent)."""
+        for start in range(len(tokens)):
+            node = self.root
+            for token in tokens[start: start + self.depth]:
+                child = node.children.get(token)
+                if child is None:  # (removed already, with a parent that reached 0)
+                    break
+                child.count -= 1
+                if child.count <= 0:
+                    del node.children[token]
+                    break
+                node = child
+        self.tokens -= len(tokens)
+
+    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1) -> "TreeDraft":
+        """The best draft tree over the held suffixes: each match length L may grow min(max_tokens, factor x L)
+        nodes, and the tree whose nodes' probabilities sum highest (its expected accepted tokens) wins, as Arctic
+        Inference scores them. A shorter match has fewer nodes but more room below it in a depth-bounded trie."""
+        best = TreeDraft([], [], 0, 0.0)
         for node, length in zip(cursor.nodes, cursor.lengths):
+            budget = min(max_tokens, math.floor(factor * length))
+            if budget <= best.score:  # longest first, so no later budget (a score is at most its node count) wins
+                break
             if node.children:
-                budget = min(max_tokens, math.floor(factor * length))
-                tokens, parents = best_first_tree(node, budget, min_prob)
-                return tokens, parents, length
-        return [], [], 0
+                tokens, parents, score = best_first_tree(node, budget, min_prob)
+                if score > best.score:
+                    best = TreeDraft(tokens, parents, length, score)
+        return best
 
 
-def best_first_tree(start: _Node, max_nodes: int, min_prob: float) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True, eq=False)
+class TreeDraft:
+    tokens: list[int]
+    parents: list[int]  # parents[i]: index of token i's parent (-1 = the row's last token); parents first
+    match_length: int  # of the suffix the tree continues (0: nothing matched)
+    score: float  # sum of the nodes' path probabilities: the tokens a greedy verifier is expected to accept
+
+
+def best_first_tree(start: _Node, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
     """Grow a tree below `start` by the probability of each path (the product of count(child) / sum of the counts of
     its siblings along it), most probable first, until `max_nodes` nodes or every candidate is below `min_prob`.
-    -> (tokens, parents) in the order the nodes were taken (so parents come before children)."""
+    -> (tokens, parents, the sum of the taken nodes' probabilities), nodes in the order taken (parents first)."""
     tokens: list[int] = []
     parents: list[int] = []
     order = 0  # ties go to the earlier-pushed candidate, so the tree is deterministic
@@ -130,12 +158,14 @@ def best_first_tree(start: _Node, max_nodes: int, min_prob: float) -> tuple[list
                 order += 1
 
     push(start, 1.0, -1)
+    score = 0.0
     while frontier and len(tokens) < max_nodes:
         negative, _, parent, token, node = heapq.heappop(frontier)
         tokens.append(token)
         parents.append(parent)
+        score -= negative
         push(node, -negative, len(tokens) - 1)
-    return tokens, parents
+    return tokens, parents, score
 
 
 def index_sequences(sequences: Iterable[Sequence[int]], depth: int = 64) -> SuffixTree:

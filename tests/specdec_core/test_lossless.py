@@ -6,16 +6,13 @@ model in test_lossless_mechanics.py."""
 
 import pytest
 
-from specdec_core.decode import DecodeParams
-from specdec_core.engine import BatchItem
 from specdec_core.methods import METHODS, MethodOptions
-from tests.prompts import LOSSLESS_CASES
+from tests.prompts import LOSSLESS_MAX_NEW, lossless_items
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW = 32  # long enough for many draft/verify steps per row; a real-model step costs ~80 ms on 2 cores
-EARLY = {"summary_paper": 24, "no_repetition_facts": 12}  # rows that finish while others still run
 CROSS_VOCABULARY = {"slem", "tli", "union", "slrs"}  # test_slem.py: they need a drafter with another tokenizer
+JOB_MEMORY = {"suffix", "auto"}  # test_suffix_decoding.py: with the job memory empty, right and wrong
 
 # Two batches of the 8 cases, each row with its own method (every draft verified: the budget is off). In the first,
 # each row's `context` holds the later part of its own answer, so the context drafters copy long, accepted drafts;
@@ -45,27 +42,25 @@ def fixed_induction_heads(engine):
 
 
 def items(engine):
-    return [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=EARLY.get(name, MAX_NEW)))
-            for name, messages in LOSSLESS_CASES.items()]
+    return lossless_items(engine)
 
 
 @pytest.fixture(scope="module")
-def reference(engine):
-    """Single-request ar greedy ids for every case (batch size 1, one request at a time)."""
-    return {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in items(engine)}
+def reference(lossless_reference):
+    return lossless_reference
 
 
 def test_cases_are_long_and_varied(reference, engine):
     lengths = [len(item.prompt_ids) for item in items(engine)]
     assert max(lengths) > 4 * min(lengths), lengths  # very different prompt lengths share a batch
     for name, r in reference.items():
-        assert r["new_tokens"] == EARLY.get(name, MAX_NEW), (name, r["new_tokens"])
+        assert r["new_tokens"] == LOSSLESS_MAX_NEW[name], (name, r["new_tokens"])
         assert r["mean_accepted_length"] == 1.0 and r["target_forwards"] == r["new_tokens"]
 
 
 def test_every_lossless_method_is_checked_on_the_real_model():
     """A method added to the registry needs a row here (or in test_slem.py's cross-vocabulary set)."""
-    checked = {method for method, _ in WITH_CONTEXT + WITHOUT_CONTEXT} | CROSS_VOCABULARY
+    checked = {method for method, _ in WITH_CONTEXT + WITHOUT_CONTEXT} | CROSS_VOCABULARY | JOB_MEMORY
     assert checked == {name for name, spec in METHODS.items() if spec.lossless}
 
 

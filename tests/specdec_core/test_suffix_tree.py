@@ -40,24 +40,48 @@ def test_the_cursor_keeps_the_longest_held_suffix_first():
 def test_the_draft_tree_is_grown_by_path_probability_and_cut_below_min_prob():
     # After 1 2: 3 followed 6 times (then 4 five times, 5 once), 7 followed 3 times, 8 once.
     tree = index_sequences([[1, 2, 3, 4]] * 5 + [[1, 2, 3, 5]] + [[1, 2, 7]] * 3 + [[1, 2, 8]])
-    tokens, parents = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.05)
+    tokens, parents, score = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.05)
     # p(3) = 0.6, p(3 4) = 0.5, p(7) = 0.3, p(8) = 0.1, p(3 5) = 0.6 x 1/6 (a hair under 0.1 in floats)
     assert tokens == [3, 4, 7, 8, 5] and parents == [-1, 0, -1, -1, 0]
-    tokens, parents = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.2)
+    assert score == pytest.approx(0.6 + 0.5 + 0.3 + 0.1 + 0.1)  # the expected accepted tokens
+    tokens, parents, _ = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.2)
     assert tokens == [3, 4, 7] and parents == [-1, 0, -1]
-    assert best_first_tree(path(tree, [1, 2]), max_nodes=2, min_prob=0.0) == ([3, 4], [-1, 0])
+    assert best_first_tree(path(tree, [1, 2]), max_nodes=2, min_prob=0.0)[:2] == ([3, 4], [-1, 0])
 
 
 def test_the_draft_starts_at_the_longest_suffix_with_a_continuation_and_scales_with_it():
     tree = SuffixTree(depth=8)
     row = Cursor()
     tree.extend(row, [9, 1, 2, 3, 4, 5, 0, 2, 3])  # 2 3 occurred before, followed by 4 5
-    tokens, parents, matched = tree.draft(row, max_tokens=16, factor=1.0)
-    assert matched == 2 and tokens == [4, 5] and parents == [-1, 0]
-    tokens, _, _ = tree.draft(row, max_tokens=16, factor=0.5)
-    assert tokens == [4]  # at most factor x match length nodes
-    tokens, _, matched = tree.draft(tree.cursor([7, 7]), max_tokens=16)
-    assert (tokens, matched) == ([], 0)
+    draft = tree.draft(row, max_tokens=16, factor=1.0)
+    assert draft.match_length == 2 and draft.tokens == [4, 5] and draft.parents == [-1, 0]
+    assert tree.draft(row, max_tokens=16, factor=0.5).tokens == [4]  # at most factor x match length nodes
+    draft = tree.draft(tree.cursor([7, 7]), max_tokens=16)
+    assert (draft.tokens, draft.match_length, draft.score) == ([], 0, 0.0)
+
+
+def test_a_shorter_match_wins_when_its_tree_is_expected_to_give_more():
+    # After 5 6 the trie (depth 3) holds one more token; after 6 alone it holds two: 7 8 (twice) beats 7 (once).
+    tree = index_sequences([[5, 6, 7], [6, 7, 8], [6, 7, 8]], depth=3)
+    draft = tree.draft(tree.cursor([5, 6]), max_tokens=8, factor=2.0)
+    assert (draft.tokens, draft.match_length) == ([7, 8], 1) and draft.score == pytest.approx(2.0)
+    assert tree.draft(tree.cursor([5, 6]), max_tokens=8, factor=1.0).match_length == 2  # one node each: a tie
+
+
+def test_removing_a_sequence_takes_back_exactly_its_counts():
+    kept, evicted = [1, 2, 3, 1, 2], [2, 3, 4, 2, 3]
+    tree = index_sequences([kept, evicted], depth=3)
+    tree.remove(evicted)
+    alone = index_sequences([kept], depth=3)
+
+    def counts(node, prefix=()):
+        out = {prefix: node.count} if prefix else {}
+        for token, child in node.children.items():
+            out.update(counts(child, prefix + (token,)))
+        return out
+
+    assert counts(tree.root) == counts(alone.root) and tree.tokens == len(kept)
+    assert 4 not in tree.root.children  # a node at 0 is gone
 
 
 @pytest.mark.parametrize("depth", [0, -1])

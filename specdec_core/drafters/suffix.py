@@ -1,0 +1,76 @@
+"""SuffixDecoding (Oliaro et al., 2024): draft trees from two suffix trees, the request's own (prompt + output) and
+the job memory's (earlier and concurrent rows' outputs, job_memory.py); each step the tree expected to give more
+accepted tokens is drafted and the loop verifies it as a tree (lossless).
+
+As the paper: the frequency-ranked tree of the longest-matching suffix's continuations, at most factor x the match
+length nodes, branches below min_prob cut (suffix_tree.py). Where it differs: suffix tries of bounded depth (the
+match and the draft both fit in MEMORY_DEPTH tokens); the two trees' drafts are compared, not merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
+from .base import Draft, Drafter, RequestContext, empty_draft
+from .suffix_tree import Cursor, SuffixTree
+
+SUFFIX_SOURCE = "suffix"  # drafted from the request's own tree
+MEMORY_SOURCE = "memory"  # drafted from the job memory's
+
+
+class SuffixDrafter(Drafter):
+    proposes_trees = True
+
+    def __init__(self, factor: float = 1.0, min_prob: float = 0.1, depth: int = MEMORY_DEPTH):
+        self.factor, self.min_prob, self.depth = factor, min_prob, depth
+        self.own = SuffixTree(depth)
+        self.own_cursor = Cursor()
+        self.memory: JobMemory | None = None
+        self.memory_cursor: Cursor | None = None  # the row's suffixes matched in the memory's tree
+        self.output: MemorySequence | None = None  # the row's output, as the memory holds it
+        self.seen = 0  # tokens of the row indexed so far
+        self.prompt_len = 0
+        self.last_score = 0.0  # the proposed tree's expected accepted tokens (the auto cascade reads it)
+
+    def start(self, tokens: Sequence[int], request: RequestContext) -> None:
+        super().start(tokens, request)
+        self.own, self.own_cursor = SuffixTree(self.depth), Cursor()
+        self.prompt_len = request.prompt_len
+        self.memory = request.job_memory
+        self.seen = 0
+        if self.memory is not None:
+            self.memory_cursor = self.memory.tree.cursor(tokens[max(0, len(tokens) - self.depth):])
+            self.output = self.memory.begin()
+        self._sync(tokens, matched=True)
+
+    def _sync(self, tokens: Sequence[int], matched: bool = False) -> None:
+        new = tokens[self.seen:]
+        self.own.extend(self.own_cursor, new)
+        if self.memory is not None:
+            # The output so far (what follows the prompt) goes into the memory; the row's suffixes are matched there.
+            self.memory.append(self.output, tokens[max(self.seen, self.prompt_len):])
+            if not matched:
+                for token in new:
+                    self.memory.tree.advance(self.memory_cursor, token)
+        self.seen = len(tokens)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        self._sync(tokens)
+        best, source = self.own.draft(self.own_cursor, max_tokens, self.factor, self.min_prob), SUFFIX_SOURCE
+        if self.memory is not None:
+            remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
+            if remembered.score > best.score:
+                best, source = remembered, MEMORY_SOURCE
+        self.last_score = best.score
+        if not best.tokens:
+            return empty_draft()
+        return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE)
+
+    def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        self._sync(tokens)
+
+    def finish(self) -> None:
+        if self.memory is not None and self.output is not None:
+            self.memory.finish(self.output)
+            self.output = None

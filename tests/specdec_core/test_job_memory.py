@@ -1,0 +1,90 @@
+"""The job memory: its bound and eviction, rows drafting from each other's outputs, seeding from earlier runs'
+Parquet (no model: token ids by hand)."""
+
+from datetime import datetime, timedelta, timezone
+
+import pyarrow.parquet as pq
+import pytest
+
+from contract.schema import generations_table
+from specdec_core.drafters.base import RequestContext
+from specdec_core.drafters.suffix import MEMORY_SOURCE, SUFFIX_SOURCE, SuffixDrafter
+from specdec_core.errors import SpecbatchError
+from specdec_core.job_memory import JobMemory, read_outputs
+
+
+def test_the_bound_holds_and_the_oldest_output_is_evicted_whole():
+    memory = JobMemory(max_tokens=10, depth=4)
+    for first in (100, 200, 300):
+        memory.add([first, 1, 2, 3])
+    assert memory.tokens == 8 and memory.evicted == 1
+    assert 100 not in memory.tree.root.children and {200, 300} <= set(memory.tree.root.children)
+    assert memory.tree.root.children[1].count == 2  # the evicted output's counts went with it
+
+
+def test_a_running_row_is_never_evicted_and_a_full_memory_leaves_new_rows_out():
+    memory = JobMemory(max_tokens=6, depth=4)
+    running, late = memory.begin(), memory.begin()
+    memory.append(running, [1, 2, 3, 4, 5, 6])
+    memory.append(late, [7, 8])  # nothing finished to evict: this output stays out
+    assert late.dropped and memory.tokens == 6 and 7 not in memory.tree.root.children
+    memory.finish(running)
+    memory.add([9, 9])  # now the finished one goes
+    assert memory.tokens == 2 and memory.evicted == 1
+
+
+def test_a_zero_bound_keeps_nothing():
+    memory = JobMemory(max_tokens=0)
+    memory.add([1, 2, 3])
+    assert memory.tokens == 0 and not memory.tree.root.children
+
+
+def start(drafter, tokens, prompt_len, memory):
+    drafter.start(tokens, RequestContext(prompt_len=prompt_len, job_memory=memory))
+
+
+def test_a_row_drafts_what_another_row_is_writing_and_its_own_text():
+    memory = JobMemory(max_tokens=1000)
+    writer, reader = SuffixDrafter(), SuffixDrafter()
+    start(writer, [1, 2, 50], prompt_len=2, memory=memory)
+    writer.observe([1, 2, 50, 51, 52, 53, 54], None, 0)  # its output so far enters the memory as it is decoded
+    start(reader, [9, 9, 50, 51], prompt_len=2, memory=memory)
+    draft = reader.propose([9, 9, 50, 51], max_tokens=8)
+    assert draft.tokens == [52, 53] and draft.source == MEMORY_SOURCE  # factor 1 x a match of 2 (50 51) nodes
+    assert memory.tokens == 5 + 2  # outputs only: neither prompt is in the memory
+    own = SuffixDrafter()
+    start(own, [4, 5, 6, 7, 4, 5, 6], prompt_len=7, memory=memory)
+    draft = own.propose([4, 5, 6, 7, 4, 5, 6], max_tokens=8)
+    assert draft.tokens == [7, 4, 5] and draft.source == SUFFIX_SOURCE and draft.from_context
+    writer.finish()
+    assert memory.sequences[0].finished
+
+
+def write_run(directory, run_id, model, rows, started):
+    path = directory / "generations" / f"run_id={run_id}" / "method=ar"
+    path.mkdir(parents=True)
+    table = generations_table([{"run_id": run_id, "method": "ar", "model": model, "started_at": started + timedelta(
+        seconds=i), **row} for i, row in enumerate(rows)]).drop(["run_id", "method"])
+    pq.write_table(table, path / "part-0.parquet")
+
+
+def test_seeding_keeps_the_newest_output_of_each_request_that_fits(tmp_path):
+    from transformers import PreTrainedTokenizerFast  # (no weights: the tokenizer is only compared)
+
+    night = datetime(2026, 11, 24, tzinfo=timezone.utc)
+    write_run(tmp_path, "old", "m", [{"request_id": "a", "output_token_ids": [1, 1, 1]},
+                                     {"request_id": "b", "output_token_ids": [2, 2]},
+                                     {"request_id": "c", "error": "boom"}], night)
+    write_run(tmp_path, "new", "m", [{"request_id": "a", "output_token_ids": [3, 3, 3]},
+                                     {"request_id": "d", "output_token_ids": [4]}], night + timedelta(days=1))
+    tokenizer = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)  # never read: one model only
+    assert read_outputs(str(tmp_path), tokenizer, "m", max_tokens=100) == [[2, 2], [3, 3, 3], [4]]
+    assert read_outputs(str(tmp_path / "generations"), tokenizer, "m", max_tokens=4) == [[3, 3, 3], [4]]
+    with pytest.raises(SpecbatchError, match="whose tokenizer is not 'other'"):
+        read_outputs(str(tmp_path), tokenizer, "other", max_tokens=100)
+
+
+def test_a_missing_seed_is_an_error_unless_it_is_the_jobs_own_first_output(tmp_path):
+    with pytest.raises(SpecbatchError, match="no such directory"):
+        read_outputs(str(tmp_path / "nope"), None, "m", 100)
+    assert read_outputs(str(tmp_path / "nope"), None, "m", 100, missing_ok=True) == []
