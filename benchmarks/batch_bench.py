@@ -64,6 +64,10 @@ def parse_method(text: str):
             if value not in ("on", "off"):
                 raise ValueError(f"budget={value!r}: use budget=on or budget=off")
             continue
+        if key == "memory":  # read by `run_ours`: the job memory starts with --memory-seed's outputs
+            if value != "seed":
+                raise ValueError(f"memory={value!r}: use memory=seed (with --memory-seed N)")
+            continue
         if key == "index":  # a retrieval index named by --index NAME=DIR
             if value not in INDEXES:
                 raise ValueError(f"index={value!r}: name it with --index {value}=DIR")
@@ -92,7 +96,7 @@ def synchronize(device: str) -> None:
 
 
 def workload_items(engine, workload: str, requests: int, max_new_tokens: int, batch_size: int,
-                   compress_context: float | None = None) -> list:
+                   compress_context: float | None = None, skip: int = 0) -> list:
     """BatchItems for a workload; multi_turn: turn-2 prompts whose history holds a batched-ar first answer.
     Question rows (rag) are composed as the prompt stage does, their context compressed `compress_context` times
     by the target model when asked (operators/compress_context.py; untimed, like the prompt stage)."""
@@ -102,7 +106,7 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
     from specdec_core.decode import DecodeParams
     from specdec_core.engine import BatchItem
 
-    rows = workload_rows(workload, requests)[:requests]
+    rows = workload_rows(workload, skip + requests)[skip: skip + requests]
     compressor = SelfInformationCompressor(engine.target.model, engine.tokenizer) if compress_context else None
     for row in rows:
         if compressor is not None and row.get("question") is not None:
@@ -159,7 +163,7 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
 
 
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
-             references: dict | None = None) -> dict:
+             references: dict | None = None, memory_seed: list | None = None) -> dict:
     from specdec_core.speculation_budget import StepCostModel
 
     method, options = parse_method(method_text)
@@ -168,6 +172,11 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
     engine.step_costs = StepCostModel()
     engine.learned.clear()
     engine.prefix_cache.clear()  # nor another method's prompt prefixes
+    engine.memories.clear()  # nor the outputs of another pass over the same prompts (a job's memory starts empty...
+    if "memory=seed" in method_text:  # ... or holds earlier runs' outputs of other documents: seeded untimed)
+        if not memory_seed:
+            raise ValueError("memory=seed needs --memory-seed N")
+        engine.memory_for(method).seed_sequences(memory_seed)
     decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text), method=method)
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
@@ -184,6 +193,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
               "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20, "prefill_s": stats.prefill_s,
               "mean_accepted_length": sum(r["new_tokens"] for r in ok) / max(1, sum(r["target_forwards"] for r in ok)),
               "from_context": sum(r["accepted_by_source"].get("context", 0) for r in ok),
+              "from_memory": sum(r["accepted_by_source"].get("memory", 0) for r in ok),
               "quality": mean_quality(got, references or {})}
     if hf_outputs is not None:
         result["same_as_hf"] = sum(got[i.key].get("output_token_ids") == hf_outputs[i.key] for i in items)
@@ -195,8 +205,8 @@ def table(results: list[dict]) -> str:
     ar = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "ar"}  # plain "ar" only
     best_hf = max(hf.values(), default=None)
     lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | accepted/"
-             "verified | MAL | occupancy | prefill share | = HF | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "verified | from memory | MAL | occupancy | prefill share | = HF | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
     for r in results:
         tps = r["tokens_per_s"]
@@ -207,7 +217,8 @@ def table(results: list[dict]) -> str:
         prefill = f"{r['prefill_s'] / r['wall_s']:.2f}" if r.get("prefill_s") else ""
         lines.append(f"| {r['system']} | {r['batch_size']} | {r['new_tokens']} | {tps:.1f} | "
                      f"{ratio(tps, hf.get(r['batch_size']))} | {ratio(tps, best_hf)} | "
-                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {mal} | {occ} | {prefill} | "
+                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {r.get('from_memory') or ''} | {mal} | "
+                     f"{occ} | {prefill} | "
                      f"{r.get('same_as_hf', '')} | "
                      f"{quality} |")
     return "\n".join(lines)
@@ -246,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "2, ...), and print each method's per-round ratio to the same round's ar: on a noisy "
                              "machine one run cannot settle a 5 %% difference")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    parser.add_argument("--memory-seed", type=int, default=0, metavar="N",
+                        help="decode N other requests of each workload with ar (untimed): their outputs seed the job "
+                             "memory of the methods given the option memory=seed (e.g. suffix:memory=seed), as "
+                             "--memory-from seeds a nightly job with last night's outputs")
     parser.add_argument("--compress-context", type=float, default=None, metavar="R",
                         help="rag: the prompt carries its 6,000 context characters compressed R times (tokens)")
     parser.add_argument("--index", action="append", default=[], metavar="NAME=DIR",
@@ -296,6 +311,13 @@ def main() -> int:
         items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes),
                                args.compress_context)
         references = workload_references(workload, args.requests)
+        memory_seed = None
+        if args.memory_seed:  # other documents of the workload (the rows after the timed ones)
+            others = workload_items(engine, workload, args.memory_seed, args.max_new_tokens, max(args.batch_sizes),
+                                    args.compress_context, skip=args.requests)
+            memory_seed = [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar",
+                                                                                 batch_size=max(args.batch_sizes))
+                           if not r["error"]]
         if workload == args.workload[0]:  # untimed warm-up: a process's first forwards are slow (a cold run
             # measured 0.70x a warm one), and HF, timed first, would pay for it
             from pipelines.hf_batch_peer import generate_batch
@@ -311,7 +333,8 @@ def main() -> int:
         for round_number in range(1, args.rounds + 1):
             for method_text in args.methods:
                 for size in method_sizes(method_text, args.batch_sizes):
-                    results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references))
+                    results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references,
+                                            memory_seed))
                     results[-1]["round"] = round_number
                     print(json.dumps({"workload": workload, **results[-1]}), flush=True)
         for r in results:
