@@ -53,7 +53,7 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")
     parser.add_argument("--memory-tokens", type=int, default=DEFAULT_MEMORY_TOKENS,
                         help="suffix/auto: output tokens each decode actor remembers per method to draft from "
-                             "(~5 KB each), oldest evicted first; 0 = no job memory")
+                             "(~2 KB each), oldest evicted first; 0 = no job memory")
     parser.add_argument("--memory-from", default=None, metavar="OUTPUT",
                         help="suffix/auto: seed the job memory with earlier runs' outputs in this output directory "
                              "(e.g. last night's --output; same tokenizer); it changes speed, never outputs")

@@ -4,6 +4,6 @@
 # decoding keeps gaining up to 16 rows; GPUs want far more (pass --batch-size).
 DEFAULT_BATCH_SIZE = 16
 
-# Output tokens a decode actor's job memory holds per method (suffix, auto): its suffix tree takes ~5 KB per token at
-# depth 24 (measured, docs/decisions.md), so ~250 MB.
-DEFAULT_MEMORY_TOKENS = 50_000
+# Output tokens a decode actor's job memory holds per method (suffix, auto): its suffix tree takes ~2 KB per token at
+# depth 24 (measured, docs/decisions.md), so ~200 MB.
+DEFAULT_MEMORY_TOKENS = 100_000

@@ -29,9 +29,9 @@ class MemorySequence:
 
     __slots__ = ("tokens", "cursor", "finished", "dropped")
 
-    def __init__(self) -> None:
+    def __init__(self, cursor: Cursor) -> None:
         self.tokens: list[int] = []
-        self.cursor = Cursor()
+        self.cursor = cursor
         self.finished = False
         self.dropped = False  # evicted, or never admitted (the memory was full of running rows)
 
@@ -50,23 +50,24 @@ class JobMemory:
         return self.tree.tokens
 
     def begin(self) -> MemorySequence:
-        sequence = MemorySequence()
+        sequence = MemorySequence(self.tree.cursor())
         self.sequences.append(sequence)
         return sequence
 
-    def append(self, sequence: MemorySequence, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            if sequence.dropped:
-                return
-            if self.tree.tokens >= self.max_tokens and not self._evict_one():
-                self._drop(sequence)  # full of running rows: this one stays out
-                return
-            self.tree.append(sequence.cursor, token)
-            sequence.tokens.append(token)
+    def append(self, sequence: MemorySequence, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)
+        while tokens and not sequence.dropped:
+            room = self.max_tokens - self.tree.tokens
+            if room <= 0:
+                if not self._evict_one():
+                    self._drop(sequence)  # full of running rows: this one stays out
+                continue
+            taken, tokens = tokens[:room], tokens[room:]
+            self.tree.extend(sequence.cursor, taken)
+            sequence.tokens.extend(taken)
 
     def finish(self, sequence: MemorySequence) -> None:
         sequence.finished = True
-        sequence.cursor = Cursor()  # its nodes are no longer needed: let evicted subtrees go
 
     def add(self, tokens: Sequence[int]) -> None:
         """One whole output (seeding)."""

@@ -25,7 +25,7 @@ class SuffixDrafter(Drafter):
     def __init__(self, factor: float = 1.0, min_prob: float = 0.1, depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth
         self.own = SuffixTree(depth)
-        self.own_cursor = Cursor()
+        self.own_cursor = self.own.cursor()
         self.memory: JobMemory | None = None
         self.memory_cursor: Cursor | None = None  # the row's suffixes matched in the memory's tree
         self.output: MemorySequence | None = None  # the row's output, as the memory holds it
@@ -35,7 +35,8 @@ class SuffixDrafter(Drafter):
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        self.own, self.own_cursor = SuffixTree(self.depth), Cursor()
+        self.own = SuffixTree(self.depth)
+        self.own_cursor = self.own.cursor()
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory
         self.seen = 0
@@ -51,8 +52,7 @@ class SuffixDrafter(Drafter):
             # The output so far (what follows the prompt) goes into the memory; the row's suffixes are matched there.
             self.memory.append(self.output, tokens[max(self.seen, self.prompt_len):])
             if not matched:
-                for token in new:
-                    self.memory.tree.advance(self.memory_cursor, token)
+                self.memory.tree.advance(self.memory_cursor, new)
         self.seen = len(tokens)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:

@@ -1,134 +1,289 @@
 """Token suffix trees with counts, and the frequency-ranked draft tree SuffixDecoding builds from their longest match
-(Oliaro et al., 2024; vLLM's `method: "suffix"` runs it through Arctic Inference). Issue 30's core, not wired yet.
+(Oliaro et al., 2024; vLLM's `method: "suffix"` runs it through Arctic Inference).
 
 Where it follows the paper:
 - every suffix of the indexed sequences is a path from the root, each node counting how often its path occurred;
-- a draft starts at the node of the longest suffix of the row's tokens that the tree holds (up to `depth` tokens);
+- a draft starts at the node of a suffix of the row's tokens that the tree holds (up to `depth` tokens);
 - the draft is a tree grown best first by the probability of its path, each step of the path weighed by
   count(child) / sum of its siblings' counts; nodes below `min_prob` are cut and the tree holds at most
-  `factor` x the match length nodes (the paper's and vLLM's defaults: min_prob 0.1, factor 1.0).
+  `factor` x the match length nodes (the paper's and vLLM's defaults: min_prob 0.1, factor 1.0); of the held
+  suffixes, the one whose tree has the highest expected accepted length (the sum of its nodes' probabilities) wins,
+  as Arctic Inference scores them.
 Where it differs:
-- a suffix trie of bounded depth (each suffix's first `depth` tokens), not a compressed suffix tree: plain dicts
-  in Python, O(depth) work per appended token, no edge labels to split;
-- the match is kept incrementally per sequence (`Cursor`): the nodes of its suffixes of length 1..depth, advanced by
-  each new token. A path another sequence adds later is found once the cursor's suffixes reach it anew.
-Cost in Python (AVX2 EPYC, random ids over 500 tokens): an append 29 us at depth 16, 181 us at depth 64; a draft
-6-12 us. At depth 64 and batch 64 that is ~12 ms a step: the decode loop needs a compiled form (numba) or a
-smaller depth before this goes in.
+- a suffix trie of bounded depth (each suffix's first `depth` tokens), not a compressed suffix tree: O(depth) work
+  per appended token, no edge labels to split; a match and its draft both fit in `depth` tokens;
+- the match is kept incrementally per sequence (`Cursor`): the nodes of its held suffixes, advanced by each new
+  token. A path another sequence adds later is found once the cursor's suffixes reach it anew;
+- the trie lives in arrays (a node table, a hash table from (parent, token) to child) that numba-compiled loops
+  walk: the dict-of-dicts version cost 150 us and ~5 KB per appended token at depth 24 (docs/decisions.md).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 
-class _Node:
-    __slots__ = ("children", "count")
+from ..model_registry import cache_root
 
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        self.count = 0  # occurrences of this node's path in the indexed sequences
+os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+from numba import njit  # noqa: E402  (after the cache directory is set)
+
+# Node table columns: the node's token, its count, its first and last child, its next sibling, its parent.
+TOKEN, COUNT, FIRST, LAST, NEXT, PARENT = range(6)
+ROOT = 0
+EMPTY, TOMBSTONE = -1, -2  # hash-table keys that hold no entry
+# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included)
+USED, FREE, FILLED = range(3)
+MAX_TOKEN = 1 << 24  # a key is parent << 24 | token
+APPEND_CHUNK = 256  # tokens appended per compiled call
+
+
+@njit(cache=True)
+def _slot(keys, key):  # pragma: no cover - compiled
+    """The slot holding `key`, else the slot it would go to (the first tombstone or empty one on its probe path)."""
+    mask = keys.shape[0] - 1
+    index = np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & mask
+    free = -1
+    while True:
+        held = keys[index]
+        if held == key:
+            return index
+        if held == EMPTY:
+            return free if free >= 0 else index
+        if held == TOMBSTONE and free < 0:
+            free = index
+        index = (index + 1) & mask
+
+
+@njit(cache=True)
+def _child(nodes, keys, values, meta, free, parent, token, create):  # pragma: no cover - compiled
+    """The child of `parent` for `token`; a new one (count 0) when `create`, else -1 when there is none."""
+    key = (np.int64(parent) << 24) | np.int64(token)
+    slot = _slot(keys, key)
+    if keys[slot] == key:
+        return values[slot]
+    if not create:
+        return -1
+    if meta[FREE] > 0:
+        meta[FREE] -= 1
+        node = free[meta[FREE]]
+    else:
+        node = meta[USED]
+        meta[USED] += 1
+    nodes[node, TOKEN] = token
+    nodes[node, COUNT] = 0
+    nodes[node, FIRST] = -1
+    nodes[node, LAST] = -1
+    nodes[node, NEXT] = -1
+    nodes[node, PARENT] = parent
+    if nodes[parent, LAST] < 0:  # children in the order they first occurred
+        nodes[parent, FIRST] = node
+    else:
+        nodes[nodes[parent, LAST], NEXT] = node
+    nodes[parent, LAST] = node
+    if keys[slot] == EMPTY:
+        meta[FILLED] += 1
+    keys[slot] = key
+    values[slot] = node
+    return node
+
+
+@njit(cache=True)
+def _append(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens,
+            depth):  # pragma: no cover - compiled
+    """Add tokens to the sequence the cursor holds: each held suffix shorter than `depth` grows by the token, the
+    token alone starts a new one, and every one of them counts once more."""
+    size = cursor_size[0]
+    for token in tokens:
+        kept = 0
+        for held in range(size):  # longest first; kept <= held, so the arrays are rewritten in place
+            if cursor_lengths[held] < depth:
+                node = _child(nodes, keys, values, meta, free, cursor_nodes[held], token, True)
+                nodes[node, COUNT] += 1
+                cursor_nodes[kept] = node
+                cursor_lengths[kept] = cursor_lengths[held] + 1
+                kept += 1
+        node = _child(nodes, keys, values, meta, free, ROOT, token, True)
+        nodes[node, COUNT] += 1
+        cursor_nodes[kept] = node
+        cursor_lengths[kept] = 1
+        size = kept + 1
+    cursor_size[0] = size
+
+
+@njit(cache=True)
+def _advance(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens,
+             depth):  # pragma: no cover - compiled
+    """Match tokens without adding them: the held suffixes the tree continues grow, the others are dropped."""
+    size = cursor_size[0]
+    for token in tokens:
+        kept = 0
+        for held in range(size):
+            if cursor_lengths[held] < depth:
+                node = _child(nodes, keys, values, meta, free, cursor_nodes[held], token, False)
+                if node >= 0:
+                    cursor_nodes[kept] = node
+                    cursor_lengths[kept] = cursor_lengths[held] + 1
+                    kept += 1
+        node = _child(nodes, keys, values, meta, free, ROOT, token, False)
+        if node >= 0:
+            cursor_nodes[kept] = node
+            cursor_lengths[kept] = 1
+            kept += 1
+        size = kept
+    cursor_size[0] = size
+
+
+@njit(cache=True)
+def _remove(nodes, keys, values, meta, free, tokens, depth):  # pragma: no cover - compiled
+    """Take back a sequence `_append` added from an empty cursor: every path of its suffixes counts once less, and a
+    node left at 0 goes with its subtree (a child never counts more than its parent, so all of it is at 0 too)."""
+    stack = np.empty(64, np.int64)
+    for start in range(tokens.shape[0]):
+        node = ROOT
+        for position in range(start, min(start + depth, tokens.shape[0])):
+            child = _child(nodes, keys, values, meta, free, node, tokens[position], False)
+            if child < 0:
+                break
+            nodes[child, COUNT] -= 1
+            if nodes[child, COUNT] > 0:
+                node = child
+                continue
+            # Unlink it from its parent's children, then free it and everything below it.
+            previous, sibling = -1, nodes[node, FIRST]
+            while sibling != child:
+                previous, sibling = sibling, nodes[sibling, NEXT]
+            if previous < 0:
+                nodes[node, FIRST] = nodes[child, NEXT]
+            else:
+                nodes[previous, NEXT] = nodes[child, NEXT]
+            if nodes[node, LAST] == child:
+                nodes[node, LAST] = previous
+            top = 0
+            stack[top] = child
+            top += 1
+            while top > 0:
+                top -= 1
+                gone = stack[top]
+                key = (np.int64(nodes[gone, PARENT]) << 24) | np.int64(nodes[gone, TOKEN])
+                keys[_slot(keys, key)] = TOMBSTONE
+                below = nodes[gone, FIRST]
+                while below >= 0:
+                    if top == stack.shape[0]:
+                        grown = np.empty(2 * top, np.int64)
+                        grown[:top] = stack
+                        stack = grown
+                    stack[top] = below
+                    top += 1
+                    below = nodes[below, NEXT]
+                free[meta[FREE]] = gone
+                meta[FREE] += 1
+            break
+
+
+@njit(cache=True)
+def _rehash(nodes, keys, values, used, new_keys, new_values):  # pragma: no cover - compiled
+    for slot in range(keys.shape[0]):
+        if keys[slot] >= 0:
+            index = _slot(new_keys, keys[slot])
+            new_keys[index] = keys[slot]
+            new_values[index] = values[slot]
+
+
+@njit(cache=True)
+def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents):  # pragma: no cover - compiled
+    """Grow a tree below `start` by the probability of each path, most probable first (ties: the earlier pushed),
+    until `max_nodes` nodes or no candidate reaches `min_prob` -> (nodes taken, the sum of their probabilities)."""
+    capacity = 64
+    cand_node = np.empty(capacity, np.int64)
+    cand_prob = np.empty(capacity, np.float64)
+    cand_parent = np.empty(capacity, np.int64)
+    count = 0
+    taken = 0
+    score = 0.0
+    parent_node, parent_prob, parent_index = start, 1.0, -1
+    while True:
+        total = 0
+        child = nodes[parent_node, FIRST]
+        while child >= 0:
+            total += nodes[child, COUNT]
+            child = nodes[child, NEXT]
+        child = nodes[parent_node, FIRST]
+        while child >= 0 and total > 0:
+            prob = parent_prob * nodes[child, COUNT] / total
+            if prob >= min_prob:
+                if count == capacity:
+                    capacity *= 2
+                    grown_node = np.empty(capacity, np.int64)
+                    grown_prob = np.empty(capacity, np.float64)
+                    grown_parent = np.empty(capacity, np.int64)
+                    grown_node[:count] = cand_node[:count]
+                    grown_prob[:count] = cand_prob[:count]
+                    grown_parent[:count] = cand_parent[:count]
+                    cand_node, cand_prob, cand_parent = grown_node, grown_prob, grown_parent
+                cand_node[count] = child
+                cand_prob[count] = prob
+                cand_parent[count] = parent_index
+                count += 1
+            child = nodes[child, NEXT]
+        if taken >= max_nodes:
+            break
+        best = -1
+        for index in range(count):
+            if cand_prob[index] >= 0.0 and (best < 0 or cand_prob[index] > cand_prob[best]):
+                best = index
+        if best < 0:
+            break
+        out_tokens[taken] = nodes[cand_node[best], TOKEN]
+        out_parents[taken] = cand_parent[best]
+        score += cand_prob[best]
+        parent_node, parent_prob, parent_index = cand_node[best], cand_prob[best], taken
+        cand_prob[best] = -1.0  # taken
+        taken += 1
+    return taken, score
+
+
+@njit(cache=True)
+def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, out_tokens,
+           out_parents):  # pragma: no cover - compiled
+    """The best tree over the held suffixes (see the module's docstring) -> (nodes, match length, score)."""
+    best_taken, best_length, best_score = 0, 0, 0.0
+    tokens = np.empty(max(max_tokens, 1), np.int64)
+    parents = np.empty(max(max_tokens, 1), np.int64)
+    for held in range(size):  # longest first
+        length = cursor_lengths[held]
+        budget = min(max_tokens, int(np.floor(factor * length)))
+        if budget <= best_score:  # a score is at most its node count, and budgets only shrink from here
+            break
+        if nodes[cursor_nodes[held], FIRST] < 0:
+            continue
+        taken, score = _best_first(nodes, cursor_nodes[held], budget, min_prob, tokens, parents)
+        if score > best_score:
+            best_taken, best_length, best_score = taken, length, score
+            out_tokens[:taken] = tokens[:taken]
+            out_parents[:taken] = parents[:taken]
+    return best_taken, best_length, best_score
 
 
 class Cursor:
-    """A sequence being matched against (and, for `SuffixTree.append`, added to) a tree: the nodes of its
-    suffixes that the tree holds, longest first, with their lengths."""
+    """A sequence being matched against (and, for `SuffixTree.append`, added to) a tree: the nodes of its suffixes
+    that the tree holds, longest first, with their lengths."""
 
-    __slots__ = ("nodes", "lengths")
+    __slots__ = ("nodes", "lengths", "size")
 
-    def __init__(self) -> None:
-        self.nodes: list[_Node] = []
-        self.lengths: list[int] = []
+    def __init__(self, depth: int):
+        self.nodes = np.zeros(depth + 1, np.int64)
+        self.lengths = np.zeros(depth + 1, np.int64)
+        self.size = np.zeros(1, np.int64)
 
-
-class SuffixTree:
-    def __init__(self, depth: int = 64):
-        if depth < 1:
-            raise ValueError(f"a suffix tree needs depth >= 1, got {depth}")
-        self.depth = depth
-        self.root = _Node()
-        self.tokens = 0  # tokens indexed
-
-    def cursor(self, tokens: Iterable[int] = ()) -> Cursor:
-        """A cursor that has matched `tokens` (without adding them)."""
-        cursor = Cursor()
-        for token in tokens:
-            self.advance(cursor, token)
-        return cursor
-
-    def advance(self, cursor: Cursor, token: int) -> None:
-        """Match one more token: each held suffix that the tree continues with `token` grows by one, and the suffix
-        of `token` alone starts where the root has it."""
-        nodes, lengths = [], []
-        for node, length in zip(cursor.nodes, cursor.lengths):
-            child = node.children.get(token)
-            if child is not None and length < self.depth:
-                nodes.append(child)
-                lengths.append(length + 1)
-        child = self.root.children.get(token)
-        if child is not None:
-            nodes.append(child)
-            lengths.append(1)
-        cursor.nodes, cursor.lengths = nodes, lengths
-
-    def append(self, cursor: Cursor, token: int) -> None:
-        """Add one token to the sequence `cursor` indexes: every suffix of it (up to `depth` tokens) now ends with
-        `token`, and counts once more. The cursor then holds all of them."""
-        nodes, lengths = [], []
-        for node, length in zip(cursor.nodes, cursor.lengths):
-            if length < self.depth:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = _Node()
-                child.count += 1
-                nodes.append(child)
-                lengths.append(length + 1)
-        child = self.root.children.get(token)
-        if child is None:
-            child = self.root.children[token] = _Node()
-        child.count += 1
-        nodes.append(child)
-        lengths.append(1)
-        cursor.nodes, cursor.lengths = nodes, lengths
-        self.tokens += 1
-
-    def extend(self, cursor: Cursor, tokens: Iterable[int]) -> None:
-        for token in tokens:
-            self.append(cursor, token)
-
-    def remove(self, tokens: Sequence[int]) -> None:
-        """Take back one sequence that `extend` added from a fresh cursor (eviction): every path of its suffixes
-        counts once less, and a node left at 0 goes with its subtree (a child never counts more than its parent)."""
-        for start in range(len(tokens)):
-            node = self.root
-            for token in tokens[start: start + self.depth]:
-                child = node.children.get(token)
-                if child is None:  # (removed already, with a parent that reached 0)
-                    break
-                child.count -= 1
-                if child.count <= 0:
-                    del node.children[token]
-                    break
-                node = child
-        self.tokens -= len(tokens)
-
-    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1) -> "TreeDraft":
-        """The best draft tree over the held suffixes: each match length L may grow min(max_tokens, factor x L)
-        nodes, and the tree whose nodes' probabilities sum highest (its expected accepted tokens) wins, as Arctic
-        Inference scores them. A shorter match has fewer nodes but more room below it in a depth-bounded trie."""
-        best = TreeDraft([], [], 0, 0.0)
-        for node, length in zip(cursor.nodes, cursor.lengths):
-            budget = min(max_tokens, math.floor(factor * length))
-            if budget <= best.score:  # longest first, so no later budget (a score is at most its node count) wins
-                break
-            if node.children:
-                tokens, parents, score = best_first_tree(node, budget, min_prob)
-                if score > best.score:
-                    best = TreeDraft(tokens, parents, length, score)
-        return best
+    @property
+    def matched(self) -> list[tuple[int, int]]:
+        """(node, length) of each held suffix, longest first."""
+        count = int(self.size[0])
+        return list(zip(self.nodes[:count].tolist(), self.lengths[:count].tolist()))
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,38 +294,136 @@ class TreeDraft:
     score: float  # sum of the nodes' path probabilities: the tokens a greedy verifier is expected to accept
 
 
-def best_first_tree(start: _Node, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
-    """Grow a tree below `start` by the probability of each path (the product of count(child) / sum of the counts of
-    its siblings along it), most probable first, until `max_nodes` nodes or every candidate is below `min_prob`.
-    -> (tokens, parents, the sum of the taken nodes' probabilities), nodes in the order taken (parents first)."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    order = 0  # ties go to the earlier-pushed candidate, so the tree is deterministic
-    frontier: list[tuple[float, int, int, int, _Node]] = []
+class SuffixTree:
+    def __init__(self, depth: int = 24, capacity: int = 1024):
+        if depth < 1:
+            raise ValueError(f"a suffix tree needs depth >= 1, got {depth}")
+        self.depth = depth
+        self.tokens = 0  # tokens indexed
+        self.nodes = np.full((capacity, 6), -1, np.int32)  # [rows, TOKEN..PARENT]; row 0 is the root
+        self.nodes[ROOT, COUNT] = 0
+        self.free = np.zeros(capacity, np.int32)  # rows freed by `remove`, reused first
+        self.meta = np.array([1, 0, 0], np.int64)  # USED, FREE, FILLED
+        self.keys = np.full(2 * capacity, EMPTY, np.int64)  # (parent << 24 | token) -> self.values
+        self.values = np.zeros(2 * capacity, np.int32)
 
-    def push(node: _Node, prob: float, parent: int) -> None:
-        nonlocal order
-        total = sum(child.count for child in node.children.values())
-        for token, child in node.children.items():
-            p = prob * child.count / total
-            if p >= min_prob:
-                heapq.heappush(frontier, (-p, order, parent, token, child))
-                order += 1
+    @property
+    def node_count(self) -> int:
+        return int(self.meta[USED] - self.meta[FREE] - 1)
 
-    push(start, 1.0, -1)
-    score = 0.0
-    while frontier and len(tokens) < max_nodes:
-        negative, _, parent, token, node = heapq.heappop(frontier)
-        tokens.append(token)
-        parents.append(parent)
-        score -= negative
-        push(node, -negative, len(tokens) - 1)
-    return tokens, parents, score
+    @property
+    def nbytes(self) -> int:
+        return self.nodes.nbytes + self.free.nbytes + self.keys.nbytes + self.values.nbytes
+
+    def cursor(self, tokens: Iterable[int] = ()) -> Cursor:
+        """A cursor that has matched `tokens` (without adding them)."""
+        cursor = Cursor(self.depth)
+        self.advance(cursor, tokens)
+        return cursor
+
+    def advance(self, cursor: Cursor, tokens: Iterable[int] | int) -> None:
+        ids = _ids(tokens)
+        if len(ids):
+            _advance(self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths,
+                     cursor.size, ids, self.depth)
+
+    def append(self, cursor: Cursor, token: int) -> None:
+        self.extend(cursor, [token])
+
+    def extend(self, cursor: Cursor, tokens: Iterable[int]) -> None:
+        """Add tokens to the sequence `cursor` indexes: every suffix of it (up to `depth` tokens) now ends with each
+        new token in turn, and counts once more. The cursor then holds all of them."""
+        ids = _ids(tokens)
+        for start in range(0, len(ids), APPEND_CHUNK):  # room reserved for the worst case of a chunk at a time
+            chunk = ids[start: start + APPEND_CHUNK]
+            self._reserve(len(chunk) * self.depth)
+            _append(self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths,
+                    cursor.size, chunk, self.depth)
+        self.tokens += len(ids)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Take back one sequence that `extend` added from a fresh cursor (eviction)."""
+        ids = _ids(tokens)
+        if len(ids):
+            _remove(self.nodes, self.keys, self.values, self.meta, self.free, ids, self.depth)
+        self.tokens -= len(ids)
+
+    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1) -> TreeDraft:
+        size = int(cursor.size[0])
+        if size == 0 or max_tokens <= 0:
+            return TreeDraft([], [], 0, 0.0)
+        tokens = np.empty(max_tokens, np.int64)
+        parents = np.empty(max_tokens, np.int64)
+        taken, length, score = _draft(self.nodes, cursor.nodes, cursor.lengths, size, max_tokens, float(factor),
+                                      float(min_prob), tokens, parents)
+        return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score))
+
+    # ------------------------------------------------------------------------------------------- inspection
+    def node(self, path: Sequence[int]) -> int | None:
+        """The node of a token path from the root, or None when the tree does not hold it."""
+        node = ROOT
+        for token in path:
+            node = int(_child(self.nodes, self.keys, self.values, self.meta, self.free, node, token, False))
+            if node < 0:
+                return None
+        return node
+
+    def count(self, node: int) -> int:
+        return int(self.nodes[node, COUNT])
+
+    def children(self, node: int) -> dict[int, int]:
+        """token -> child node, in the order they first occurred."""
+        out, child = {}, int(self.nodes[node, FIRST])
+        while child >= 0:
+            out[int(self.nodes[child, TOKEN])] = child
+            child = int(self.nodes[child, NEXT])
+        return out
+
+    def best_first_tree(self, start: int, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
+        """The draft tree below node `start` (see `_best_first`) -> (tokens, parents, score)."""
+        tokens = np.empty(max(max_nodes, 1), np.int64)
+        parents = np.empty(max(max_nodes, 1), np.int64)
+        taken, score = _best_first(self.nodes, start, max_nodes, float(min_prob), tokens, parents)
+        return tokens[:taken].tolist(), parents[:taken].tolist(), float(score)
+
+    # ------------------------------------------------------------------------------------------- growth
+    def _reserve(self, new_nodes: int) -> None:
+        """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
+        table kept at most half full."""
+        needed = int(self.meta[USED]) + new_nodes
+        if needed > len(self.nodes):
+            rows = max(needed, 2 * len(self.nodes))
+            grown = np.full((rows, 6), -1, np.int32)
+            grown[: len(self.nodes)] = self.nodes
+            self.nodes = grown
+            free = np.zeros(rows, np.int32)
+            free[: len(self.free)] = self.free
+            self.free = free
+        filled = int(self.meta[FILLED]) + new_nodes
+        if 2 * filled > len(self.keys):
+            live = self.node_count + new_nodes
+            slots = len(self.keys)
+            while slots < 3 * live:  # (grown again at half full)
+                slots *= 2
+            keys = np.full(slots, EMPTY, np.int64)
+            values = np.zeros(slots, np.int32)
+            _rehash(self.nodes, self.keys, self.values, int(self.meta[USED]), keys, values)
+            self.keys, self.values = keys, values
+            self.meta[FILLED] = self.node_count  # tombstones are gone
 
 
-def index_sequences(sequences: Iterable[Sequence[int]], depth: int = 64) -> SuffixTree:
+def _ids(tokens: Iterable[int] | int) -> np.ndarray:
+    if isinstance(tokens, (int, np.integer)):
+        tokens = [tokens]
+    ids = np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64)
+    if len(ids) and (ids.min() < 0 or ids.max() >= MAX_TOKEN):
+        raise ValueError(f"token ids must be within [0, {MAX_TOKEN}) for a suffix tree")
+    return ids
+
+
+def index_sequences(sequences: Iterable[Sequence[int]], depth: int = 24) -> SuffixTree:
     """A tree over whole sequences (each indexed from its own start: no suffix crosses two of them)."""
     tree = SuffixTree(depth)
     for sequence in sequences:
-        tree.extend(Cursor(), sequence)
+        tree.extend(tree.cursor(), sequence)
     return tree

@@ -73,9 +73,8 @@ def test_memory_from_another_tokenizers_outputs_or_nowhere_is_refused_with_one_l
     table = generations_table([{"request_id": "a", "model": "gemma3-270m", "output_token_ids": [1, 2, 3]}])
     pq.write_table(table.drop(["run_id", "method"]), seed / "part-0.parquet")
     output = str(tmp_path / "out")
-    for memory_from, fragment in ((tmp_path / "last_night", "whose tokenizer is not 'smollm2-135m'"),
-                                  (tmp_path / "nowhere", "no such directory")):
-        code, stderr = run_main("summarize.py", "--output", output, "--method", "suffix", "--memory-from",
-                                str(memory_from))
-        assert code == 2 and len(stderr.strip().splitlines()) == 1 and fragment in stderr, stderr
+    code, stderr = run_main("summarize.py", "--output", output, "--method", "suffix", "--memory-from",
+                            str(tmp_path / "last_night"))
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "whose tokenizer is not 'smollm2-135m'" in stderr, stderr  # (a missing one: test_job_memory.py)
     assert not (tmp_path / "out").exists()

@@ -18,8 +18,8 @@ def test_the_bound_holds_and_the_oldest_output_is_evicted_whole():
     for first in (100, 200, 300):
         memory.add([first, 1, 2, 3])
     assert memory.tokens == 8 and memory.evicted == 1
-    assert 100 not in memory.tree.root.children and {200, 300} <= set(memory.tree.root.children)
-    assert memory.tree.root.children[1].count == 2  # the evicted output's counts went with it
+    assert 100 not in memory.tree.children(0) and {200, 300} <= set(memory.tree.children(0))
+    assert memory.tree.count(memory.tree.node([1])) == 2  # the evicted output's counts went with it
 
 
 def test_a_running_row_is_never_evicted_and_a_full_memory_leaves_new_rows_out():
@@ -27,7 +27,7 @@ def test_a_running_row_is_never_evicted_and_a_full_memory_leaves_new_rows_out():
     running, late = memory.begin(), memory.begin()
     memory.append(running, [1, 2, 3, 4, 5, 6])
     memory.append(late, [7, 8])  # nothing finished to evict: this output stays out
-    assert late.dropped and memory.tokens == 6 and 7 not in memory.tree.root.children
+    assert late.dropped and memory.tokens == 6 and 7 not in memory.tree.children(0)
     memory.finish(running)
     memory.add([9, 9])  # now the finished one goes
     assert memory.tokens == 2 and memory.evicted == 1
@@ -36,7 +36,7 @@ def test_a_running_row_is_never_evicted_and_a_full_memory_leaves_new_rows_out():
 def test_a_zero_bound_keeps_nothing():
     memory = JobMemory(max_tokens=0)
     memory.add([1, 2, 3])
-    assert memory.tokens == 0 and not memory.tree.root.children
+    assert memory.tokens == 0 and not memory.tree.children(0)
 
 
 def start(drafter, tokens, prompt_len, memory):

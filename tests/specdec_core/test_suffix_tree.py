@@ -2,14 +2,31 @@
 
 import pytest
 
-from specdec_core.drafters.suffix_tree import Cursor, SuffixTree, best_first_tree, index_sequences
+from specdec_core.drafters.suffix_tree import SuffixTree, index_sequences
 
 
-def path(tree: SuffixTree, tokens):
-    node = tree.root
-    for token in tokens:
-        node = node.children[token]
-    return node
+class Path:
+    """A node of `tree` by its token path: .count and .children as the tree holds them."""
+
+    def __init__(self, tree: SuffixTree, tokens):
+        self.tree, self.node = tree, tree.node(tokens)
+        assert self.node is not None, f"the tree does not hold {tokens}"
+
+    @property
+    def count(self) -> int:
+        return self.tree.count(self.node)
+
+    @property
+    def children(self) -> dict:
+        return self.tree.children(self.node)
+
+
+def path(tree: SuffixTree, tokens) -> Path:
+    return Path(tree, tokens)
+
+
+def lengths(cursor) -> list[int]:
+    return [length for _, length in cursor.matched]
 
 
 def test_every_suffix_counts_once_per_occurrence_up_to_the_depth():
@@ -29,29 +46,29 @@ def test_sequences_are_indexed_apart():
 def test_the_cursor_keeps_the_longest_held_suffix_first():
     tree = index_sequences([[5, 6, 7, 8], [6, 7, 9]])
     cursor = tree.cursor([1, 5, 6, 7])
-    assert cursor.lengths == [3, 2, 1]  # 5 6 7, 6 7, 7 (1 is nowhere)
+    assert lengths(cursor) == [3, 2, 1]  # 5 6 7, 6 7, 7 (1 is nowhere)
     tree.advance(cursor, 8)
-    assert cursor.lengths == [4, 3, 2, 1] and cursor.nodes[0] is path(tree, [5, 6, 7, 8])
+    assert lengths(cursor) == [4, 3, 2, 1] and cursor.matched[0][0] == path(tree, [5, 6, 7, 8]).node
     tree.advance(cursor, 9)
-    assert cursor.lengths == [1]  # ... 7 8 9: only 9 alone occurs (6 7 9 does, 8 9 does not)
+    assert lengths(cursor) == [1]  # ... 7 8 9: only 9 alone occurs (6 7 9 does, 8 9 does not)
     assert tree.tokens == 7  # matching added nothing
 
 
 def test_the_draft_tree_is_grown_by_path_probability_and_cut_below_min_prob():
     # After 1 2: 3 followed 6 times (then 4 five times, 5 once), 7 followed 3 times, 8 once.
     tree = index_sequences([[1, 2, 3, 4]] * 5 + [[1, 2, 3, 5]] + [[1, 2, 7]] * 3 + [[1, 2, 8]])
-    tokens, parents, score = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.05)
+    tokens, parents, score = tree.best_first_tree(path(tree, [1, 2]).node, max_nodes=10, min_prob=0.05)
     # p(3) = 0.6, p(3 4) = 0.5, p(7) = 0.3, p(8) = 0.1, p(3 5) = 0.6 x 1/6 (a hair under 0.1 in floats)
     assert tokens == [3, 4, 7, 8, 5] and parents == [-1, 0, -1, -1, 0]
     assert score == pytest.approx(0.6 + 0.5 + 0.3 + 0.1 + 0.1)  # the expected accepted tokens
-    tokens, parents, _ = best_first_tree(path(tree, [1, 2]), max_nodes=10, min_prob=0.2)
+    tokens, parents, _ = tree.best_first_tree(path(tree, [1, 2]).node, max_nodes=10, min_prob=0.2)
     assert tokens == [3, 4, 7] and parents == [-1, 0, -1]
-    assert best_first_tree(path(tree, [1, 2]), max_nodes=2, min_prob=0.0)[:2] == ([3, 4], [-1, 0])
+    assert tree.best_first_tree(path(tree, [1, 2]).node, max_nodes=2, min_prob=0.0)[:2] == ([3, 4], [-1, 0])
 
 
 def test_the_draft_starts_at_the_longest_suffix_with_a_continuation_and_scales_with_it():
     tree = SuffixTree(depth=8)
-    row = Cursor()
+    row = tree.cursor()
     tree.extend(row, [9, 1, 2, 3, 4, 5, 0, 2, 3])  # 2 3 occurred before, followed by 4 5
     draft = tree.draft(row, max_tokens=16, factor=1.0)
     assert draft.match_length == 2 and draft.tokens == [4, 5] and draft.parents == [-1, 0]
@@ -68,20 +85,44 @@ def test_a_shorter_match_wins_when_its_tree_is_expected_to_give_more():
     assert tree.draft(tree.cursor([5, 6]), max_tokens=8, factor=1.0).match_length == 2  # one node each: a tie
 
 
-def test_removing_a_sequence_takes_back_exactly_its_counts():
+def counts(tree: SuffixTree, node: int = 0, prefix=()) -> dict:
+    """Every path the tree holds -> its count."""
+    out = {prefix: tree.count(node)} if prefix else {}
+    for token, child in tree.children(node).items():
+        out.update(counts(tree, child, prefix + (token,)))
+    return out
+
+
+def test_removing_a_sequence_takes_back_exactly_its_counts_and_frees_its_nodes():
     kept, evicted = [1, 2, 3, 1, 2], [2, 3, 4, 2, 3]
     tree = index_sequences([kept, evicted], depth=3)
     tree.remove(evicted)
     alone = index_sequences([kept], depth=3)
+    assert counts(tree) == counts(alone) and tree.tokens == len(kept)
+    assert 4 not in tree.children(0)  # a node at 0 is gone
+    assert tree.node_count == alone.node_count
+    tree.extend(tree.cursor(), evicted)  # freed nodes are reused, and the hash table still finds every path
+    assert counts(tree) == counts(index_sequences([kept, evicted], depth=3))
 
-    def counts(node, prefix=()):
-        out = {prefix: node.count} if prefix else {}
-        for token, child in node.children.items():
-            out.update(counts(child, prefix + (token,)))
-        return out
 
-    assert counts(tree.root) == counts(alone.root) and tree.tokens == len(kept)
-    assert 4 not in tree.root.children  # a node at 0 is gone
+def test_a_tree_grows_past_its_first_capacity_and_matches_a_reference_count():
+    import random
+
+    generator = random.Random(0)
+    sequences = [[generator.randrange(50) for _ in range(generator.randrange(1, 120))] for _ in range(40)]
+    tree = SuffixTree(depth=6, capacity=16)
+    for sequence in sequences:
+        tree.extend(tree.cursor(), sequence)
+    expected: dict = {}
+    for sequence in sequences:  # every substring of up to 6 tokens, counted by hand
+        for start in range(len(sequence)):
+            for end in range(start + 1, min(start + 6, len(sequence)) + 1):
+                key = tuple(sequence[start:end])
+                expected[key] = expected.get(key, 0) + 1
+    assert counts(tree) == expected
+    for sequence in sequences[::2]:
+        tree.remove(sequence)
+    assert counts(tree) == counts(index_sequences(sequences[1::2], depth=6))
 
 
 @pytest.mark.parametrize("depth", [0, -1])
