@@ -24,14 +24,13 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, factor: float = 1.0, min_prob: float = 0.1, depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth
-        self.own = SuffixTree(depth)
-        self.own_cursor = self.own.cursor()
+        self.own: SuffixTree | None = None  # built in start(), per request
+        self.own_cursor: Cursor | None = None
         self.memory: JobMemory | None = None
         self.memory_cursor: Cursor | None = None  # the row's suffixes matched in the memory's tree
         self.output: MemorySequence | None = None  # the row's output, as the memory holds it
         self.seen = 0  # tokens of the row indexed so far
         self.prompt_len = 0
-        self.last_score = 0.0  # the proposed tree's expected accepted tokens (the auto cascade reads it)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -62,7 +61,6 @@ class SuffixDrafter(Drafter):
             remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
             if remembered.score > best.score:
                 best, source = remembered, MEMORY_SOURCE
-        self.last_score = best.score
         if not best.tokens:
             return empty_draft()
         return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE)

@@ -15,7 +15,7 @@ Where it differs:
 - the match is kept incrementally per sequence (`Cursor`): the nodes of its held suffixes, advanced by each new
   token. A path another sequence adds later is found once the cursor's suffixes reach it anew;
 - the trie lives in arrays (a node table, a hash table from (parent, token) to child) that numba-compiled loops
-  walk: the dict-of-dicts version cost 150 us and ~5 KB per appended token at depth 24 (docs/decisions.md).
+  walk, because every row indexes its whole prompt at admission (costs in docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def _remove(nodes, keys, values, meta, free, tokens, depth):  # pragma: no cover
 
 
 @njit(cache=True)
-def _rehash(nodes, keys, values, used, new_keys, new_values):  # pragma: no cover - compiled
+def _rehash(keys, values, new_keys, new_values):  # pragma: no cover - compiled
     for slot in range(keys.shape[0]):
         if keys[slot] >= 0:
             index = _slot(new_keys, keys[slot])
@@ -269,7 +269,7 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
 
 
 class Cursor:
-    """A sequence being matched against (and, for `SuffixTree.append`, added to) a tree: the nodes of its suffixes
+    """A sequence being matched against (and, for `SuffixTree.extend`, added to) a tree: the nodes of its suffixes
     that the tree holds, longest first, with their lengths."""
 
     __slots__ = ("nodes", "lengths", "size")
@@ -326,9 +326,6 @@ class SuffixTree:
         if len(ids):
             _advance(self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths,
                      cursor.size, ids, self.depth)
-
-    def append(self, cursor: Cursor, token: int) -> None:
-        self.extend(cursor, [token])
 
     def extend(self, cursor: Cursor, tokens: Iterable[int]) -> None:
         """Add tokens to the sequence `cursor` indexes: every suffix of it (up to `depth` tokens) now ends with each
@@ -407,7 +404,7 @@ class SuffixTree:
                 slots *= 2
             keys = np.full(slots, EMPTY, np.int64)
             values = np.zeros(slots, np.int32)
-            _rehash(self.nodes, self.keys, self.values, int(self.meta[USED]), keys, values)
+            _rehash(self.keys, self.values, keys, values)
             self.keys, self.values = keys, values
             self.meta[FILLED] = self.node_count  # tombstones are gone
 
