@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo test test-fast bench pipeline-bench peers peer-bench
+.PHONY: install demo test test-fast test-cluster bench pipeline-bench peers peer-bench
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,9 +24,14 @@ install: $(STAMP)
 demo: install
 	$(PY) jobs/summarize.py --input workload:sample --output outputs --method ar --method copyspec
 
-# Everything: the real models, Ray and the jobs too (CI runs this). --durations shows the next slow test.
+# Everything but the own-cluster tests: the real models, Ray and the jobs too. --durations shows the next slow test.
 test: install
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -m "not cluster" --durations=25
+
+# The job submitted to a Ray cluster the test starts itself (`ray start`, `ray job submit`): ~2 minutes of its own
+# (a cluster's start, the job's runtime environment, an actor restarted per fault). CI runs it after `make test`.
+test-cluster: install
+	$(PY) -m pytest -m cluster --durations=10
 
 # The engine's mechanics on tiny random-weight models: no real model, no Ray, no job process (tests/slow_marker.py).
 test-fast: install

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
 
