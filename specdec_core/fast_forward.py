@@ -27,6 +27,10 @@ from .packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Per-token work runs on the real tokens whenever at least 5 % of a [b, T] block is padding: here a gather costs two
+# small copies a layer (HF's hooked modules pay more: ragged_tokens.MAX_REAL_SHARE), and a shared prefill forward of
+# prompts of different lengths is ~20 % padding.
+GATHER_MAX_REAL_SHARE = 0.95
 
 
 class _Projection:

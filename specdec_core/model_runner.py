@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from . import grouped_attention, invariant_attention, packed_linear
+from . import fast_forward, grouped_attention, invariant_attention, packed_linear
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
 from .kv_cache import SlotKVCache
@@ -227,7 +227,8 @@ class ModelRunner:
             with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
-                                       real if RaggedTokens.worth_it(real) else None, logit_index, captured,
+                                       real if RaggedTokens.worth_it(real, fast_forward.GATHER_MAX_REAL_SHARE)
+                                       else None, logit_index, captured,
                                        query_heads, queries, invariant)
             return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
         hooks = []

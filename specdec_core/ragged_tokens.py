@@ -51,9 +51,9 @@ class RaggedTokens:
         return len(self.modules)
 
     @staticmethod
-    def worth_it(real: torch.Tensor) -> bool:
+    def worth_it(real: torch.Tensor, max_real_share: float = MAX_REAL_SHARE) -> bool:
         """real [b, T] bool: whether gathering pays (enough padding, more than one token per row)."""
-        return real.shape[1] > 1 and int(real.sum()) <= MAX_REAL_SHARE * real.numel()
+        return real.shape[1] > 1 and int(real.sum()) <= max_real_share * real.numel()
 
     @contextmanager
     def only(self, real: torch.Tensor):
