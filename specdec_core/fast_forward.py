@@ -22,7 +22,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import grouped_attention, invariant_attention, packed_linear
+from . import grouped_attention, invariant_attention, packed_linear, rope_store
 from .packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,11 @@ class FastForward:
         q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
         k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
         v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        cache.write_tokens(index, rows, places, k, v)
+        if rope_store.usable(q, cache.keys[index]):
+            q = rope_store.rotate_and_store(q, k, v, cos, sin, rows, places, cache.keys[index], cache.values[index])
+        else:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.write_tokens(index, rows, places, k, v)
         query = self._padded(q, flat, b, num_new).view(b, num_new, self.heads, self.head_dim).transpose(1, 2)
         if heads:
             queries[index] = query[:, heads].float()  # [b, n, T, d]

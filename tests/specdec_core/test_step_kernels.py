@@ -157,3 +157,25 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
     layer = torch.nn.Module()
     layer.mlp = SparseMoeBlock()
     assert RaggedTokens([layer]).hooked == 0  # routers and aux outputs keep the padded layout
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 300])  # 300: the parallel loop (rope_store.PARALLEL_MIN_TOKENS)
+def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens):
+    from specdec_core import fast_forward, rope_store
+
+    generator = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim, slots, capacity = 9, 3, 64, 4, 400
+    q, k, v = (torch.randn(tokens, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    angles = torch.rand(tokens, 1, dim // 2, generator=generator) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [M, 1, d], as HF's rotary
+    rows = torch.randint(0, slots, (tokens,), generator=generator)
+    places = torch.randperm(capacity, generator=generator)[:tokens]  # every token its own slot
+    eager_keys, eager_values = torch.zeros(slots, kv_heads, capacity, dim), torch.zeros(slots, kv_heads, capacity, dim)
+    eager_q, eager_k = fast_forward._rope(q, cos, sin), fast_forward._rope(k, cos, sin)
+    eager_keys[rows, :, places], eager_values[rows, :, places] = eager_k, v
+    keys, values = torch.zeros_like(eager_keys), torch.zeros_like(eager_values)
+    assert rope_store.usable(q, keys)
+    got_q = rope_store.rotate_and_store(q.clone(), k, v, cos, sin, rows, places, keys, values)
+    assert torch.equal(got_q, eager_q)
+    assert torch.equal(keys, eager_keys) and torch.equal(values, eager_values)
+    assert not rope_store.usable(q.bfloat16(), keys.bfloat16())  # other dtypes keep the eager ops
