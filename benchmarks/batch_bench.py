@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -271,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the "
                              "target's); int8 = int8 linear layers (CPU)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--model", default="smollm2-135m", help="registry name or a model directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name or a model directory")
     parser.add_argument("--drafter", default=None,
                         help="a draft model for draft / slem / tli / union (any tokenizer for the last three)")
     parser.add_argument("--json", default=None, help="also write every result here")

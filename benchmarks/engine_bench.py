@@ -23,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -155,7 +156,7 @@ def micro_copyspec(sizes=(1_000, 10_000, 100_000), steps=2_000, gamma=3) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto",
                         help="auto = bf16 on CPUs with native bf16 (avx512_bf16/AMX), else fp32 (bf16 is emulated "
                              "there and a multi-token forward costs 4x a one-token one)")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -97,7 +98,7 @@ def compare(variants: dict, name: str, cache, inputs, repeats: int, rounds: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--context", type=int, action="append", help="cached tokens per row (repeatable)")

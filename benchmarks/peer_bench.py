@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 
 from benchmarks.batch_bench import WORKLOADS, hardware, run_hf, run_ours, workload_items  # noqa: E402
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="vLLM's venv python, or 'none'")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write every result here")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -76,7 +77,7 @@ def main() -> int:
     parser.add_argument("--glob", default="*.txt")
     parser.add_argument("--limit", type=int, default=1500)
     parser.add_argument("--output", required=True, help="a new directory: round N's job writes OUTPUT/roundN")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--overlap", type=int, default=128)

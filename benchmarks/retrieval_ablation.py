@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.batch_bench import WORKLOADS, hardware, workload_items  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> int:
     parser.add_argument("--index", action="append", required=True, metavar="NAME=DIR",
                         help="a retrieval index; the first is the one the others are compared with")
     parser.add_argument("--tree-nodes", type=int, default=32, help="rest's draft tree size (its default: 32)")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None, help="also write every result here")
     parser.add_argument("--outputs", default=None, metavar="FILE",

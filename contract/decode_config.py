@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MEMORY_TOKENS
+from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
 from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
 
@@ -15,14 +15,14 @@ class DecodeConfig(BaseModel):
     run_id: str = Field("run", description="recorded with every output row")
     job: str = Field("generate", description="job name recorded with every row")
     methods: list[str] = Field(default_factory=lambda: ["ar", "copyspec"], min_length=1)
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     drafter: str | None = None
     drafter_dtype: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     deterministic: bool = Field(False, description="every token's numbers the same in any batch or step "
                                                    "(invariant_attention.py): lossless methods equal ar in bf16 too")
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)

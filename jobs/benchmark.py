@@ -30,7 +30,7 @@ def _counts(text: str) -> list[int]:
 
 def build_parser():
     from pipelines.benchmark import DEFAULT_WORKLOADS
-    from specdec_core.defaults import DEFAULT_BATCH_SIZE
+    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
     from specdec_core.cli import OneLineParser, add_batch_options
 
     parser = OneLineParser(prog="benchmark.py", description=__doc__,
@@ -40,7 +40,7 @@ def build_parser():
                         help=f"repeatable (default: {' '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--per-workload", type=int, default=3, help="requests per workload")
     parser.add_argument("--method", action="append", dest="methods", help="repeatable (default: ar pld copyspec)")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")

@@ -20,8 +20,8 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
-                 default_max_new_tokens: int = 256):
-    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MEMORY_TOKENS
+                 default_max_new_tokens: int | None = None):
+    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
     from specdec_core.cli import OneLineParser, add_batch_options
     from specdec_core.methods import METHODS
 
@@ -33,13 +33,13 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
     parser.add_argument("--method", action="append", dest="methods",
                         help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
-    parser.add_argument("--model", default="smollm2-135m", help="registry name, local HF directory or hub id")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, local HF directory or hub id")
     parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
     parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
                         help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
-    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens)
+    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -195,7 +195,7 @@ def check_drafter_vocabulary(config) -> None:
 
 
 def main_for(job: str, description: str, default_input: str | None, default_methods: list[str],
-             task_template: str | None = None, default_task: str | None = None, default_max_new_tokens: int = 256,
+             task_template: str | None = None, default_task: str | None = None, default_max_new_tokens: int | None = None,
              add_options=None, argv: list[str] | None = None) -> int:
     """Parse, check (one line and exit 2 on bad input, before Ray starts), run, summarize. add_options(parser)
     adds a job's own options."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specdec_core.defaults import DEFAULT_BATCH_SIZE
+from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
 from specdec_core.methods import MethodOptions, check_method_names
 
 DEFAULT_WORKLOADS = ["summarization", "code_edit", "rag", "multi_turn"]
@@ -24,7 +24,7 @@ class BenchmarkConfig(BaseModel):
     workloads: list[str] = Field(default_factory=lambda: list(DEFAULT_WORKLOADS), min_length=1)
     per_workload: int = Field(3, ge=1, description="requests taken from each workload")
     methods: list[str] = Field(default_factory=lambda: ["ar", "pld", "copyspec"], min_length=1)
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     max_new_tokens: int = Field(128, ge=1)
     method_options: MethodOptions = Field(default_factory=MethodOptions)

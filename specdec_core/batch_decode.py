@@ -327,22 +327,16 @@ class BatchDecoder:
         pinned = [_pinned(r) for r in rows]
         pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
         # The plan comes before the draft models run: a token a draft model drafts costs one of its forwards, so a
-        # pooled row drafts no further than the plan will verify (planned on the length it asked for). Measured
-        # before this (batch 4, Qwen2.5-Coder-1.5B <- SmolLM2, avx512_bf16): slem drafted 748 tokens, the plan
-        # verified 415; after it 406 for 399 (1.07x ar, 1.21x HF batched greedy). Tried and removed: pricing each
-        # drafted position as a drafter forward in the plan (measured 0.165 of a plain step) and counting drafting
-        # seconds in the budget's clock check: the geometric acceptance model then chose drafts of 1-2 tokens that
-        # lost on the clock, and slem fell to 0.99x ar (its acceptance is not geometric: long drafts that the
-        # drafter's confidence stops are accepted whole). While drafting rests only pinned rows drafted: the budget
-        # is not asked (its rest and exploration counters count that step already).
+        # pooled row drafts no further than the plan will verify (planned on the length it asked for; the numbers
+        # behind it: docs/decisions.md, "The loop and the budget"). While drafting rests only pinned rows drafted:
+        # the budget is not asked (its rest and exploration counters count that step already).
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
         limits = self.budget.plan(reaches, [r.acceptance for r in rows], context) if drafting else [0] * len(rows)
         for row, fixed, limit, reach in zip(rows, pinned, limits, reaches):
             if limit and not fixed and row.request.drafter.prices_its_length:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
-                # the plan's geometric model only knows the row's past acceptance. Measured (Gemma 3 drafting for
-                # Qwen2.5-Coder-1.5B, batch 1): 41 steps for 5 x 64 tokens against 63-70 with the plan's cut.
+                # the plan's geometric model only knows the row's past acceptance (docs/decisions.md).
                 limit = min(len(reach), self.budget.most_nodes(len(rows)))
             row.limit = pinned_limit if fixed else limit
             if not fixed and row.request.drafter.pool is not None:
@@ -569,19 +563,3 @@ def _reach(draft: Draft, pools: dict[int, DraftPool] | None = None) -> list[int]
 def _sourced(draft: Draft, result: VerifyResult) -> list[tuple[int, str, bool]]:
     accepted = [(draft.tokens[i], draft.source_of(i), draft.from_context) for i in result.accepted_indices()]
     return accepted + [(result.next_token, TARGET_SOURCE, False)]
-
-def decode(
-    target: ModelRunner,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    params: DecodeParams,
-    context_ids: list[int] | None = None,
-) -> DecodeResult:
-    """One request through the batched loop (B = 1); a bad request raises BadRequestError."""
-    check_prompt(target, prompt_ids)
-    request = DecodeRequest(key=0, prompt_ids=list(prompt_ids), params=params, drafter=drafter,
-                            context_ids=context_ids)
-    [(_, result)] = list(BatchDecoder(target, max_batch=1).run([request]))
-    if isinstance(result, str):
-        raise RuntimeError(result)
-    return result

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from .defaults import DEFAULT_BATCH_SIZE
+from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
 from .errors import SpecbatchError
 
 EPILOG = """examples:
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "file being edited); it is NOT added to the prompt. JSONL lines of "
                                                "--prompts-file may carry their own `context` text")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless against ar)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

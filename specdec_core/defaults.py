@@ -1,5 +1,11 @@
 """Defaults that the CLI, the jobs and their configs read without importing the engine (torch, transformers)."""
 
+# The model a job, the CLI and the engine load when none is named: the smallest in the registry (model_registry.py).
+DEFAULT_MODEL = "smollm2-135m"
+
+# New tokens per request when neither the row nor the caller says (each job may choose its own: an edit job wants more).
+DEFAULT_MAX_NEW_TOKENS = 256
+
 # Rows decoded at once when the caller does not say: measured on 2-core CPUs (benchmarks/batch_bench.py), batched
 # decoding keeps gaining up to 16 rows; GPUs want far more (pass --batch-size).
 DEFAULT_BATCH_SIZE = 16

@@ -17,7 +17,7 @@ from .decode import DecodeParams, DecodeResult
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
-from .defaults import DEFAULT_MEMORY_TOKENS
+from .defaults import DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
 from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
 from .model_runner import INT8, ModelRunner
@@ -29,7 +29,7 @@ from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     dtype: str = "auto"
     device: str = "auto"
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
@@ -81,9 +81,8 @@ class Engine:
         # Step costs are a property of the machine and the model: measured once, shared by every batch.
         self.step_costs = StepCostModel()
         # What decoding learned of each method's drafts (acceptance pooled over rows, the clock's verdict on wide
-        # steps, the prices of drafted tokens) carries to the next decoder of that method: a job's actor builds one decoder per batch of rows,
-        # and the one-prompt CLI one per prompt; each used to start from the priors (measured, batch 1, Gemma 3
-        # drafting for Qwen2.5-Coder: every request's first 3-5 steps verified 0-4 tokens, a plain probe among them).
+        # steps, the prices of drafted tokens) carries to the next decoder of that method: a job's actor builds one
+        # decoder per batch of rows, and the one-prompt CLI one per prompt, and priors waste each one's first steps.
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
         # Prompt prefixes' keys and values, reused by every decoder of this engine (prefix_cache.py).
         self.prefix_cache = PrefixCache()

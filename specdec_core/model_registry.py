@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .defaults import DEFAULT_MODEL  # noqa: F401  (re-exported: the registry's default)
 from .errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
 
 
@@ -77,7 +78,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ),
     )
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_root() -> Path:

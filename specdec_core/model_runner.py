@@ -320,13 +320,6 @@ class ModelRunner:
     def base_model(self):
         return getattr(self.model, self.model.base_model_prefix)
 
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        """Drop cached positions >= length (rejected draft tokens)."""
-        excess = cache.get_seq_length() - length
-        if excess > 0:
-            cache.crop(-excess)  # transformers 5.x: a negative count drops that many tokens from the end
-
 
 class SubsetHead:
     """The LM head over some token ids only: [N, hidden] -> [N, vocab] float32 logits, -inf for every other token,

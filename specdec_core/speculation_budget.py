@@ -460,10 +460,8 @@ class SpeculationBudget:
         `context` as for `plan` (the longest row's cached positions before the step); `real` = the tokens fed
         (rows + drafts verified; None: rows x width); `drafting_s` = the seconds its drafters took (draft-model
         prompt catch-ups left out: prefill). The clock's check counts the drafting, the target's cost model does
-        not: a draft model's forwards are no part of the target's step, but a step that drafted did pay for them.
-        Measured before (batch 8, Qwen2.5-Coder-1.5B <- SmolLM2): slem's wide steps beat plain ones on the
-        forward's clock while the pass ran at 0.89-0.94x ar. (Tried earlier with the prompt catch-ups counted: each
-        row's first drafting step then read as a losing wide step, and the check shut slem down at batch 4.)"""
+        not: a draft model's forwards are no part of the target's step, but a step that drafted did pay for them
+        (why the catch-ups are left out: docs/decisions.md)."""
         computed = None if real is None else computed_tokens(rows, width, real, self.ragged)
         self.cost.observe(rows, width, seconds, context, computed)
         if self.enabled and self.check_payoff:

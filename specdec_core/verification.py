@@ -110,7 +110,7 @@ def _verify_one_hot_chain(draft_tokens: list[int], target_probs: torch.Tensor,
     the residual max(0, p - delta_x) renormalised: the same law as the accept-with-p(x)-then-resample rule. Unlike
     that rule it takes exactly one draw per emitted token, so a seeded row's stream of draws lines up with its
     positions whatever width the batch verified it at: the row samples the same tokens alone, inside any batch,
-    and as `ar` does (measured before: a row's output changed with its batch once the step width did)."""
+    and as `ar` does."""
     for i, x in enumerate(draft_tokens):
         drawn = sample(target_probs[i], generator)
         if drawn != x:

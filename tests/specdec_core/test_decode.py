@@ -5,9 +5,9 @@ test_kv_cache.py's; every method on the real model is test_lossless.py's.)"""
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest, decode
+from specdec_core.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
-from specdec_core.drafters.base import NoDrafter, RequestContext
+from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
@@ -54,12 +54,12 @@ def test_a_pooled_draft_model_drafts_no_further_than_the_plan_verifies(engine):
     from specdec_core.speculation_budget import SpeculationBudget
 
     ids = PROMPT
-    plain = decode(engine.target, NoDrafter(), ids, DecodeParams(max_new_tokens=24))
+    plain = engine.generate_ids(ids, "ar", DecodeParams(max_new_tokens=24))
     decoder = BatchDecoder(engine.target, max_batch=1, budget=SpeculationBudget(enabled=False, token_budget=3))
     drafter = DraftModelDrafter(DraftModelPool(engine.draft_model), num_tokens=6, adaptive=True)
     decoder.submit(DecodeRequest(0, ids, DecodeParams(max_new_tokens=24), drafter))
     [(_, result)] = list(decoder.run())
-    assert result.token_ids == plain.token_ids
+    assert result.token_ids == plain["output_token_ids"]
     assert decoder.stats.verified_tokens > 0
     assert decoder.stats.drafted_tokens == decoder.stats.verified_tokens  # nothing drafted that was not verified
     assert decoder.stats.verified_tokens <= 2 * decoder.stats.steps
@@ -108,10 +108,9 @@ def test_context_limit_stops_generation(engine, monkeypatch):
 
 
 def test_empty_prompt_is_a_clear_error(engine):
-    with pytest.raises(BadRequestError, match="empty prompt"):
-        decode(engine.target, NoDrafter(), [], DecodeParams())
-    with pytest.raises(BadRequestError, match="empty prompt"):
-        engine.generate_ids([], "copyspec")
+    for method in ("ar", "copyspec"):
+        with pytest.raises(BadRequestError, match="empty prompt"):
+            engine.generate_ids([], method)
 
 
 @pytest.mark.parametrize("method", ["ar", "copyspec", "draft"])
