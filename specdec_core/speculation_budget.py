@@ -16,10 +16,7 @@ caps B x T.
 Costs are measured, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
 learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024, 4,096, ... cached positions)). The
 context matters: a long cache makes every step pay for attention whatever its width, so extra tokens cost relatively
-less. Measured on the avx512_bf16 CPU (SmolLM2, batch 16): with one table per batch bucket, calibrated on
-~1,000-token code prompts, speculation on ~150-token open questions ran at 0.78-0.89x batched ar (steps 1.5x dearer
-than the table said); 16 rows of 9 tokens cost ~1.2x 16 rows of 1 token there. On this AVX2-only CPU in fp32 the same
-is ~2.6x padded; on a GPU the ratio stays near 1 up to much larger B x T.
+less (what one table per batch bucket got wrong: docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -96,12 +93,9 @@ class StepCostModel:
     padded width whatever is real (attention over [B, T] queries, norms, masks).
 
     Why this form: on a CPU a step pays a fixed part (reading the weights, attention over the cache) plus a part per
-    token computed. Measured on this AVX2-only CPU (fp32, SmolLM2, 16 rows, ~600 cached tokens, grouped attention,
-    real tokens only): 4 rows verifying 2 / 4 / 8 drafts cost 1.28 / 1.54 / 2.30x a plain step, 8 rows verifying 4
-    1.80x, all 16 verifying 8 3.53x: s_token ~0.3, s_width ~0.03-0.09. Padded, the first of those cost 1.57 / 2.00 /
-    3.17x (one slope per width could not tell a step where 4 rows draft from one where 16 do).
-    Why online: a calibration with throw-away forwards cost 5.5-8.5 s of a 55-75 s batch-16 pass (10-12 %). Every
-    step's seconds are real work, so each wide step refines the fit at the widths the budget uses.
+    token computed, and one slope per width cannot tell a step where 4 rows draft from one where 16 do. Why online:
+    every step's seconds are real work, so each wide step refines the fit at the widths the budget uses, and no
+    throw-away calibration forward is paid for (the measurements behind both: docs/decisions.md).
 
     Estimator: ridge regression of (seconds / plain seconds - 1) on the two features, sums decayed by `decay` per wide
     step, pulled toward the priors by one pseudo-observation each; a coefficient that comes out negative is dropped and
@@ -198,9 +192,8 @@ class MeasuredPayoff:
     plain width-1 steps, per batch bucket, and scales the extra cost of width (`penalty`) until drafting pays.
 
     The geometric acceptance model and the calibrated cost table can both be wrong in ways that only show in the
-    wall time: copied drafts are all-or-nothing rather than geometric, and on a CPU whose step cost grows almost in
-    proportion to the tokens verified (measured: AVX2-only, fp32, summaries, batch 16), pld ran at 0.90x batched ar
-    with the model alone. So every step's (width, tokens, seconds) is recorded; when speculative steps deliver fewer
+    wall time: copied drafts are all-or-nothing rather than geometric, and a CPU's step cost can grow almost in
+    proportion to the tokens verified (docs/decisions.md). So every step's (width, tokens, seconds) is recorded; when speculative steps deliver fewer
     tokens per second than plain ones, the cost of every wider step is multiplied by a penalty that grows x1.25 per
     losing step (so within a few steps the budget decodes plainly), and decays back toward 1 when they win (/1.1) and
     slowly while only plain steps run (/1.02, so drafting is tried again later). A plain step is forced now and then
@@ -247,16 +240,12 @@ class DraftPricing:
 
     A row drafting its (k+1)-th token pays one draft-model forward, shared by the rows still drafting at that
     position (`drafting_rows`, set by the pool), and one more token verified in the target's step; it gains P_k
-    tokens in expectation (P_k = the drafter's probability of the draft so far, which measured close to the
-    acceptance rate: 0.97 of 238 Gemma 3 tokens at p >= 0.9 were accepted, 0.88 of 32 at 0.8-0.9). Measured in
+    tokens in expectation (P_k = the drafter's probability of the draft so far, close to the acceptance rate). In
     seconds per token the decoder emits (token_s), drafting pays while
     P_k >= (forward_s / drafting_rows + verify_s) / token_s: the decoder's own rate is the bar a token must beat.
     Why the rows still drafting and not an average share: a draft-model forward costs about the same for 1 row as
-    for 8 on a CPU, so the last row drafting pays for all of it. Priced at the average share (batch 8, SmolLM2):
-    drafts ran to 16 tokens, 1,072 were drafted in 43 steps of 1.47 s, and slem ran at 0.88x ar.
-    Measured (Qwen2.5-Coder-1.5B, HumanEval, batch 1, avx512_bf16, replaying 43 logged steps of 16-token drafts):
-    the best fixed floors were 0.5-0.6 for Gemma 3 (a drafter forward 0.24 of a target step) and 0.4 for SmolLM2
-    (0.16); this price comes to ~0.57 and ~0.5 there, and it follows the drafter's dtype, the batch and the machine.
+    for 8 on a CPU, so the last row drafting pays for all of it. Against fixed floors, the price follows the
+    drafter's dtype, the batch and the machine (docs/decisions.md).
     """
 
     alpha: float = 0.2  # EMA weight of a new observation
@@ -270,16 +259,14 @@ class DraftPricing:
     @property
     def token_s(self) -> float | None:
         """Seconds per token the decode steps emit: a ratio of averages (an average of each step's seconds per
-        token is dominated by the steps that emitted one token: measured, it priced SmolLM2's tokens at 0.24 s
-        against 0.17 s over the pass, and drafts grew past what paid)."""
+        token is dominated by the steps that emitted one token)."""
         if self.step_s is None or not self.step_tokens:
             return None
         return self.step_s / self.step_tokens
 
     def record_step(self, tokens: int, seconds: float) -> None:
         """A decode step's tokens and seconds; the draft model's prompt catch-ups in it (`record_prefill`) are left
-        out: counted, they priced SmolLM2's first drafts of each request at a floor of ~0.2, and 16-token drafts
-        went on at a draft probability of 0.18."""
+        out: counted, they price a request's first drafts too cheaply."""
         seconds, self.prefill_s = seconds - self.prefill_s, 0.0
         if seconds > 0:
             self.step_s = self._ema(self.step_s, seconds)
@@ -316,19 +303,17 @@ class SpeculationBudget:
     check_payoff: bool = True  # False: trust the model alone (tests with a fixed cost function)
     # Exploration: after this many steps in a row that had drafts but verified none, verify one token per row.
     # Without it a batch whose first drafts were rejected never verifies again (its acceptance estimates have no
-    # way back up): measured, pld_plus_a verified 14 tokens of a code-edit pass, then none (0.72x ar).
+    # way back up; docs/decisions.md).
     explore_every: int = 16
     idle_steps: int = 0
     # Resting: after this many refused steps the rows stop proposing until the next exploring step (proposals
-    # nobody verifies are pure cost: measured, pld on RAG prompts drafted 20,918 tokens, verified none, 0.91x ar).
+    # nobody verifies are pure cost; docs/decisions.md).
     # A rested step counts as a refused one, so exploration keeps its cadence. 0 = never rest.
     rest_after: int = 4
     # A drafting plan must promise this much more than a plain step (1.04: 4 % more tokens per unit of cost). Near
     # break-even the choice is a coin flip on estimates that lean optimistic (a row's acceptance starts from the
-    # pooled prior; the first wide steps are priced by priors): measured on open questions (AVX2 fp32, batch 16),
-    # the wide steps chosen at the margin cost 1.2-1.3x a plain step for 0.19-0.25 of a step's tokens, and pld /
-    # copyspec ran at 0.94 / 0.97x ar over three interleaved rounds. Plans that pay clearly (code edits: a row
-    # accepting 4-10 tokens) are far above the margin.
+    # pooled prior; the first wide steps are priced by priors); plans that pay clearly are far above it
+    # (docs/decisions.md).
     min_advantage: float = 1.04
     # Whether the target's forwards compute real tokens only (ragged_tokens.py): then a row's drafts cost what it
     # verifies, not the padded width times every row (set by the decoder from its target).
