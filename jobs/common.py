@@ -21,9 +21,13 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int | None = None):
-    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
+    from pipelines.config import GenerationConfig
     from specdec_core.cli import OneLineParser, add_batch_options
     from specdec_core.methods import METHODS
+
+    def default(name: str):
+        """The run config's own default: argparse shows it, and never keeps a second copy."""
+        return GenerationConfig.model_fields[name].default
 
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -33,33 +37,34 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
     parser.add_argument("--method", action="append", dest="methods",
                         help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, local HF directory or hub id")
+    parser.add_argument("--model", default=default("model"), help="registry name, local HF directory or hub id")
     parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
     parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
                         help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
-    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens or default("max_new_tokens"),
+                        help="most new tokens per request (a row's own max_new_tokens is capped by it)")
+    parser.add_argument("--temperature", type=float, default=default("temperature"), help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=default("top_p"), help="nucleus sampling's probability mass")
+    parser.add_argument("--top-k", type=int, default=default("top_k"), help="sample among the k likeliest (0: all)")
+    parser.add_argument("--seed", type=int, default=None, help="a sampling run's seed: the same tokens run after run")
+    parser.add_argument("--dtype", default=default("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=default("device"))
     parser.add_argument("--deterministic", action="store_true",
                         help="every token computed the same way in any batch and step, so lossless methods give ar's "
                              "exact tokens in bf16 too (CPU, Llama-family models; costs ~5-15 %% on the AVX2 CPU "
                              "measured)")
-    add_batch_options(parser, DEFAULT_BATCH_SIZE, "sequences decoded at once per actor (continuous batching)")
-    parser.add_argument("--memory-tokens", type=int, default=DEFAULT_MEMORY_TOKENS,
+    add_batch_options(parser, default("batch_size"), "sequences decoded at once per actor (continuous batching)")
+    parser.add_argument("--memory-tokens", type=int, default=default("memory_tokens"),
                         help="suffix/auto: output tokens each decode actor remembers per method to draft from "
                              "(~2 KB each), oldest evicted first; 0 = no job memory")
     parser.add_argument("--memory-from", default=None, metavar="OUTPUT",
                         help="suffix/auto: seed the job memory with earlier runs' outputs in this output directory "
                              "(e.g. last night's --output; same tokenizer); it changes speed, never outputs")
-    parser.add_argument("--num-actors", type=int, default=1, help="decode actors (each loads the model once)")
+    parser.add_argument("--num-actors", type=int, default=default("num_actors"), help="decode actors (each loads the model once)")
     parser.add_argument("--cpus-per-actor", type=float, default=None)
-    parser.add_argument("--num-gpus-per-actor", type=float, default=0.0)
+    parser.add_argument("--num-gpus-per-actor", type=float, default=default("num_gpus_per_actor"))
     parser.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
     parser.add_argument("--rows-per-call", type=int, default=None,
                         help="rows handed to a decode actor per call, also the rows a crash can lose (default: 4 x "
@@ -72,9 +77,9 @@ def build_parser(prog: str, description: str, default_input: str | None, default
                         help="a row decoding longer than this gets an error row and frees its slot (default: none)")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="a longer prompt is an error row (default: the model's context)")
-    parser.add_argument("--max-context-tokens", type=int, default=1 << 20,
+    parser.add_argument("--max-context-tokens", type=int, default=default("max_context_tokens"),
                         help="a longer `context` (the copy drafters' extra source) is an error row")
-    parser.add_argument("--max-error-fraction", type=float, default=0.05,
+    parser.add_argument("--max-error-fraction", type=float, default=default("max_error_fraction"),
                         help=f"past this share of error rows the job exits with status {EXIT_TOO_MANY_ERRORS}, "
                              "after writing every row")
     parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
