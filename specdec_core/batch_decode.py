@@ -101,6 +101,7 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.budget = budget or SpeculationBudget()
         self.budget.ragged = target.ragged is not None  # its forwards skip padding: drafts cost per row
+        self.budget.gather_share = target.gather_share
         self.cache_budget_bytes = cache_budget_bytes
         self.cache = target.new_slot_cache()
         self.rows: list[Row] = []  # rows[i] lives in cache row i

@@ -1,6 +1,6 @@
 """Per-request decoding state and the rules every step applies to it: emit tokens, stop (EOS, stop string,
-length, context limit), how many draft tokens may still be verified. The loop itself is `batch_decode.py`;
-`decode()` here is its one-request case.
+length, context limit), how many draft tokens may still be verified. The loop itself is `batch_decode.py`; one
+request alone is `Engine.generate_ids`.
 """
 
 from __future__ import annotations

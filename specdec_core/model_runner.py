@@ -19,7 +19,7 @@ from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
 from .kv_cache import SlotKVCache
 from .model_registry import resolve_model_path
-from .ragged_tokens import RaggedTokens
+from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A drafter-only choice: int8 weights in every linear layer (quantize_int8). A drafter's numbers decide only what is
@@ -227,8 +227,8 @@ class ModelRunner:
             with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
-                                       real if RaggedTokens.worth_it(real, fast_forward.GATHER_MAX_REAL_SHARE)
-                                       else None, logit_index, captured,
+                                       real if RaggedTokens.worth_it(real, self.gather_share) else None,
+                                       logit_index, captured,
                                        query_heads, queries, invariant)
             return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
         hooks = []
@@ -315,6 +315,11 @@ class ModelRunner:
         """Wait for queued device work (timing a GPU forward needs it; a no-op on CPU)."""
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
+
+    @property
+    def gather_share(self) -> float:
+        """The share of a forward's [b, T] block that may be real tokens for its per-token work to gather them."""
+        return fast_forward.GATHER_MAX_REAL_SHARE if self.fast is not None else MAX_REAL_SHARE
 
     @property
     def base_model(self):

@@ -19,17 +19,19 @@ import torch
 from .numba_kernels import LazyKernel, use_torch_threads
 
 PARALLEL_MIN_TOKENS = 256  # below this a parallel region costs more than the loop (a decode step feeds 16-80 tokens)
+PARALLEL_CHUNKS = 16  # token ranges of the parallel kernel (a few per thread)
 
 
 def _compile():
     from numba import njit, prange
 
-    def rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover - compiled
-        """q [M, H, d] rotated in place; k [M, KV, d] rotated into key_cache[rows[m], :, places[m]]; v copied into
-        value_cache there; cos / sin [M, d]; rows / places [M]."""
-        tokens, heads, dim = q.shape
+    @njit(cache=True)
+    def rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, last):  # pragma: no cover
+        """Tokens first..last-1: q [M, H, d] rotated in place; k [M, KV, d] rotated into key_cache[rows[m], :,
+        places[m]]; v copied into value_cache there; cos / sin [M, d]; rows / places [M]."""
+        heads, dim = q.shape[1], q.shape[2]
         kv_heads, half = k.shape[1], dim // 2
-        for m in prange(tokens):
+        for m in range(first, last):
             r, p = rows[m], places[m]
             for h in range(heads):
                 for j in range(half):
@@ -44,7 +46,17 @@ def _compile():
                 for j in range(dim):
                     value_cache[r, h, p, j] = v[m, h, j]
 
-    return njit(cache=True)(rotate_store), njit(cache=True, parallel=True)(rotate_store)
+    # A function of its own, not a parallel=True copy of the one above: numba's disk cache keys a function by its
+    # name and line, not by its options, so two variants of one function would load each other's code.
+    @njit(cache=True, parallel=True)
+    def rotate_store_parallel(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover
+        tokens = q.shape[0]
+        size = (tokens + PARALLEL_CHUNKS - 1) // PARALLEL_CHUNKS
+        for chunk in prange(PARALLEL_CHUNKS):
+            first = chunk * size
+            rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))
+
+    return rotate_store, rotate_store_parallel
 
 
 kernels = LazyKernel(_compile, "compiled RoPE and cache write", "; using eager ops")  # (serial, parallel), or None
@@ -62,11 +74,12 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     buffers [slots, KV, capacity, d] -> q rotated (in place). Call only where `usable`."""
     serial, parallel = kernels()
     tokens = q.shape[0]
-    run = serial
+    arrays = (q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), cos[:, 0].contiguous().numpy(),
+              sin[:, 0].contiguous().numpy(), rows.numpy().astype(np.int64, copy=False),
+              places.numpy().astype(np.int64, copy=False), key_cache.numpy(), value_cache.numpy())
     if tokens >= PARALLEL_MIN_TOKENS:
         use_torch_threads()
-        run = parallel
-    run(q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), cos[:, 0].contiguous().numpy(),
-        sin[:, 0].contiguous().numpy(), rows.numpy().astype(np.int64, copy=False),
-        places.numpy().astype(np.int64, copy=False), key_cache.numpy(), value_cache.numpy())
+        parallel(*arrays)
+    else:
+        serial(*arrays, 0, tokens)
     return q

@@ -47,10 +47,10 @@ def context_bucket(positions: int) -> int:
     return bucket
 
 
-def computed_tokens(rows: int, width: int, real: int, ragged: bool) -> int:
-    """Tokens a [rows, width] forward with `real` real ones computes: the real ones where ragged_tokens.py gathers
-    them (enough padding), else the whole padded block."""
-    if ragged and width > 1 and real <= MAX_REAL_SHARE * rows * width:
+def computed_tokens(rows: int, width: int, real: int, ragged: bool, max_real_share: float = MAX_REAL_SHARE) -> int:
+    """Tokens a [rows, width] forward with `real` real ones computes: the real ones where the forward gathers them
+    (at most `max_real_share` of the block real: the target's ModelRunner.gather_share), else the padded block."""
+    if ragged and width > 1 and real <= max_real_share * rows * width:
         return real
     return rows * width
 
@@ -318,6 +318,7 @@ class SpeculationBudget:
     # Whether the target's forwards compute real tokens only (ragged_tokens.py): then a row's drafts cost what it
     # verifies, not the padded width times every row (set by the decoder from its target).
     ragged: bool = False
+    gather_share: float = MAX_REAL_SHARE  # the share of real tokens under which it gathers them (set with `ragged`)
     pricing: DraftPricing = field(default_factory=DraftPricing)  # what a drafted token costs and a token is worth
 
     def drafting_due(self) -> bool:
@@ -433,7 +434,7 @@ class SpeculationBudget:
         if width == 1:
             return float(rows)
         verified = sum(plan)
-        computed = computed_tokens(rows, width, rows + verified, self.ragged)
+        computed = computed_tokens(rows, width, rows + verified, self.ragged, self.gather_share)
         ratio = self.cost.ratio(rows, width, context, computed)
         if self.check_payoff:
             ratio = self.payoff.scaled(rows, ratio)
@@ -447,7 +448,7 @@ class SpeculationBudget:
         prompt catch-ups left out: prefill). The clock's check counts the drafting, the target's cost model does
         not: a draft model's forwards are no part of the target's step, but a step that drafted did pay for them
         (why the catch-ups are left out: docs/decisions.md)."""
-        computed = None if real is None else computed_tokens(rows, width, real, self.ragged)
+        computed = None if real is None else computed_tokens(rows, width, real, self.ragged, self.gather_share)
         self.cost.observe(rows, width, seconds, context, computed)
         if self.enabled and self.check_payoff:
             self.payoff.record(rows, width, tokens, seconds + max(0.0, drafting_s))
