@@ -134,12 +134,13 @@ class FastForward:
         if flat is not None:
             cos, sin = cos[flat], sin[flat]  # [M, 1, d]
         rows, places = cache.token_slots(flat)  # [M], [M]: where each token's keys go
+        rotation = rope_store.prepare(cos, sin, rows, places, x, cache.keys[0])  # None: eager RoPE and cache writes
         if captured is not None and 0 in captured:
             captured[0] = self._padded(x, flat, b, num_new).float()
         for index, layer in enumerate(self.layers):
             heads = (query_heads or {}).get(index)
             x = self._layer(index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
-                            invariant)
+                            invariant, rotation)
             if captured is not None and index + 1 in captured:
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
         wanted = logit_index[:, 0] * num_new + logit_index[:, 1]  # [N] of b x T
@@ -150,14 +151,14 @@ class FastForward:
         return _rms_norm(x[wanted], self.final_norm, self.final_eps)  # [N, hidden]
 
     def _layer(self, index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
-               invariant):
+               invariant, rotation):
         tokens = x.shape[0]  # M
         normed = _rms_norm(x, layer.norm1, layer.eps1)  # [M, hidden]
         q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
         k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
         v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
-        if rope_store.usable(q, cache.keys[index]):
-            q = rope_store.rotate_and_store(q, k, v, cos, sin, rows, places, cache.keys[index], cache.values[index])
+        if rotation is not None:
+            q = rotation(q, k, v, cache.keys[index], cache.values[index])
         else:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             cache.write_tokens(index, rows, places, k, v)

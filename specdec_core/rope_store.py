@@ -62,24 +62,33 @@ def _compile():
 kernels = LazyKernel(_compile, "compiled RoPE and cache write", "; using eager ops")  # (serial, parallel), or None
 
 
-def usable(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and key_cache.dtype == torch.float32
-            and kernels() is not None)
+class RotateStore:
+    """One forward's rotation: its tokens' cos / sin and cache slots, converted once for all of its layers."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, places: torch.Tensor):
+        """cos / sin [M, 1, d]; rows / places [M]: where each token's keys and values go."""
+        serial, parallel = kernels()
+        self.shared = (cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy(),
+                       rows.numpy().astype(np.int64, copy=False), places.numpy().astype(np.int64, copy=False))
+        tokens = rows.shape[0]
+        if tokens >= PARALLEL_MIN_TOKENS:
+            use_torch_threads()
+            self.run, self.span = parallel, ()
+        else:
+            self.run, self.span = serial, (0, tokens)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor) -> torch.Tensor:
+        """q [M, H, d], k / v [M, KV, d], key_cache / value_cache a layer's buffers [slots, KV, capacity, d]
+        -> q rotated (in place); k rotated and v written into the cache."""
+        self.run(q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), *self.shared, key_cache.numpy(),
+                 value_cache.numpy(), *self.span)
+        return q
 
 
-def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     rows: torch.Tensor, places: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor) -> torch.Tensor:
-    """q [M, H, d], k / v [M, KV, d], cos / sin [M, 1, d], rows / places [M], key_cache / value_cache the layer's
-    buffers [slots, KV, capacity, d] -> q rotated (in place). Call only where `usable`."""
-    serial, parallel = kernels()
-    tokens = q.shape[0]
-    arrays = (q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), cos[:, 0].contiguous().numpy(),
-              sin[:, 0].contiguous().numpy(), rows.numpy().astype(np.int64, copy=False),
-              places.numpy().astype(np.int64, copy=False), key_cache.numpy(), value_cache.numpy())
-    if tokens >= PARALLEL_MIN_TOKENS:
-        use_torch_threads()
-        parallel(*arrays)
-    else:
-        serial(*arrays, 0, tokens)
-    return q
+def prepare(cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, places: torch.Tensor,
+            activations: torch.Tensor, key_cache: torch.Tensor) -> RotateStore | None:
+    """The compiled rotation for a forward whose activations and cache are fp32 CPU tensors, else None (eager)."""
+    usable = (activations.device.type == "cpu" and activations.dtype == torch.float32
+              and key_cache.dtype == torch.float32 and kernels() is not None)
+    return RotateStore(cos, sin, rows, places) if usable else None

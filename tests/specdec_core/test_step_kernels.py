@@ -174,8 +174,10 @@ def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(token
     eager_q, eager_k = fast_forward._rope(q, cos, sin), fast_forward._rope(k, cos, sin)
     eager_keys[rows, :, places], eager_values[rows, :, places] = eager_k, v
     keys, values = torch.zeros_like(eager_keys), torch.zeros_like(eager_values)
-    assert rope_store.usable(q, keys)
-    got_q = rope_store.rotate_and_store(q.clone(), k, v, cos, sin, rows, places, keys, values)
+    rotation = rope_store.prepare(cos, sin, rows, places, q, keys)
+    assert rotation is not None
+    got_q = rotation(q.clone(), k, v, keys, values)
     assert torch.equal(got_q, eager_q)
     assert torch.equal(keys, eager_keys) and torch.equal(values, eager_values)
-    assert not rope_store.usable(q.bfloat16(), keys.bfloat16())  # other dtypes keep the eager ops
+    # other dtypes keep the eager ops
+    assert rope_store.prepare(cos, sin, rows, places, q.bfloat16(), keys.bfloat16()) is None
