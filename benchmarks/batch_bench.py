@@ -164,6 +164,18 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
             "wall_s": wall}, outputs
 
 
+def warm_up(engine, items, methods: list[str], memory_seed: list | None = None) -> None:
+    """Untimed: a process's first forwards are slow (a cold run measured 0.70x a warm one), and HF, timed first,
+    would pay for it; and the first use of a drafter's numba kernels on a machine compiles them (~10 s for suffix's
+    on a 2-core CPU, cached on disk after), which would land in that method's first timed pass."""
+    from pipelines.hf_batch_peer import generate_batch
+
+    generate_batch(engine.target, [items[0].prompt_ids], [4])
+    short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]
+    for method_text in dict.fromkeys(["ar"] + [text.split("@")[0] for text in methods]):
+        run_ours(engine, short, method_text, 1, None, None, memory_seed)
+
+
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
              references: dict | None = None, memory_seed: list | None = None) -> dict:
     from specdec_core.speculation_budget import StepCostModel
@@ -320,17 +332,8 @@ def main() -> int:
             memory_seed = [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar",
                                                                                  batch_size=max(args.batch_sizes))
                            if not r["error"]]
-        if workload == args.workload[0]:  # untimed warm-up: a process's first forwards are slow (a cold run
-            # measured 0.70x a warm one), and HF, timed first, would pay for it
-            from pipelines.hf_batch_peer import generate_batch
-
-            generate_batch(engine.target, [items[0].prompt_ids], [4])
-            dict(engine.decode_batch(items[:1], "ar", batch_size=1))
-            # and each method once: the first use of a drafter's numba kernels on a machine compiles them (~10 s
-            # for suffix's on a 2-core CPU; cached on disk after), which would land in the first timed pass
-            short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]
-            for method_text in dict.fromkeys(text.split("@")[0] for text in args.methods):
-                run_ours(engine, short, method_text, 1, None, None, memory_seed)
+        if workload == args.workload[0]:
+            warm_up(engine, items, args.methods, memory_seed)
         results, hf_outputs = [], {}
         if not args.no_hf:
             for size in args.batch_sizes:

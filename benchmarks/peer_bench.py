@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 
-from benchmarks.batch_bench import WORKLOADS, hardware, run_hf, run_ours, workload_items  # noqa: E402
+from benchmarks.batch_bench import WORKLOADS, hardware, run_hf, run_ours, warm_up, workload_items  # noqa: E402
 
 RESULT_PREFIX = "PEER_RESULT "
 DEFAULT_VLLM_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     items = workload_items(engine, args.workload, args.requests, args.max_new_tokens, args.batch_size)
     prompts = [item.prompt_ids for item in items]
     results, reference = [], None
+    warm_up(engine, items, args.methods)
     if not args.no_hf:
         result, outputs = run_hf(engine, items, args.batch_size, args.max_new_tokens)
         reference = [outputs[item.key] for item in items]
