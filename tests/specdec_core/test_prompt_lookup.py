@@ -39,3 +39,25 @@ def test_drafter_keeps_a_growing_buffer():
     tokens += [3, 9, 9]
     # (3,9,9) and (9,9) never occurred before; the 1-gram (9) at index 7 is followed by 9.
     assert drafter.propose(tokens, 2).tokens == [9]
+
+
+def test_the_compiled_scan_finds_the_same_occurrences_as_numpy_windows(monkeypatch):
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from specdec_core.drafters import prompt_lookup
+
+    assert prompt_lookup.hit_kernel() is not None, prompt_lookup.hit_kernel.unavailable
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(300):
+        tokens = rng.integers(0, 1 + trial % 6, size=int(rng.integers(1, 60)))  # small alphabets: many repeats
+        for n in range(1, min(4, len(tokens) - 1) + 1):
+            windows = sliding_window_view(tokens[:-1], n)
+            want = np.flatnonzero((windows == tokens[len(tokens) - n:]).all(axis=1))
+            got = prompt_lookup.suffix_hits(tokens, n)
+            assert got.tolist() == want.tolist()
+            checked += len(want)
+    assert checked > 1000
+    monkeypatch.setattr(prompt_lookup.hit_kernel, "_kernel", None)
+    monkeypatch.setattr(prompt_lookup.hit_kernel, "unavailable", "no numba here")
+    assert find([3, 9, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1, 2]  # the numpy fallback
