@@ -432,6 +432,11 @@ class BatchDecoder:
         sees its ancestors (draft_tree.py). Padding nodes see nothing and are never read. Built as whole-batch
         tensors (one from a list of the rows' ids); only tree rows are filled in one by one.
         """
+        lengths = torch.tensor(self.cache.lengths)  # [B]
+        if width == 1:  # a plain decode step: each row feeds its pending token alone, at its length
+            input_ids = torch.tensor([[row.state.tokens[-1]] for row in rows], dtype=torch.long)  # [B, 1]
+            logit_index = torch.stack([torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long)], 1)
+            return input_ids, lengths[:, None], torch.ones(len(rows), 1, 1, dtype=torch.bool), logit_index
         counts = [1 + len(row.draft) for row in rows]
         input_ids = torch.tensor([[row.state.tokens[-1], *row.draft.tokens] + [0] * (width - count)
                                   for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
@@ -444,7 +449,6 @@ class BatchDecoder:
                 offsets[b, 1:counts[b]] = torch.tensor(depths(parents))
                 visible[b] = ancestor_mask(parents, width)
         logit_index = inside.nonzero()  # [N, 2] (row, node), row-major as the verifier reads them
-        lengths = torch.tensor(self.cache.lengths)  # [B]
         return input_ids, lengths[:, None] + offsets, visible, logit_index
 
     def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None,
@@ -482,7 +486,7 @@ class BatchDecoder:
                 self.stats.new_tokens += kept
                 # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
                 offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
-                if offered or not draft.probes:
+                if offered:  # (an empty draft teaches the acceptance estimates nothing)
                     self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
                 if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
                     picked = [starts[index] + 1 + p for p in draft.probes]

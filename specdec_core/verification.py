@@ -231,7 +231,10 @@ def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParam
     draws the same numbers whatever shares its batch."""
     argmax = torch.argmax(logits, dim=-1)  # [N]
     chains = None
-    if step_ids is not None:
+    if step_ids is not None and step_ids.shape[1] == 1:  # no row drafted: a greedy row takes its argmax
+        flat = argmax.tolist()
+        chains = [(0, token) for token in flat]
+    elif step_ids is not None:
         counts = torch.tensor([1 + len(draft.tokens) for draft in drafts])  # [B]
         real = torch.arange(step_ids.shape[1])[None, :] < counts[:, None]  # [B, T]
         num_accepted, next_token = accept_greedy_chains(step_ids, real, argmax)
