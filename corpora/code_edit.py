@@ -8,7 +8,6 @@ import importlib
 import inspect
 import io
 import json
-import re
 import textwrap
 import tokenize
 from collections import Counter

@@ -65,7 +65,7 @@ def throughput_table(result: dict) -> str:
         mark = " (best)" if peer is best else ""
         lines.append(f"| HF generate greedy, batch {peer['batch_size']}{mark} | {peer['new_tokens']} | "
                      f"{peer['wall_s']:.1f} | {peer['tokens_per_s']:.1f} | {peer['tokens_per_s'] / base:.2f} |")
-    notes = [f"HF outputs identical to our ar: " + ", ".join(
+    notes = ["HF outputs identical to our ar: " + ", ".join(
         f"batch {p['batch_size']} {p['same_as_ar']}/{p['requests']}" for p in result["hf_generate"])] \
         if result["hf_generate"] else []
     return "\n".join(lines + [""] + notes)

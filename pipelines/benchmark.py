@@ -115,8 +115,6 @@ def method_throughput(output: str, run_id: str) -> list[dict]:
 
 def prepared_requests(config: BenchmarkConfig, requests: Path) -> list[dict]:
     """The request set through the pipeline's own normalize + prompt stages (same prompt ids), usable rows only."""
-    import pandas as pd
-
     from operators.build_prompts import BuildPrompts
     from operators.requests_schema import normalize_row, requests_table
 

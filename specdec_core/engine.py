@@ -20,7 +20,8 @@ from .errors import BadRequestError
 from .defaults import DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
 from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
-from .model_runner import INT8, ModelRunner
+from .hardware import INT8
+from .model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
@@ -51,7 +52,7 @@ class BatchItem:
 
 def default_drafter_dtype(target: ModelRunner) -> str:
     """int8 weights (computing in bf16) for a drafter of a bf16 target on a CPU: ~40 % cheaper drafter forwards at
-    the same drafts (model_runner.Int8WeightLinear); otherwise the target's dtype (an fp32 CPU's int8 path,
+    the same drafts (int8_linear.Int8WeightLinear); otherwise the target's dtype (an fp32 CPU's int8 path,
     dynamic quantization, costs acceptance; a GPU runs no int8 kernel here)."""
     if str(target.device).startswith("cpu") and target.dtype == torch.bfloat16:
         return INT8

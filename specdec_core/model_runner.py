@@ -1,57 +1,29 @@
-"""Thin wrapper over a Hugging Face causal LM: prefill, forward over k new tokens with a KV cache, crop, hidden states.
+"""The one wrapper every decoder drives a model through (the target and a draft model alike): loading (dtype,
+device, CPU tuning, the architecture check), the forward over the engine's slot cache (`forward_slots`: prefill,
+decode, chain and tree verification) and the LM head.
 
-Every decoder drives the target (and a draft model) through this one class, so KV handling lives in one place.
-It also accepts a custom 4-D attention mask and explicit positions, which tree verification will need.
+Beside it: hardware.py resolves `auto` device and dtype, int8_linear.py quantizes a drafter, lm_head.py reads a head
+in parts, attention_masks.py builds a slot forward's masks.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from . import fast_forward, grouped_attention, invariant_attention, packed_linear
+from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
+from .hardware import INT8, resolve_dtype, resolve_device
+from .int8_linear import quantize_int8
 from .kv_cache import SlotKVCache
+from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A drafter-only choice: int8 weights in every linear layer (quantize_int8). A drafter's numbers decide only what is
-# proposed, never what is accepted, so every method stays lossless; a target in int8 would be another model, so
-# targets are refused it.
-INT8 = "int8"
-
-
-@lru_cache(maxsize=1)
-def cpu_supports_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """auto = bf16 where the hardware runs it fast (avx512_bf16/AMX CPUs, bf16 GPUs), else fp32 (fp16 on old GPUs)."""
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-        return DTYPES[dtype]
-    if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 @dataclass
@@ -196,7 +168,7 @@ class ModelRunner:
         captured: dict[int, torch.Tensor] | None = None,
         query_heads: dict[int, list[int]] | None = None,
         queries: dict[int, torch.Tensor] | None = None,
-        head: "SubsetHead | None" = None,
+        head: SubsetHead | None = None,
     ) -> torch.Tensor:
         """One forward over the cache's live rows (or `rows`); keys/values land at each row's length.
 
@@ -326,131 +298,6 @@ class ModelRunner:
         return getattr(self.model, self.model.base_model_prefix)
 
 
-class SubsetHead:
-    """The LM head over some token ids only: [N, hidden] -> [N, vocab] float32 logits, -inf for every other token,
-    so a softmax over them is the model's distribution restricted to the ids and renormalised.
-
-    Why: a small drafter's head can be most of its forward. Gemma 3 270M's 262,144 x 640 head is ~60 % of its
-    weights; restricted to the 95,970 tokens Qwen2.5 shares with it, TLI's drafting distribution (q restricted to the
-    shared tokens, renormalised) comes out exactly, for a third of the head's cost. The sliced weight is copied once
-    (a contiguous [S, hidden] matrix), not gathered per call."""
-
-    def __init__(self, runner: "ModelRunner", token_ids: torch.Tensor):
-        linear = runner.model.get_output_embeddings()
-        self.token_ids = token_ids.to(runner.device)  # [S]
-        self.weight = head_rows(linear, self.token_ids).contiguous()  # [S, hidden]
-        self.bias = head_bias_rows(linear, self.token_ids)  # [S] or None
-        self.vocab_size = runner.vocab_size
-        self.softcap = getattr(runner.model.config, "final_logit_softcapping", None)
-
-    def for_rows(self, rows: list[int]) -> "SubsetHead":
-        """The same head for every cache row (a head that differs per row binds them here)."""
-        return self
-
-    def project(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, hidden] x [S, hidden] rows of this model's head -> [N, S] float32, soft-capped as the model does."""
-        logits = torch.nn.functional.linear(hidden, weight, bias)  # [N, S]
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.project(hidden, self.weight, self.bias)  # [N, S]
-        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)  # [N, vocab]
-        full[:, self.token_ids] = logits
-        return full
-
-
-def head_weight(linear) -> torch.Tensor:
-    """[vocab, hidden] float weight of an LM head, int8-quantized (dequantized here) or not."""
-    if isinstance(linear, Int8WeightLinear):
-        return linear.dequantized()
-    weight = linear.weight
-    if callable(weight):  # torch.ao dynamic quantized Linear: weight() is a quantized tensor
-        return weight().dequantize()
-    return weight
-
-
-# Rows of input from which an int8 linear dequantizes its weight and runs a bf16 GEMM: the weight-only kernel is
-# faster for a few rows (memory-bound) and slower for many ([640 -> 2048], 2 threads: 0.05 vs 0.10 ms for 1 row,
-# 1.39 vs 1.07 ms for 64, 8.2 vs 5.6 ms for 300; dequantizing costs ~0.5 ms).
-DEQUANTIZE_ROWS = 128
-
-
-def head_rows(linear, token_ids: torch.Tensor) -> torch.Tensor:
-    """[S, hidden] the LM head's rows for some token ids, without dequantizing the rest of an int8 head."""
-    if isinstance(linear, Int8WeightLinear):
-        return linear.weight_int8[token_ids].to(linear.scale.dtype) * linear.scale[token_ids, None]
-    return head_weight(linear).detach()[token_ids]
-
-
-def head_bias_rows(linear, token_ids: torch.Tensor) -> torch.Tensor | None:
-    """[S] the LM head's bias for some token ids (None: the head has none)."""
-    bias = linear.bias() if callable(getattr(linear, "bias", None)) else getattr(linear, "bias", None)
-    return bias.detach()[token_ids] if bias is not None else None
-
-
-class Int8WeightLinear(torch.nn.Module):
-    """A linear layer with int8 weights (symmetric, one scale per output channel) and bf16 activations: PyTorch's
-    weight-only int8 CPU kernel reads half the bytes a bf16 weight takes, and a small model's decode forward is bound
-    by reading its weights. Measured (avx512_bf16 CPU, 2 threads, one-token forwards over a 300-token cache):
-    SmolLM2-135M 35.9 -> 21.6 ms for 1 row, 47.1 -> 29.2 ms for 4; Gemma 3 270M 29.7 -> 20.7 ms for 1 row. Teacher-
-    forced on Qwen2.5-Coder-1.5B's outputs for 12 HumanEval edits, the argmax was the bf16 model's at 99.3 % (SmolLM2)
-    and 99.2 % (Gemma 3) of ~865 positions, and matched the target's next token as often (90.5 / 91.4 %)."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        weight = linear.weight.detach().float()  # [out, in]
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))  # [out], the activations' dtype
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def dequantized(self) -> torch.Tensor:
-        return self.weight_int8.to(self.scale.dtype) * self.scale[:, None]  # [out, in]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)  # [M, in]
-        if flat.shape[0] >= DEQUANTIZE_ROWS:  # a prompt catch-up: compute-bound, where bf16 GEMM is faster
-            out = torch.nn.functional.linear(flat, self.dequantized())
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def quantize_int8(model) -> None:
-    """Every nn.Linear of `model` (the LM head included) -> int8 weights with per-output-channel scales, in place.
-
-    A bf16 model gets weight-only int8 (Int8WeightLinear; activations stay bf16). An fp32 model (a CPU without fast
-    bf16) gets PyTorch's dynamic quantization (fbgemm; activations quantized on the fly): the weight-only kernel
-    has no fast fp32 path (measured 10x slower than an fp32 linear). Dynamic quantization costs acceptance: Gemma 3
-    drafting for Qwen2.5-Coder-1.5B accepted 3.0 tokens per step against 4.2 in bf16 (avx512_bf16 CPU).
-
-    Why: a small drafter's decode forward is memory-bound, and its head can be most of it. Measured on the
-    avx512_bf16 CPU, 2 threads, one row: Gemma 3 270M's [640 -> 262,144] head took 17 ms in int8 against 45 ms in
-    bf16 and 51 ms in fp32. torch.ao's dynamic quantization is deprecated upstream but present in the pinned torch."""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.bfloat16:
-        _replace_linears(model)
-        return
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notices (once per linear layer)
-        quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def _replace_linears(module: torch.nn.Module) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear):
-            setattr(module, name, Int8WeightLinear(child))
-        else:
-            _replace_linears(child)
-
-
 def tune_for_cpu(model) -> None:
     """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds."""
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
@@ -489,45 +336,6 @@ def check_servable(config) -> None:
             f"the batched engine cannot serve {config.model_type!r}: layer types {sorted(unknown) or 'encoder-decoder'}"
             " need a cache it does not have (it serves full and sliding-window attention)"
         )
-
-
-def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: torch.dtype):
-    """4-D float masks [b, 1, T, kv_len] (0 = may attend, dtype-min = may not) for a slot-cache forward.
-
-    Row r's key j is: a cached token when j < lengths[r] (position j), new token i = j - lengths[r] when
-    0 <= i < T (position positions[r, i]), else dead (padding, rolled-back drafts). Worked example, lengths [3, 1],
-    T = 2, chain: row 0 query t=1 sees keys 0,1,2 (cache) and 3,4 (new tokens 0,1); row 1 query t=0 sees key 0 and
-    key 1 (itself), never keys 2..4, which are row 1's padding.
-    A model with sliding-window layers gets a dict {layer type: mask}, the windowed one also requiring
-    query position - key position < window, as the model's own masks do.
-    """
-    b, num_new = positions.shape
-    key = torch.arange(kv_len)[None, :]  # [1, L]
-    new_index = key - lengths[:, None]  # [b, L]: which new token a key is, if 0 <= . < T
-    is_cached = new_index < 0  # [b, L]
-    is_new = (new_index >= 0) & (new_index < num_new)
-    gathered = visible.gather(2, new_index.clamp(0, num_new - 1)[:, None, :].expand(b, num_new, kv_len))  # [b,T,L]
-    allowed = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [b, T, L]
-    minimum = torch.finfo(dtype).min
-    layer_types = getattr(config, "layer_types", None)
-    full = torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~allowed[:, None], minimum)
-    if not layer_types:
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-        return full if not window else _windowed(allowed, lengths, positions, kv_len, window, dtype)
-    masks = {"full_attention": full}
-    if "sliding_attention" in layer_types:
-        masks["sliding_attention"] = _windowed(allowed, lengths, positions, kv_len, config.sliding_window, dtype)
-    return masks
-
-
-def _windowed(allowed, lengths, positions, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:
-    b, num_new = positions.shape
-    key = torch.arange(kv_len)[None, :]  # [1, L]
-    new_index = (key - lengths[:, None]).clamp(0, num_new - 1)  # [b, L]
-    key_pos = torch.where(key < lengths[:, None], key, positions.gather(1, new_index))  # [b, L]
-    near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [b, T, L]
-    ok = allowed & near
-    return torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~ok[:, None], torch.finfo(dtype).min)
 
 
 def _sdpa_family(config) -> bool:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..model_registry import cache_root
-from ..model_runner import ModelRunner, SubsetHead, head_bias_rows, head_rows
+from ..lm_head import SubsetHead, head_bias_rows, head_rows
+from ..model_runner import ModelRunner
 from ..retrieval_index import tokenizer_fingerprint
 
 FREQUENT_TOKENS = 32_768  # at most this many frequent tokens (the sample has ~25.6k distinct Gemma 3 tokens)

@@ -5,7 +5,7 @@ import torch
 
 from specdec_core import model_registry
 from specdec_core.errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
-from specdec_core.model_runner import cpu_supports_bf16, resolve_dtype
+from specdec_core.hardware import cpu_supports_bf16, resolve_dtype
 
 
 def test_unknown_name_lists_the_registry():
