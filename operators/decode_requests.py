@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .crash_journal import BATCH_ATTEMPTS, batch_key
@@ -79,70 +80,11 @@ class DecodeRequests:
 
     def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
         """One batched decoder pass of `method` over the call's rows (later turns join as earlier ones finish)."""
-        from specdec_core.engine import BatchItem
-        from specdec_core.errors import BadRequestError
-
-        cfg = self.config
-        decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget, cfg.row_timeout_s,
-                                      method=method)
-        out: list[dict] = []
-        turns: dict[int, dict] = {}  # key -> {row, turn, messages, later}
-
-        def submit(key: int, row: dict, turn: int, prompt_ids: list[int], messages: list[dict], later: list[str]):
-            _maybe_crash_on_row_for_test(row)
-            turns[key] = {"row": row, "turn": turn, "messages": messages, "later": later, "prompt_ids": prompt_ids}
-            item = BatchItem(key, prompt_ids, self._params(row.get("max_new_tokens")), row.get("context_ids"))
-            decoder.submit(self.engine.request(item, method, cfg.method_options, decoder))
-
-        next_key = 0
-        for row in rows:
-            if row.get("input_error"):
-                out.extend(self._error_rows(row, method, row["input_error"]))
-                continue
-            try:
-                later = json.loads(row["next_turns"]) if row.get("next_turns") else []
-                messages = json.loads(row["messages"]) if row.get("messages") else [
-                    {"role": "user", "content": row["prompt"]}]
-                submit(next_key, row, 1, row["prompt_ids"], messages, later)
-            except Exception as exc:  # one malformed row errors alone
-                out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}"))
-                continue
-            next_key += 1
-        for key, result in self.engine.results(decoder, method):
-            entry = turns.pop(key)
-            row, turn, later = entry["row"], entry["turn"], entry["later"]
-            multi = bool(later) or turn > 1
-            base = self._base(row, method, turn if multi else None)
-            if result["error"]:
-                out.append({**base, "prompt_tokens": len(entry["prompt_ids"]), "error": result["error"]})
-                if later:
-                    out.extend(self._error_rows(row, method, result["error"], turn)[1:])
-                continue
-            try:
-                annotations, error = output_annotations(row, result["output_text"]), None
-            except Exception as exc:  # the output stays; the row says why it has no score
-                annotations, error = {}, f"scoring the output failed: {type(exc).__name__}: {exc}"
-            out.append({**base, **_contract_fields(result), **annotations, "prompt_tokens": len(entry["prompt_ids"]),
-                        "error": error})
-            if later:
-                messages = entry["messages"] + [{"role": "assistant", "content": result["output_text"]},
-                                                {"role": "user", "content": later[0]}]
-                try:
-                    prompt_ids = self.engine.prompt_ids(messages=messages)
-                    if cfg.max_prompt_tokens and len(prompt_ids) > cfg.max_prompt_tokens:
-                        raise BadRequestError(f"prompt has {len(prompt_ids)} tokens, over the limit of "
-                                              f"{cfg.max_prompt_tokens} (--max-prompt-tokens)")
-                    submit(next_key, row, turn + 1, prompt_ids, messages, later[1:])
-                except Exception as exc:
-                    out.extend(self._error_rows(row, method, f"{type(exc).__name__}: {exc}", turn + 1))
-                    continue
-                next_key += 1
-        stats = decoder.stats
-        pass_fields = {"decode_pass": f"{self.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
-                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
-                       "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens,
-                       "pass_memory_tokens": decoder.job_memory.tokens if decoder.job_memory is not None else None}
-        return [{**r, **pass_fields} for r in out]
+        run = _MethodPass(self, method)
+        run.submit_first_turns(rows)
+        for key, result in self.engine.results(run.decoder, method):
+            run.finish(key, result)
+        return run.rows()
 
     def _decode_all(self, rows: list[dict]) -> list[dict]:
         out = []
@@ -210,6 +152,98 @@ def _plain_row(record: dict) -> dict:
         if row.get(name) is not None:
             row[name] = row[name].tolist() if hasattr(row[name], "tolist") else [int(t) for t in row[name]]
     return row
+
+
+@dataclass
+class _Turn:
+    """A submitted turn of a request: its row, its number (1 = the prompt), the chat so far and the turns after it."""
+
+    row: dict
+    turn: int
+    messages: list[dict]
+    later: list[str]
+    prompt_ids: list[int]
+
+
+class _MethodPass:
+    """One decoder pass of a method over a call's rows: first turns are submitted up front, each later turn when the
+    turn before it finishes, its history holding that turn's output. Every turn ends as an output or an error row."""
+
+    def __init__(self, stage: DecodeRequests, method: str):
+        cfg = stage.config
+        self.stage, self.method, self.engine = stage, method, stage.engine
+        self.decoder = self.engine.decoder(cfg.batch_size, cfg.token_budget, cfg.speculation_budget,
+                                           cfg.row_timeout_s, method=method)
+        self.turns: dict[int, _Turn] = {}  # decoder key -> its turn, until its result comes
+        self.next_key = 0
+        self.out: list[dict] = []
+
+    def submit(self, turn: _Turn) -> None:
+        from specdec_core.engine import BatchItem
+
+        _maybe_crash_on_row_for_test(turn.row)
+        item = BatchItem(self.next_key, turn.prompt_ids, self.stage._params(turn.row.get("max_new_tokens")),
+                         turn.row.get("context_ids"))
+        self.decoder.submit(self.engine.request(item, self.method, self.stage.config.method_options, self.decoder))
+        self.turns[self.next_key] = turn
+        self.next_key += 1
+
+    def submit_first_turns(self, rows: list[dict]) -> None:
+        for row in rows:
+            if row.get("input_error"):
+                self.out.extend(self.stage._error_rows(row, self.method, row["input_error"]))
+                continue
+            try:
+                later = json.loads(row["next_turns"]) if row.get("next_turns") else []
+                messages = json.loads(row["messages"]) if row.get("messages") else [
+                    {"role": "user", "content": row["prompt"]}]
+                self.submit(_Turn(row, 1, messages, later, row["prompt_ids"]))
+            except Exception as exc:  # one malformed row errors alone
+                self.out.extend(self.stage._error_rows(row, self.method, f"{type(exc).__name__}: {exc}"))
+
+    def finish(self, key: int, result: dict) -> None:
+        """A turn's result -> its output row (or error row, which takes the later turns with it); the next turn."""
+        entry = self.turns.pop(key)
+        row, turn, later = entry.row, entry.turn, entry.later
+        base = self.stage._base(row, self.method, turn if later or turn > 1 else None)
+        if result["error"]:
+            self.out.append({**base, "prompt_tokens": len(entry.prompt_ids), "error": result["error"]})
+            if later:
+                self.out.extend(self.stage._error_rows(row, self.method, result["error"], turn)[1:])
+            return
+        try:
+            annotations, error = output_annotations(row, result["output_text"]), None
+        except Exception as exc:  # the output stays; the row says why it has no score
+            annotations, error = {}, f"scoring the output failed: {type(exc).__name__}: {exc}"
+        self.out.append({**base, **_contract_fields(result), **annotations, "prompt_tokens": len(entry.prompt_ids),
+                         "error": error})
+        if later:
+            self._submit_next_turn(entry, result["output_text"])
+
+    def _submit_next_turn(self, entry: _Turn, answer: str) -> None:
+        from specdec_core.errors import BadRequestError
+
+        limit = self.stage.config.max_prompt_tokens
+        messages = entry.messages + [{"role": "assistant", "content": answer},
+                                     {"role": "user", "content": entry.later[0]}]
+        try:
+            prompt_ids = self.engine.prompt_ids(messages=messages)
+            if limit and len(prompt_ids) > limit:
+                raise BadRequestError(f"prompt has {len(prompt_ids)} tokens, over the limit of {limit} "
+                                      "(--max-prompt-tokens)")
+            self.submit(_Turn(entry.row, entry.turn + 1, messages, entry.later[1:], prompt_ids))
+        except Exception as exc:
+            self.out.extend(self.stage._error_rows(entry.row, self.method, f"{type(exc).__name__}: {exc}",
+                                                   entry.turn + 1))
+
+    def rows(self) -> list[dict]:
+        """The pass's rows, each with the pass's own figures."""
+        stats, memory = self.decoder.stats, self.decoder.job_memory
+        pass_fields = {"decode_pass": f"{self.stage.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
+                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
+                       "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens,
+                       "pass_memory_tokens": memory.tokens if memory is not None else None}
+        return [{**r, **pass_fields} for r in self.out]
 
 
 def _todo(row: dict, methods: list[str]) -> list[str]:

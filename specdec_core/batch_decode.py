@@ -309,28 +309,47 @@ class BatchDecoder:
 
     # ----------------------------------------------------------------------------------------------- one step
     def step(self) -> None:
+        """One decode step: every row proposes, the budget plans how much of each draft to verify, the draft models
+        draft what was planned, then one target forward verifies every row and commits what it accepted."""
         self._retire_overdue()
         if not self.rows:
             return
-        # A seeded sampling row's draws depend on how many draft tokens it verifies, so its drafts never go through
-        # the budget, whose choices follow the clock: it always drafts and verifies what its drafter proposed, and
-        # reproduces whatever shares its batch, run after run (the batch pays for its width).
         step_started, tokens_before = time.perf_counter(), self.stats.new_tokens
+        drafting = self.budget.drafting_due()
+        pools = self._propose(drafting)
+        context = max(self.cache.lengths, default=0)
+        if self.rows:  # proposals may have retired failing rows
+            self._plan(pools, drafting, context)
+        self._flush(pools)  # (a pool that fails retires its rows)
+        if not self.rows:
+            return
+        started, before = time.perf_counter(), self.stats.new_tokens
+        count, width, real = self._verify(self.rows)
+        finished = time.perf_counter()
+        drafting_s = started - step_started - self.budget.pricing.prefill_s
+        self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
+                                drafting_s=drafting_s)
+        self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
+
+    def _propose(self, drafting: bool) -> dict[int, DraftPool]:
+        """Each row's proposal, or only the pinned rows' while drafting rests. A seeded sampling row's draws depend
+        on how many draft tokens it verifies, so its drafts never go through the budget, whose choices follow the
+        clock: it always drafts and verifies what its drafter proposed, and reproduces whatever shares its batch,
+        run after run (the batch pays for its width). -> the draft-model pools asked."""
         for row in self.rows:
             row.draft = empty_draft()
-        drafting = self.budget.drafting_due()
-        pools = self._collect(self.rows if drafting else [r for r in self.rows if _pinned(r)])
-        rows = self.rows  # proposals may have retired failing rows
-        if not rows:
-            self._flush(pools)  # (frees nothing: a retired row's request goes with its slot)
-            return
-        context = max(self.cache.lengths)
+        return self._collect(self.rows if drafting else [r for r in self.rows if _pinned(r)])
+
+    def _plan(self, pools: dict[int, DraftPool], drafting: bool, context: int) -> None:
+        """Sets each row's `limit`: how many of its draft tokens this step verifies.
+
+        The plan comes before the draft models run: a token a draft model drafts costs one of its forwards, so a
+        pooled row drafts no further than the plan will verify (planned on the length it asked for; the numbers
+        behind it: docs/decisions.md, "The loop and the budget"). While drafting rests only pinned rows drafted:
+        the budget is not asked (its rest and exploration counters count that step already)."""
+        rows = self.rows
         pinned = [_pinned(r) for r in rows]
         pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
-        # The plan comes before the draft models run: a token a draft model drafts costs one of its forwards, so a
-        # pooled row drafts no further than the plan will verify (planned on the length it asked for; the numbers
-        # behind it: docs/decisions.md, "The loop and the budget"). While drafting rests only pinned rows drafted:
-        # the budget is not asked (its rest and exploration counters count that step already).
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
         limits = self.budget.plan(reaches, [r.acceptance for r in rows], context) if drafting else [0] * len(rows)
@@ -345,16 +364,15 @@ class BatchDecoder:
         self.budget.pricing.verify_s = self.budget.cost.token_seconds(len(rows), context)
         for pool in pools.values():
             pool.pricing = self.budget.pricing  # (a draft model's confidence stop reads it; it times its forwards)
-        self._flush(pools)
-        rows = self.rows  # the flush may have retired failing rows
-        if not rows:
-            return
+
+    def _verify(self, rows: list[Row]) -> tuple[int, int, int]:
+        """Cut each draft to its limit, run ONE target forward over every row's pending token and draft, verify and
+        commit. -> (rows, width, tokens computed) of the forward, for the budget's cost model."""
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
             row.draft = row.draft.truncated(row.limit)
         width = 1 + max(len(r.draft) for r in rows)
         real = sum(1 + len(r.draft) for r in rows)
-        started, before = time.perf_counter(), self.stats.new_tokens
         step_ids, positions, visible, logit_index = self._step_inputs(rows, width)
         # A draft token the target does not have (the union baseline's OUTSIDE id) is always rejected, so what its
         # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
@@ -364,11 +382,7 @@ class BatchDecoder:
                                            **signals.forward_kwargs())  # [N, vocab]
         count = len(rows)
         self._commit(rows, logits, signals, step_ids)
-        finished = time.perf_counter()
-        drafting_s = started - step_started - self.budget.pricing.prefill_s
-        self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
-                                drafting_s=drafting_s)
-        self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
+        return count, width, real
 
     def _pinned_draft_limit(self) -> int:
         """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""

@@ -363,47 +363,39 @@ class SpeculationBudget:
             return [0] * rows  # a plain step now and then keeps the measured comparison (and the cost unit) current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
-        rates = [e.rate(prior) for e in estimates]
-        # gained[r][n] = expected tokens row r's first n nodes add (a node adds rate^depth when it deepens the path
-        # its draft can accept, nothing otherwise); deepening[r] = (n, rate^depth) of the nodes that deepen.
-        gained, deepening = [], []
-        for reach, rate in zip(reaches, rates):
-            total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
-            for n, deepest in enumerate(reach[:longest], start=1):
-                if deepest > depth:
-                    depth, power = deepest, power * rate
-                    total += power
-                    steps.append((n, power))
-                sums.append(total)
-            gained.append(sums)
-            deepening.append(steps)
-        best, best_value = [0] * rows, float(rows) * self.min_advantage
-
-        def try_widths(caps: list[int]) -> None:
-            """Every width's plan with row r drafting at most caps[r]; keeps the best."""
-            nonlocal best, best_value
-            for width in range(2, longest + 2):
-                plan = [min(cap, width - 1) for cap in caps]
-                value = self._value(plan, gained, rows, context)
-                if value > best_value:
-                    best, best_value = plan, value
-
-        try_widths(lengths)
+        gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest)
+        best, best_value = self._best_width(lengths, gained, context, longest, [0] * rows,
+                                            float(rows) * self.min_advantage)
         token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
         if self.check_payoff:
             token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
         if self.ragged and token_slope > 0:
-            for bar_value in (lambda: float(rows), lambda: best_value):  # the plain step's bar, then the best plan's
-                try_widths([min(n, cut) for n, cut in
-                            zip(lengths, self._cuts(deepening, bar_value() * token_slope / rows))])
+            for bar in (float(rows), None):  # the plain step's bar, then the best plan's
+                cuts = self._cuts(deepening, (best_value if bar is None else bar) * token_slope / rows)
+                best, best_value = self._best_width([min(n, cut) for n, cut in zip(lengths, cuts)], gained, context,
+                                                    longest, best, best_value)
         self.planning_s += time.perf_counter() - started
+        return self._explore(best, lengths, estimates)
+
+    def _best_width(self, caps: list[int], gained: list[list[float]], context: int, longest: int,
+                    best: list[int], best_value: float) -> tuple[list[int], float]:
+        """Every width's plan with row r drafting at most caps[r], against the best so far -> the better one."""
+        for width in range(2, longest + 2):
+            plan = [min(cap, width - 1) for cap in caps]
+            value = self._value(plan, gained, len(caps), context)
+            if value > best_value:
+                best, best_value = plan, value
+        return best, best_value
+
+    def _explore(self, best: list[int], lengths: list[int], estimates: list[AcceptanceEstimate]) -> list[int]:
+        """After explore_every steps in which nobody drafts, one node per drafting row: every estimate gets a fresh
+        look. A row cut to nothing while others draft learns nothing either (its estimate sees no draft): after
+        explore_every such steps it verifies one node."""
         self.idle_steps = self.idle_steps + 1 if not any(best) else 0
         if self.explore_every and self.idle_steps >= self.explore_every:
             self.idle_steps = 0
-            return [min(n, 1) for n in lengths]  # one node per row: every drafting row's estimate gets a fresh look
+            return [min(n, 1) for n in lengths]
         if self.explore_every and any(best):
-            # A row cut to nothing while others draft learns nothing (its estimate sees no draft): after
-            # explore_every such steps it verifies one node, as the whole batch does when nobody drafts.
             seen = set()
             for r, estimate in enumerate(estimates):
                 if id(estimate) in seen:
@@ -456,3 +448,20 @@ class SpeculationBudget:
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:
         estimate.update(drafted, accepted)
         self.pooled.update(drafted, accepted)
+
+
+def _expected_gains(reaches: list[list[int]], rates: list[float], longest: int) -> tuple[list, list]:
+    """gained[r][n] = expected tokens row r's first n nodes add (a node adds rate^depth when it deepens the path its
+    draft can accept, nothing otherwise); deepening[r] = (n, rate^depth) of the nodes that deepen."""
+    gained, deepening = [], []
+    for reach, rate in zip(reaches, rates):
+        total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
+        for n, deepest in enumerate(reach[:longest], start=1):
+            if deepest > depth:
+                depth, power = deepest, power * rate
+                total += power
+                steps.append((n, power))
+            sums.append(total)
+        gained.append(sums)
+        deepening.append(steps)
+    return gained, deepening
