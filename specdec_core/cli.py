@@ -153,48 +153,17 @@ def _params(args):
 def run_generate(argv: list[str]) -> int:
     from pydantic import ValidationError
 
-    from .methods import get_method
-    from .model_registry import check_model_available
-    from .prompts import check_prompt_text, read_messages_file, read_text_file
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        # Everything that can be checked without loading a model is checked first.
-        spec = get_method(args.method)
-        if spec.needs_draft_model and not args.drafter:
-            parser.error(f"method {args.method!r} needs --drafter")
-        params, options = _params(args), _options(args)
-        if args.batch_size is not None and args.batch_size < 1:
-            parser.error("--batch-size must be >= 1")
-        if args.token_budget is not None and args.token_budget < 1:
-            parser.error("--token-budget must be >= 1")
-        prompt = args.prompt
-        messages = None
-        batch_lines = read_jsonl_requests(args.prompts_file) if args.prompts_file else None
-        context = read_text_file(args.context_file) if args.context_file else None
-        if args.prompt_file:
-            prompt = read_text_file(args.prompt_file)
-        elif args.messages_file:
-            messages = read_messages_file(args.messages_file)
-        if batch_lines is None and messages is None:
-            check_prompt_text(prompt)
-        check_model_available(args.model)
-        if spec.needs_draft_model:
-            check_model_available(args.drafter)
+        spec, params, options, inputs = _checked_inputs(parser, args)
         _quiet_transformers()
         from .engine import Engine, EngineConfig
 
-        engine = Engine(
-            EngineConfig(
-                model=args.model,
-                dtype=args.dtype,
-                device=args.device,
-                drafter=args.drafter if spec.needs_draft_model else None,
-                drafter_dtype=args.drafter_dtype,
-                deterministic=args.deterministic,
-            )
-        )
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                     drafter=args.drafter if spec.needs_draft_model else None,
+                                     drafter_dtype=args.drafter_dtype, deterministic=args.deterministic))
+        prompt, messages, batch_lines, context = inputs
         if batch_lines is not None:
             return run_batch(engine, batch_lines, args, params, options, context)
         result = engine.generate_ids(engine.prompt_ids(prompt, messages, args.raw), args.method, params, options,
@@ -208,6 +177,36 @@ def run_generate(argv: list[str]) -> int:
         print(result["output_text"])
         print(_summary(result), file=sys.stderr)
     return 0
+
+
+def _checked_inputs(parser, args):
+    """Everything that can be checked without loading a model, checked first: the method, the options, the input
+    files and the models' packages -> (method spec, params, options, (prompt, messages, batch lines, context))."""
+    from .methods import get_method
+    from .model_registry import check_model_available
+    from .prompts import check_prompt_text, read_messages_file, read_text_file
+
+    spec = get_method(args.method)
+    if spec.needs_draft_model and not args.drafter:
+        parser.error(f"method {args.method!r} needs --drafter")
+    params, options = _params(args), _options(args)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if args.token_budget is not None and args.token_budget < 1:
+        parser.error("--token-budget must be >= 1")
+    prompt, messages = args.prompt, None
+    batch_lines = read_jsonl_requests(args.prompts_file) if args.prompts_file else None
+    context = read_text_file(args.context_file) if args.context_file else None
+    if args.prompt_file:
+        prompt = read_text_file(args.prompt_file)
+    elif args.messages_file:
+        messages = read_messages_file(args.messages_file)
+    if batch_lines is None and messages is None:
+        check_prompt_text(prompt)
+    check_model_available(args.model)
+    if spec.needs_draft_model:
+        check_model_available(args.drafter)
+    return spec, params, options, (prompt, messages, batch_lines, context)
 
 
 def read_jsonl_requests(path: str) -> list[dict]:

@@ -25,6 +25,8 @@ from .numba_kernels import LazyKernel, use_torch_threads
 
 
 def _compile():
+    # One function: numba compiles the kernel with the bf16 widening it inlines, both defined here so that importing
+    # this module never imports numba (the kernel's own loop is one task's attention, not split further on purpose).
     from numba import njit, prange, types
     from numba.extending import overload
 

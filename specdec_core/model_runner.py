@@ -195,14 +195,20 @@ class ModelRunner:
         invariant = (visible.cpu(), lengths) if self.deterministic else None
         mask = None if invariant is not None or self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
-        if self.fast is not None:
-            with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
+        with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
+            if self.fast is not None:
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
                                        real if RaggedTokens.worth_it(real, self.gather_share) else None,
-                                       logit_index, captured,
-                                       query_heads, queries, invariant)
-            return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+                                       logit_index, captured, query_heads, queries, invariant)
+            else:
+                hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
+                                         queries)
+        return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+
+    def _hf_hidden(self, cache, input_ids, positions, mask, real, logit_index, captured, query_heads, queries):
+        """forward_slots through the model's own modules (architectures the fast forward does not cover): the
+        ragged gather, our attention and the capture hooks hooked in for this forward only -> [N, hidden]."""
         hooks = []
         with ExitStack() as scope:
             scope.callback(lambda: [hook.remove() for hook in hooks])
@@ -210,7 +216,6 @@ class ModelRunner:
                 scope.enter_context(self.ragged.only(real))
             if self.grouped_attention:
                 scope.enter_context(self._attention(grouped_attention.NAME))
-                scope.enter_context(grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim))
             for layer in captured or ():
                 hooks.append(self._capture_hook(layer, captured))
             if query_heads:
@@ -224,10 +229,9 @@ class ModelRunner:
                 else mask.to(self.device) if mask is not None else None,
                 past_key_values=cache,
                 use_cache=True,
-                cache_position=torch.arange(num_new, device=self.device),
+                cache_position=torch.arange(input_ids.shape[1], device=self.device),
             )
-        hidden = out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]  # [N, H]
-        return head(hidden) if head is not None else self.head_logits(hidden)
+        return out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]
 
     @contextmanager
     def _attention(self, name: str):
