@@ -256,9 +256,7 @@ class CrossVocabDrafter(PooledDrafter):
 
         Why the whole draft's probability and not each token's (HF's assistant confidence threshold): every later
         token is accepted only if all before it were, so a run of tokens each at 0.5 is worth less than its last
-        token's 0.5 says. Measured (Qwen2.5-Coder-1.5B <- SmolLM2-135M, HumanEval, batch 1, avx512_bf16 CPU, two
-        interleaved rounds): 25.1 / 25.5 s with the draft's probability >= 0.3, 27.2 / 28.7 s with each token's
-        >= 0.4, at mean accepted lengths 4.97 / 4.8 vs 4.65 / 4.8."""
+        token's 0.5 says (8-12 % faster passes: docs/decisions.md, "Cross-vocabulary drafting")."""
         floor = self.confidence_floor()
         if floor <= 0:
             return True
@@ -289,11 +287,8 @@ class SlemDrafter(CrossVocabDrafter):
     """SLEM: drafts `num_tokens` drafter tokens per step and proposes their TEXT in the target's tokens (one-hot).
 
     It drafts through the drafter's head over its frequent tokens and the row's own (frequent_tokens.py): its draft
-    is only a proposal, so a token it cannot name costs at most a shorter accepted draft. Measured earlier with Gemma
-    3 270M for Qwen2.5-Coder-1.5B (5 HumanEval prompts x 64 tokens, batch 1, avx512_bf16 CPU): the head over the
-    96,080 tokens the target shares gave mean accepted lengths 4.0 / 3.8 against 4.6 / 4.8 and no faster pass, and a
-    head over the 32,768 standard-library tokens alone 3.95 / 3.44: without the prompt's own tokens it could not
-    copy the prompt's identifiers."""
+    is only a proposal, so a token it cannot name costs at most a shorter accepted draft. Without the prompt's own
+    tokens it could not copy the prompt's identifiers (docs/decisions.md, "Cross-vocabulary drafting")."""
 
     heals_boundary = True
     head_tokens = "frequent"
