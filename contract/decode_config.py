@@ -35,6 +35,9 @@ class DecodeConfig(BaseModel):
                                                                   "(default and cap: the model's context)")
     row_timeout_s: float | None = Field(None, gt=0, description="a row decoding longer than this gets an error row "
                                                                  "and frees its slot; default: no limit")
+    hang_timeout_s: float | None = Field(None, gt=0, description="a decode actor whose forward has made no progress "
+                                         "for this long ends its process, counted as a crash (default: 20x the "
+                                         "slowest forward seen, at least 300 s)")
     memory_tokens: int = Field(DEFAULT_MEMORY_TOKENS, ge=0, description="suffix/auto: the job memory's bound in "
                                "output tokens per decode actor and method, oldest outputs evicted first (0: none)")
     memory_from: str | None = Field(None, description="suffix/auto: seed the job memory with the outputs of earlier "

@@ -75,6 +75,10 @@ def build_parser(prog: str, description: str, default_input: str | None, default
                              "options are skipped")
     parser.add_argument("--row-timeout-s", type=float, default=None,
                         help="a row decoding longer than this gets an error row and frees its slot (default: none)")
+    parser.add_argument("--hang-timeout-s", type=float, default=None,
+                        help="a decode actor whose forward has made no progress for this long ends its process and "
+                             "the job goes on without it (its rows are retried; a row that hangs every time gets an "
+                             "error row); default: 20x the slowest forward seen, at least 300 s")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="a longer prompt is an error row (default: the model's context)")
     parser.add_argument("--max-context-tokens", type=int, default=default("max_context_tokens"),
@@ -107,6 +111,7 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         default_task=default_task,
         num_actors=args.num_actors, cpus_per_actor=args.cpus_per_actor, num_gpus_per_actor=args.num_gpus_per_actor,
         limit=args.limit, resume=args.resume, rows_per_call=args.rows_per_call, row_timeout_s=args.row_timeout_s,
+        hang_timeout_s=args.hang_timeout_s,
         max_prompt_tokens=args.max_prompt_tokens, max_context_tokens=args.max_context_tokens,
         max_error_fraction=args.max_error_fraction, memory_tokens=args.memory_tokens,
         # Actors may not share the driver's working directory: the outputs by their absolute path.

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .crash_journal import BATCH_ATTEMPTS, batch_key
+from .hang_watchdog import HangWatchdog
 from .score_outputs import output_annotations
 
 
@@ -41,6 +44,8 @@ class DecodeRequests:
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
         self.journal = journal
+        # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
+        self.watchdog = HangWatchdog(cfg.hang_timeout_s) if journal is not None else None
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.decode import DecodeParams
@@ -81,9 +86,10 @@ class DecodeRequests:
     def _decode_method(self, rows: list[dict], method: str) -> list[dict]:
         """One batched decoder pass of `method` over the call's rows (later turns join as earlier ones finish)."""
         run = _MethodPass(self, method)
-        run.submit_first_turns(rows)
-        for key, result in self.engine.results(run.decoder, method):
-            run.finish(key, result)
+        with self.watchdog.watching(run.decoder) if self.watchdog is not None else nullcontext():
+            run.submit_first_turns(rows)
+            for key, result in self.engine.results(run.decoder, method):
+                run.finish(key, result)
         return run.rows()
 
     def _decode_all(self, rows: list[dict]) -> list[dict]:
@@ -121,7 +127,8 @@ class DecodeRequests:
                 if state == "crashed":
                     unit_rows = self._error_rows(row, method, (
                         "decoding crashed the worker: its process died while decoding this row, alone, after its "
-                        f"batch had crashed {BATCH_ATTEMPTS} times (out of memory or a native crash)"))
+                        f"batch had crashed {BATCH_ATTEMPTS} times (out of memory, a native crash, or a forward that "
+                        "hung until the hang watchdog ended it)"))
                 else:
                     unit_rows = self._decode_alone(row, method)
                 ray.get(self.journal.finish_unit.remote(key, unit, unit_rows))
@@ -181,7 +188,7 @@ class _MethodPass:
     def submit(self, turn: _Turn) -> None:
         from specdec_core.engine import BatchItem
 
-        _maybe_crash_on_row_for_test(turn.row)
+        _maybe_fault_on_row_for_test(turn.row)
         item = BatchItem(self.next_key, turn.prompt_ids, self.stage._params(turn.row.get("max_new_tokens")),
                          turn.row.get("context_ids"))
         self.decoder.submit(self.engine.request(item, self.method, self.stage.config.method_options, self.decoder))
@@ -263,14 +270,19 @@ def _contract_fields(result: dict) -> dict:
 
 
 POISON_ENV = "SPECBATCH_TEST_CRASH_ON_ROW"
+HANG_ENV = "SPECBATCH_TEST_HANG_ON_ROW"
 
 
-def _maybe_crash_on_row_for_test(row: dict) -> None:
-    """Fault-injection hook for the poison-row test: the row whose id POISON_ENV names kills its worker process
-    every time it is decoded (as a native crash or an out-of-memory kill would)."""
-    poison = os.environ.get(POISON_ENV)
-    if poison and str(row.get("id")) == poison:
+def _maybe_fault_on_row_for_test(row: dict) -> None:
+    """Fault-injection hooks for the cluster test (set through the job's runtime environment, the only way into its
+    actors): the row whose id POISON_ENV names kills its worker process every time it is decoded (as a native crash
+    or an out-of-memory kill would); the row HANG_ENV names never returns (as a deadlocked forward would)."""
+    row_id = str(row.get("id"))
+    if os.environ.get(POISON_ENV) == row_id:
         os._exit(1)
+    if os.environ.get(HANG_ENV) == row_id:
+        while True:
+            time.sleep(60)
 
 
 def _actor_id() -> str:

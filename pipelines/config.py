@@ -65,7 +65,7 @@ class GenerationConfig(DecodeConfig):
 
     # Fields that change a row's output (with the request itself and the method): the resume key. Batch size,
     # token budget and actors change speed only (lossless methods give the same tokens at any batch size).
-    # --max-prompt-tokens, --max-context-tokens and --row-timeout-s only decide which rows fail, so they are not
+    # --max-prompt-tokens, --max-context-tokens and the row and hang timeouts only decide which rows fail, so they are not
     # part of it either: a resume with a larger limit does not redo the rows that succeeded.
     OUTPUT_FIELDS: ClassVar[tuple[str, ...]] = (
         "job", "model", "drafter", "drafter_dtype", "dtype", "device", "deterministic", "max_new_tokens", "temperature", "top_p",

@@ -108,6 +108,10 @@ class BatchDecoder:
         self.waiting: deque[DecodeRequest] = deque()
         self.finished: deque[tuple[DecodeRequest, DecodeResult | str]] = deque()
         self.stats = BatchStats()
+        # When a forward (or a step around it) last finished, and the slowest so far: a job's hang watchdog reads
+        # them (operators/hang_watchdog.py), as a forward stuck in native code cannot be interrupted from Python.
+        self.last_progress = time.monotonic()
+        self.slowest_forward_s = 0.0
         self.draft_pool = None  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
         self.job_memory = None  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
         self.max_draft = max_draft
@@ -275,6 +279,7 @@ class BatchDecoder:
                                            torch.tensor(ending, dtype=torch.long).view(-1, 2), rows=indices,
                                            **signals.forward_kwargs())  # [len(ending), vocab]
         self.stats.prefill_s += time.perf_counter() - forward_started
+        self._progress(time.perf_counter() - forward_started)
         for entry, chunk, index in zip(group, chunks, indices):
             entry.done += chunk
             self.cache.set_length(index, entry.done)
@@ -326,10 +331,15 @@ class BatchDecoder:
         started, before = time.perf_counter(), self.stats.new_tokens
         count, width, real = self._verify(self.rows)
         finished = time.perf_counter()
+        self._progress(finished - step_started)
         drafting_s = started - step_started - self.budget.pricing.prefill_s
         self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
                                 drafting_s=drafting_s)
         self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
+
+    def _progress(self, seconds: float) -> None:
+        self.last_progress = time.monotonic()
+        self.slowest_forward_s = max(self.slowest_forward_s, seconds)
 
     def _propose(self, drafting: bool) -> dict[int, DraftPool]:
         """Each row's proposal, or only the pinned rows' while drafting rests. A seeded sampling row's draws depend

@@ -82,19 +82,20 @@ def _quietly(action) -> None:
         pass
 
 
-def test_ray_job_submit_survives_a_poison_row_and_a_corrupt_file_at_their_own_rows_cost(cluster, tmp_path):
-    """`ray job submit` of the job, which meets two faults on the cluster: row r2 kills its decode actor's process
+def test_ray_job_submit_survives_a_poison_row_a_hung_row_and_a_corrupt_file_at_their_own_rows_cost(cluster, tmp_path):
+    """`ray job submit` of the job, which meets three faults on the cluster: row r2 kills its decode actor's process
     whenever it is decoded, mid-call (as a native crash, an OOM kill or a lost node would; the batch is tried twice,
-    then redone one (request, method) at a time), and one input file is not Parquet. The actor is replaced after
-    each kill, r2 and the corrupt file get error rows, and every other row, decoded in the calls that were killed, is
-    written exactly once. The fault hook reaches the actors through the job's runtime environment. (One job for the
-    submit and the faults: each was a job of its own, ~60 s of the suite apiece.)"""
+    then redone one (request, method) at a time); row r4 never returns (as a deadlocked forward would), until the
+    hang watchdog ends its process after --hang-timeout-s; and one input file is not Parquet. The actor is replaced
+    after each death, r2, r4 and the corrupt file get error rows, and every other row, decoded in the calls that
+    were killed, is written exactly once. The fault hooks reach the actors through the job's runtime environment.
+    (One job for the submit and the faults: each was a job of its own, ~60 s of the suite apiece.)"""
     import json
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from operators.decode_requests import POISON_ENV
+    from operators.decode_requests import HANG_ENV, POISON_ENV
 
     source = tmp_path / "in"
     source.mkdir()
@@ -104,9 +105,10 @@ def test_ray_job_submit_survives_a_poison_row_and_a_corrupt_file_at_their_own_ro
     out = tmp_path / "out"
     proc = subprocess.run(
         [RAY, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
-         "--runtime-env-json", json.dumps({"env_vars": {POISON_ENV: "r2"}}), "--",
+         "--runtime-env-json", json.dumps({"env_vars": {POISON_ENV: "r2", HANG_ENV: "r4"}}), "--",
          sys.executable, "jobs/summarize.py", "--input", str(source), "--output", str(out), "--method", "copyspec",
-         "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6", "--max-error-fraction", "0.5"],
+         "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "6", "--max-error-fraction", "0.5",
+         "--hang-timeout-s", "20"],
         capture_output=True, text=True, timeout=480, cwd=ROOT, env=cluster)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr
@@ -114,7 +116,7 @@ def test_ray_job_submit_survives_a_poison_row_and_a_corrupt_file_at_their_own_ro
     ids = [f"r{i}" for i in range(6)] + ["corrupt.parquet"]
     assert sorted(r["request_id"] for r in rows) == sorted(ids) and {str(r["method"]) for r in rows} == {"copyspec"}
     for row in rows:
-        if row["request_id"] == "r2":
+        if row["request_id"] in ("r2", "r4"):
             assert row["error"].startswith("decoding crashed the worker"), row["error"]
         elif row["request_id"] == "corrupt.parquet":
             assert "Parquet file corrupt.parquet cannot be read" in row["error"], row["error"]
