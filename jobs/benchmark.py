@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.reports import write_report_files
     from pipelines.generate import init_ray
 
-    init_ray(args.address)
+    init_ray(args.address, output=config.output)
     result = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr))
     results_dir = Path(config.output) / "benchmark"
     report, _ = write_report_files(config.output, result["speedup_run"], results_dir)

@@ -227,7 +227,7 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
     from pipelines.generate import RunExistsError
     from pipelines.outputs import RunLockedError
 
-    init_ray(args.address)
+    init_ray(args.address, output=config.output)
     try:
         summary = run_generation(config)
     except (RunExistsError, RunLockedError) as exc:

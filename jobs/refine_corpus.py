@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.outputs import RunLockedError
     from pipelines.refine import run_refinement
 
-    init_ray(args.address)
+    init_ray(args.address, output=config.output)
     try:
         summary = run_refinement(config, settings)
     except (RunLockedError, SpecbatchError) as exc:

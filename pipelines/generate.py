@@ -6,12 +6,17 @@ decode actors can hold the rest without starving them (a 2-CPU cluster deadlocks
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import platform
-import warnings
+import shutil
+import sys
+import tempfile
 import time
+import warnings
 from datetime import datetime, timezone
+from pathlib import Path
 
 from .config import GenerationConfig
 from .outputs import (
@@ -23,11 +28,13 @@ from .outputs import (
 LIGHT_TASK_CPUS = 0.25
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None, num_cpus: int | None = None, output: str | None = None) -> None:
     """Embedded local Ray unless an address is given or we run under `ray job submit` (RAY_ADDRESS is set).
 
     Actor output (tracebacks, restarts) reaches the job's log; Ray's own logs only from warnings up, and Ray Data's
-    per-second progress lines are off (progress.py draws the job's one bar).
+    per-second progress lines are off (progress.py draws the job's one bar). The embedded cluster keeps its files in
+    a temporary directory of its own, removed when the process exits; its logs are first copied to
+    OUTPUT/logs/ray-TIME/ (`output`; None: not kept), so a finished job leaves nothing in the machine's temp dir.
     """
     import logging
 
@@ -42,15 +49,38 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         use_private_token()
         logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)  # "token auth is on": it is ours
         # address="local": a plain ray.init() would silently attach to any `ray start` cluster on this machine.
+        # A short path: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes.
+        temp_dir = tempfile.mkdtemp(prefix="specbatch-ray-")
+        logs_to = None if output is None else os.path.join(
+            output, "logs", "ray-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"))
+        atexit.register(keep_logs_and_remove, temp_dir, logs_to)
         with loopback_node_address():
             ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                      log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
-                     _system_config=QUIET_EMBEDDED_CLUSTER)
+                     _system_config=QUIET_EMBEDDED_CLUSTER, _temp_dir=temp_dir)
     import ray.data
 
     # After the import: importing ray.data configures its loggers (INFO lines per execution on the console).
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     quiet_data_context()
+
+
+def keep_logs_and_remove(temp_dir: str, logs_to: str | None) -> None:
+    """At exit (registered after ray.init, so it runs before Ray's own shutdown hook): stop the embedded cluster,
+    copy its logs to `logs_to`, remove its temporary directory."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    try:
+        logs = Path(temp_dir) / "session_latest" / "logs"
+        if logs_to is not None and logs.is_dir():
+            shutil.copytree(logs, logs_to, dirs_exist_ok=True, ignore_dangling_symlinks=True,
+                            ignore=shutil.ignore_patterns("*.sock"))
+    except OSError as exc:  # the job's outputs are written already: a log copy that fails only says so
+        print(f"specbatch: could not keep Ray's logs in {logs_to}: {exc}", file=sys.stderr)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # What the embedded cluster changes from Ray's defaults, for the CPUs its actors share with Ray's own processes (on

@@ -103,7 +103,7 @@ def check_output(config: RefineConfig, settings: dict) -> None:
     out = Path(config.output)
     saved = out / SETTINGS_FILE
     if not saved.exists():
-        if out.exists() and any(p.name != "_locks" for p in out.iterdir()):
+        if out.exists() and any(p.name not in ("_locks", "logs") for p in out.iterdir()):
             raise SpecbatchError(f"{out} exists and is not a refinement output: choose an empty or new directory")
         return
     if not config.resume:

@@ -122,3 +122,4 @@ def test_ray_job_submit_survives_a_poison_row_a_hung_row_and_a_corrupt_file_at_t
             assert "Parquet file corrupt.parquet cannot be read" in row["error"], row["error"]
         else:
             assert row["error"] is None and row["new_tokens"] > 0, row
+
