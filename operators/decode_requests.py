@@ -36,16 +36,25 @@ class DecodeRequests:
         # Ray sets OMP_NUM_THREADS=1 in actors; use the CPUs this actor was given instead.
         torch.set_num_threads(max(1, torch_threads))
         transformers_logging.disable_progress_bar()  # actor output goes to the job's log: no weight-loading bars
-        self.config = DecodeConfig.model_validate(config)
-        cfg = self.config
-        self.engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype,
-                                          deterministic=cfg.deterministic, memory_tokens=cfg.memory_tokens,
-                                          memory_from=cfg.memory_from))
+        cfg = DecodeConfig.model_validate(config)
+        engine = Engine(EngineConfig(cfg.model, cfg.dtype, cfg.device, cfg.drafter, cfg.drafter_dtype,
+                                     deterministic=cfg.deterministic, memory_tokens=cfg.memory_tokens,
+                                     memory_from=cfg.memory_from))
+        self._attach(engine, cfg, journal)
+
+    @classmethod
+    def on_engine(cls, engine, config, journal=None) -> "DecodeRequests":
+        """The stage on an engine already loaded (the tests share one per session); config: a DecodeConfig."""
+        stage = cls.__new__(cls)
+        stage._attach(engine, config, journal)
+        return stage
+
+    def _attach(self, engine, config, journal) -> None:
+        self.engine, self.config, self.journal = engine, config, journal
         self.host = socket.gethostname()
         self.actor_id = _actor_id()
-        self.journal = journal
         # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
-        self.watchdog = HangWatchdog(cfg.hang_timeout_s) if journal is not None else None
+        self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.decode import DecodeParams
@@ -286,9 +295,12 @@ def _maybe_fault_on_row_for_test(row: dict) -> None:
 
 
 def _actor_id() -> str:
+    """The Ray actor's id, or the process id outside Ray (the runtime context would start a Ray of its own)."""
     try:
         import ray
 
-        return ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
     except Exception:
-        return f"pid-{os.getpid()}"
+        pass
+    return f"pid-{os.getpid()}"

@@ -14,10 +14,8 @@ pytestmark = pytest.mark.slow
 def stage(engine):
     from contract.decode_config import DecodeConfig
 
-    decode = DecodeRequests.__new__(DecodeRequests)  # the session's engine instead of a second model load
-    decode.config = DecodeConfig(methods=["ar", "copyspec"], max_new_tokens=4, batch_size=4)
-    decode.engine, decode.host, decode.actor_id, decode.journal = engine, "test", "test", None
-    return decode
+    # the session's engine instead of a second model load
+    return DecodeRequests.on_engine(engine, DecodeConfig(methods=["ar", "copyspec"], max_new_tokens=4, batch_size=4))
 
 
 def batch(*rows):

@@ -84,9 +84,8 @@ def test_the_memory_lasts_across_a_decode_actors_calls_and_changes_no_output(fre
     from operators.requests_schema import normalize_row
 
     engine = fresh_memory
-    stage = DecodeRequests.__new__(DecodeRequests)  # the session's engine instead of a second model load
-    stage.config = DecodeConfig(methods=["ar", "suffix"], max_new_tokens=16, batch_size=4)
-    stage.engine, stage.host, stage.actor_id, stage.journal = engine, "test", "test", None
+    # the session's engine instead of a second model load
+    stage = DecodeRequests.on_engine(engine, DecodeConfig(methods=["ar", "suffix"], max_new_tokens=16, batch_size=4))
     rows = [{"id": name, "prompt": f"Write the first three sentences of a README for a tool named {name}."}
             for name in ("alpha", "beta")]
     batch = BuildPrompts("smollm2-135m")(pd.DataFrame([normalize_row(r) for r in rows])).to_pandas()
