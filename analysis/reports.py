@@ -84,6 +84,11 @@ REPORTS: dict[str, Report] = {
         FROM generations WHERE quality IS NOT NULL AND {RUN_FILTER} GROUP BY ALL ORDER BY task, lossy, method""",
         "ROUGE-L for summaries, exact match for computable code edits, token F1 for QA. lossy = the method may "
         "change the output (casd, casd_mixed): compare its quality with ar's, not only its speed."),
+    "nodes": Report("Rows per node", f"""
+        SELECT coalesce(node_id, '-') AS node_id, any_value(host) AS host, method, count(*) AS rows,
+               count(error) AS errors, sum(new_tokens) AS new_tokens, count(DISTINCT actor_id) AS actors
+        FROM generations WHERE {RUN_FILTER} GROUP BY ALL ORDER BY node_id, method""",
+        "which Ray node's decode actors decoded the rows (`-`: decoded outside Ray)."),
     "errors": Report("Errors", f"""
         SELECT method, count(*) AS rows, count(error) AS errors,
                arg_max(error, error IS NOT NULL) FILTER (WHERE error IS NOT NULL) AS example_error

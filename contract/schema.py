@@ -61,6 +61,9 @@ GENERATIONS_SCHEMA = pa.schema([
     # Hash of what determines this row's output besides the request: method, model, drafter, dtype asked for,
     # sampling and decoding parameters, prompt options. --resume skips a pair only when its key is unchanged.
     ("decode_key", pa.string()),
+    # The Ray node whose actor decoded the row (null outside Ray): `host` names the machine, which several nodes
+    # may share.
+    ("node_id", pa.string()),
 ])
 
 METHOD_STATS = pa.struct([

@@ -52,7 +52,7 @@ class DecodeRequests:
     def _attach(self, engine, config, journal) -> None:
         self.engine, self.config, self.journal = engine, config, journal
         self.host = socket.gethostname()
-        self.actor_id = _actor_id()
+        self.actor_id, self.node_id = _actor_id(), _node_id()
         # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
         self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
 
@@ -79,7 +79,7 @@ class DecodeRequests:
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
             "turn": turn, "batch_size": cfg.batch_size, "deterministic": cfg.deterministic,
-            "decode_key": cfg.decode_keys.get(method),
+            "decode_key": cfg.decode_keys.get(method), "node_id": self.node_id,
         }
 
     def _error_rows(self, row: dict, method: str, error: str, first_turn: int = 1) -> list[dict]:
@@ -292,6 +292,16 @@ def _maybe_fault_on_row_for_test(row: dict) -> None:
     if os.environ.get(HANG_ENV) == row_id:
         while True:
             time.sleep(60)
+
+
+def _node_id() -> str | None:
+    """The Ray node this stage runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
 
 
 def _actor_id() -> str:

@@ -193,9 +193,13 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         batch_size=config.ray_batch_rows(),
         # One call in flight per actor: a call queued behind a poison row would otherwise die with it, again and
         # again, without the journal counting anything for it (decode calls take minutes: nothing is lost).
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=config.num_actors, max_tasks_in_flight_per_actor=1),
+        # All --num-actors from the start (an autoscaling pool grew only when calls queued, so a short job on a
+        # cluster could leave a node idle).
+        compute=ray.data.ActorPoolStrategy(size=config.num_actors, max_tasks_in_flight_per_actor=1),
         num_cpus=actor_cpus,
         num_gpus=config.num_gpus_per_actor or None,
+        # One actor per node before a second on any: on a cluster, --num-actors 2 uses two machines' CPUs.
+        scheduling_strategy="SPREAD",
         # A dead actor is restarted and its call retried (rows reach the writer only from finished calls, so none
         # is written twice). Ray Data's default retries a call forever; with the journal each crash is progress,
         # so a call needs at most this many retries (crash_journal.py). Restarts stay unbounded: every restart
