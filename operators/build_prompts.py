@@ -13,13 +13,48 @@ from .skip_done import todo_methods
 from .task_prompts import compose_prompt
 
 
+class SeenIds:
+    """Which request ids the run has seen, and at which input positions: the n-th row with an id becomes request
+    "ID#dup-n" with an error, not a second decode of ID that the speed-up view would count twice or a resume would
+    mistake for the first row's output. In a Ray job a small actor of the driver's (pipelines/generate.py), so a
+    restarted prompt actor does not start over with an empty table, and a row read again (a retried batch) keeps
+    the rank it got: it is the same position, not a second row."""
+
+    def __init__(self):
+        # id digest -> the position digest of its one row so far, or {position digest: rank} once it has several
+        self.seen: dict[bytes, bytes | dict[bytes, int]] = {}
+
+    def claim(self, rows: list[tuple[bytes, bytes | None]]) -> list[int]:
+        """(id digest, position digest or None: a row without a position is always a new one) per row -> its rank
+        among the rows with its id, 1 for the first."""
+        ranks = []
+        for digest, position in rows:
+            known = self.seen.get(digest)
+            if known is None:
+                self.seen[digest] = position if position is not None else {b"": 1}
+                ranks.append(1)
+                continue
+            if not isinstance(known, dict):
+                known = self.seen[digest] = {known: 1}
+            if position is None or position not in known:
+                position = position if position is not None else len(known).to_bytes(8, "little") + b"#"
+                known[position] = len(known) + 1
+            ranks.append(known[position])
+        return ranks
+
+
+def _digest(text) -> bytes:
+    return hashlib.blake2b(str(text).encode("utf-8", "replace"), digest_size=8).digest()
+
+
 class BuildPrompts:
     """Ray Data callable class: requests (pandas) -> requests (Arrow) with prompt_ids / prompt_tokens filled."""
 
     def __init__(self, model: str, task_template: str | None = None, max_prompt_tokens: int | None = None,
                  instruction: str | None = None, max_context_chars: int = 6000, default_task: str | None = None,
                  done: frozenset[str] = frozenset(), methods: list[str] | None = None,
-                 max_context_tokens: int = 1 << 20):
+                 max_context_tokens: int = 1 << 20, seen_ids=None):
+        """seen_ids: the run's SeenIds actor (a Ray actor handle); None keeps a table of this stage's own."""
         from transformers import AutoConfig, AutoTokenizer
 
         from specdec_core.model_registry import resolve_model_path
@@ -34,10 +69,7 @@ class BuildPrompts:
         # No token is longer than this many characters, so a text longer than limit x this has more than `limit`
         # tokens: refused before tokenizing it (a multi-GB row would exhaust the tokenizer's memory first).
         self.chars_per_token = max(len(token) for token in self.tokenizer.get_vocab())
-        # id digest (8 bytes) -> rows seen with that id. This is the pipeline's one prompt actor, so it sees every
-        # row: the n-th row with an id becomes request "ID#dup-n" with an error, not a second decode of ID that the
-        # speed-up view would count twice or a resume would mistake for the first row's output.
-        self.seen_ids: dict[bytes, int] = {}
+        self.seen_ids = seen_ids if seen_ids is not None else SeenIds()
         self.task_template = task_template
         self.instruction = instruction
         self.max_context_chars = max_context_chars
@@ -59,13 +91,21 @@ class BuildPrompts:
             return build_prompt_ids(self.tokenizer, messages=json.loads(row["messages"]))
         return build_prompt_ids(self.tokenizer, prompt=row["prompt"])
 
-    def mark_duplicate(self, row: dict) -> None:
-        digest = hashlib.blake2b(str(row["id"]).encode("utf-8", "replace"), digest_size=8).digest()
-        seen = self.seen_ids.get(digest, 0) + 1
-        self.seen_ids[digest] = seen
-        if seen > 1:
-            row["input_error"] = f"duplicate id {row['id']!r}: row {seen} with this id in the input"
-            row["id"] = f"{row['id']}#dup-{seen}"
+    def mark_duplicates(self, rows: list[dict]) -> None:
+        """Rows whose id an earlier row of the input had get an error and the id "ID#dup-n" (this is the pipeline's
+        one prompt stage: every row passes here)."""
+        claims = [(_digest(row["id"]), _digest(row["position"]) if row.get("position") else None) for row in rows]
+        claim = self.seen_ids.claim
+        if hasattr(claim, "remote"):  # the run's actor
+            import ray
+
+            ranks = ray.get(claim.remote(claims))
+        else:
+            ranks = claim(claims)
+        for row, rank in zip(rows, ranks):
+            if rank > 1:
+                row["input_error"] = f"duplicate id {row['id']!r}: row {rank} with this id in the input"
+                row["id"] = f"{row['id']}#dup-{rank}"
 
     def tokenize(self, row: dict) -> None:
         """Fill prompt_ids / prompt_tokens and context_ids, or input_error for a prompt or context over its limit."""
@@ -102,8 +142,9 @@ class BuildPrompts:
         from specdec_core.errors import SpecbatchError
 
         rows = []
-        for row in batch_rows(batch):
-            self.mark_duplicate(row)  # before the resume filter: a duplicate's own id is what was written
+        batch = batch_rows(batch)
+        self.mark_duplicates(batch)  # before the resume filter: a duplicate's own id is what was written
+        for row in batch:
             if self.done:
                 row["todo_methods"] = todo_methods(row, self.done, self.methods)
                 if not row["todo_methods"]:

@@ -48,7 +48,7 @@ def parse_jsonl_file(item: dict) -> list[dict]:
             value = {"id": f"{Path(path).name}:{number}", "input_error": f"line {number} is not valid UTF-8"}
         except ValueError as exc:
             value = {"id": f"{Path(path).name}:{number}", "input_error": f"line {number} is not valid JSON: {exc}"}
-        rows.append({"raw": json.dumps(value, default=str)})
+        rows.append({"raw": json.dumps(value, default=str), "position": f"{path}:{number}"})
     return rows
 
 
@@ -70,16 +70,17 @@ def parse_parquet_file(item: dict) -> list[dict]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:
-        return [_raw({"id": name, "input_error": f"Parquet file {name} cannot be read: {_first_line(exc)}"})]
+        return [_raw({"id": name, "input_error": f"Parquet file {name} cannot be read: {_first_line(exc)}"}, path)]
     rows = []
     for group in range(parquet.num_row_groups):
         try:
             records = parquet.read_row_group(group).to_pylist()
         except Exception as exc:
             rows.append(_raw({"id": f"{name}:row-group-{group}", "input_error": (
-                f"row group {group} of Parquet file {name} cannot be read: {_first_line(exc)}")}))
+                f"row group {group} of Parquet file {name} cannot be read: {_first_line(exc)}")}, f"{path}:{group}"))
             continue
-        rows.extend(_raw(_text_from_bytes({**partition, **record})) for record in records)
+        rows.extend(_raw(_text_from_bytes({**partition, **record}), f"{path}:{group}:{index}")
+                    for index, record in enumerate(records))
     return rows
 
 
@@ -97,20 +98,29 @@ def _text_from_bytes(record: dict) -> dict:
     return out
 
 
-def _raw(record: dict) -> dict:
-    return {"raw": json.dumps(record, default=str)}
+def _raw(record: dict, position: str) -> dict:
+    return {"raw": json.dumps(record, default=str), "position": position}
 
 
 def _first_line(exc: Exception) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
+HF_POSITION = "__specbatch_position"  # a column added to a `hf:` dataset's rows: their index
+
+
 def normalize_batch(batch) -> "object":
-    """map_batches UDF (pandas in, Arrow out): raw rows -> the requests schema."""
+    """map_batches UDF (pandas in, Arrow out): raw rows -> the requests schema, each with its input position."""
     records = batch.to_dict("records")
     if "raw" in batch.columns:
+        positions = [r.get("position") for r in records]
         records = [json.loads(r["raw"]) for r in records]
-    return requests_table([normalize_row(_drop_nans(r)) for r in records])
+    else:
+        positions = [r.pop(HF_POSITION, None) for r in records]
+    rows = [normalize_row(_drop_nans(r)) for r in records]
+    for row, position in zip(rows, positions):
+        row["position"] = position if isinstance(position, str) else None
+    return requests_table(rows)
 
 
 def _drop_nans(record: dict) -> dict:
@@ -140,12 +150,14 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
 
     check_input_path(source)
     if source.startswith("workload:"):
-        rows = [{"raw": json.dumps(r)} for r in workload_rows(source.split(":", 1)[1], limit)]
+        name = source.split(":", 1)[1]
+        rows = [_raw(r, f"workload:{name}:{i}") for i, r in enumerate(workload_rows(name, limit))]
         dataset = ray.data.from_items(rows)
     elif source.startswith("hf:"):
         import datasets
 
-        dataset = ray.data.from_huggingface(datasets.load_from_disk(source[3:]))
+        rows = datasets.load_from_disk(source[3:])
+        dataset = ray.data.from_huggingface(rows.add_column(HF_POSITION, [f"hf:{i}" for i in range(len(rows))]))
     else:
         path = Path(source)
         is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))

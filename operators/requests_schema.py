@@ -29,6 +29,9 @@ REQUESTS_SCHEMA = pa.schema([
     ("prompt_tokens", pa.int64()),
     ("context_ids", pa.list_(pa.int32())),  # the context in the model's tokens: copy drafters' extra source
     ("todo_methods", pa.list_(pa.string())),  # --resume: the methods this request still needs (null: all)
+    # Where the row is in the input (FILE:LINE, FILE:GROUP:INDEX, workload:NAME:INDEX, hf:INDEX): the same on every
+    # read, so the run's seen-ids table (build_prompts.SeenIds) tells a retried row from a second row with its id.
+    ("position", pa.string()),
 ])
 
 

@@ -157,7 +157,7 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
     import ray
     import ray.data
 
-    from operators.build_prompts import BuildPrompts
+    from operators.build_prompts import BuildPrompts, SeenIds
     from operators.crash_journal import max_task_retries
     from operators.decode_requests import DecodeRequests
     from operators.read_requests import read_requests
@@ -181,7 +181,7 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         "model": config.model, "task_template": config.task_template, "max_prompt_tokens": config.max_prompt_tokens,
         "max_context_tokens": config.max_context_tokens, "instruction": config.instruction,
         "max_context_chars": config.max_context_chars, "default_task": config.default_task, "done": done,
-        "methods": config.methods})
+        "methods": config.methods, "seen_ids": driver_actor(SeenIds)})
     return prompts.map_batches(
         DecodeRequests,
         fn_constructor_kwargs={
@@ -223,14 +223,18 @@ def one_light_actor(dataset, stage, config: GenerationConfig, kwargs: dict):
 def new_crash_journal():
     """The run's CrashJournal, on the driver's node (a job whose driver's node is gone is gone anyway). Restarted
     if it dies: it then forgets attempts, which costs extra attempts, never a row."""
+    from operators.crash_journal import CrashJournal
+
+    return driver_actor(CrashJournal)
+
+
+def driver_actor(cls):
+    """A small actor of the run's (no CPUs) on the driver's node, where the job lives or dies anyway."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from operators.crash_journal import CrashJournal
-
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, scheduling_strategy=here)(
-        CrashJournal).remote()
+    return ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, scheduling_strategy=here)(cls).remote()
 
 
 class RunExistsError(RuntimeError):

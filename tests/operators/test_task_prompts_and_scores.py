@@ -126,3 +126,46 @@ def test_prompt_stage_flags_duplicate_ids_and_prompts_or_contexts_over_their_tok
     assert "certainly over the limit of 120 tokens" in out[("huge", 5)]["input_error"]
     # the limit is never above the model's own context
     assert BuildPrompts("smollm2-135m", max_prompt_tokens=10**9).max_prompt_tokens == 8192
+
+
+def test_a_restarted_prompt_stage_still_knows_the_runs_ids_and_a_retried_row_is_not_its_own_duplicate():
+    """The seen-ids table outlives the prompt stage (in a job, an actor of the driver's): a fresh stage on the same
+    table flags the second row with a seen id, and a batch read again (a retry after the stage's actor died) keeps
+    its ranks, because its rows have the same input positions."""
+    import pandas as pd
+
+    from operators.build_prompts import BuildPrompts, SeenIds
+
+    def batch(*rows):
+        return pd.DataFrame([{**normalize_row({"id": row_id, "prompt": "Say hi."}), "position": position}
+                             for row_id, position in rows])
+
+    table = SeenIds()
+    first = BuildPrompts("smollm2-135m", seen_ids=table)
+    ids = [r["id"] for r in first(batch(("a", "in.jsonl:1"), ("b", "in.jsonl:2"))).to_pylist()]
+    assert ids == ["a", "b"]
+    restarted = BuildPrompts("smollm2-135m", seen_ids=table)  # the first stage's actor died
+    again = restarted(batch(("a", "in.jsonl:1"), ("b", "in.jsonl:2"))).to_pylist()  # its batch, retried
+    assert [(r["id"], r["input_error"]) for r in again] == [("a", None), ("b", None)]
+    later = restarted(batch(("c", "in.jsonl:3"), ("a", "in.jsonl:4"), ("a", "other.jsonl:1"))).to_pylist()
+    assert [(r["id"], r["input_error"]) for r in later] == [
+        ("c", None), ("a#dup-2", "duplicate id 'a': row 2 with this id in the input"),
+        ("a#dup-3", "duplicate id 'a': row 3 with this id in the input")]
+    assert SeenIds().claim([(b"x" * 8, None), (b"x" * 8, None)]) == [1, 2]  # rows without a position: each new
+
+
+def test_every_input_row_carries_its_position_in_the_input(tmp_path):
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from operators.read_requests import normalize_batch, parse_jsonl_file, parse_parquet_file
+
+    lines = parse_jsonl_file({"path": "in.jsonl", "bytes": b'{"id": "a", "prompt": "x"}\n\n{"id": "b"}\n'})
+    assert [r["position"] for r in lines] == ["in.jsonl:1", "in.jsonl:3"]
+    pq.write_table(pa.table({"id": ["p", "q"], "prompt": ["x", "y"]}), tmp_path / "t.parquet")
+    records = parse_parquet_file({"path": str(tmp_path / "t.parquet")})
+    assert [r["position"] for r in records] == [f"{tmp_path / 't.parquet'}:0:0", f"{tmp_path / 't.parquet'}:0:1"]
+    normalized = normalize_batch(pd.DataFrame(lines + records)).to_pylist()
+    assert [(r["id"], r["position"]) for r in normalized] == [
+        ("a", "in.jsonl:1"), ("b", "in.jsonl:3"), ("p", records[0]["position"]), ("q", records[1]["position"])]
