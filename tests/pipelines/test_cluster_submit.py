@@ -16,6 +16,12 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
+# `ray start` with the node address kept as given: the CLI swaps a loopback --node-ip-address for the machine's
+# outside address (services.resolve_ip_for_localhost), and its servers then listen on every interface
+# (pipelines/generate.loopback_node_address does the same for the embedded cluster).
+RAY_START_ON_LOOPBACK = [sys.executable, "-c", "import sys; from ray._private import services; "
+                         "services.resolve_ip_for_localhost = lambda host: host; "
+                         "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())", "start"]
 
 
 @pytest.fixture
@@ -44,17 +50,22 @@ def cluster(tmp_path):
     try:
         head_log = tmp_path / "ray_head.log"
         nodes.append(subprocess.Popen(
-            [RAY, "start", "--head", "--port", str(gcs_port), *common, "--num-cpus", "3", "--temp-dir", temp_dirs[0],
+            [*RAY_START_ON_LOOPBACK, "--head", "--port", str(gcs_port), *common, "--num-cpus", "3", "--temp-dir", temp_dirs[0],
              "--include-dashboard=true",
              "--dashboard-host", "127.0.0.1", "--dashboard-agent-listen-port", str(_free_port())],
             stdout=open(head_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         _wait(lambda: _dashboard_up(), nodes[0], head_log)
         worker_log = tmp_path / "ray_worker.log"
         nodes.append(subprocess.Popen(
-            [RAY, "start", "--address", f"127.0.0.1:{gcs_port}", *common, "--num-cpus", "2", "--temp-dir", temp_dirs[1],
+            [*RAY_START_ON_LOOPBACK, "--address", f"127.0.0.1:{gcs_port}", *common, "--num-cpus", "2", "--temp-dir", temp_dirs[1],
              "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())],
             stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         _wait(lambda: "Ray runtime started" in worker_log.read_text(), nodes[1], worker_log)
+        trees = {p.pid: p.name() for node in nodes for p in [psutil.Process(node.pid)] + _descendants(psutil, node.pid)}
+        outside = [(trees[c.pid], c.laddr.ip) for c in psutil.net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN and c.pid in trees
+                   and c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+        assert outside == [], outside
         yield SimpleNamespace(env=env, kill_worker=lambda: _kill_tree(psutil, nodes[1]))
     finally:
         # The cluster is this test's alone and its output is read: killed outright (a graceful stop took ~15 s).
@@ -131,7 +142,8 @@ def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and
 
     source = tmp_path / "in"
     source.mkdir()
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"Say the number {i}." for i in range(6)]}),
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(12)],
+                             "prompt": [f"Say the number {i}." for i in range(12)]}),
                    source / "good.parquet")
     (source / "corrupt.parquet").write_bytes(b"PAR1 this is not a parquet file PAR1")
     out = tmp_path / "out"
@@ -145,7 +157,7 @@ def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "succeeded" in proc.stdout + proc.stderr
     rows = pads.dataset(str(out / "generations"), format="parquet", partitioning="hive").to_table().to_pylist()
-    ids = [f"r{i}" for i in range(6)] + ["corrupt.parquet"]
+    ids = [f"r{i}" for i in range(12)] + ["corrupt.parquet"]
     assert sorted(r["request_id"] for r in rows) == sorted(ids) and {str(r["method"]) for r in rows} == {"copyspec"}
     for row in rows:
         if row["request_id"] in ("r2", "r3"):
@@ -154,8 +166,9 @@ def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and
             assert "Parquet file corrupt.parquet cannot be read" in row["error"], row["error"]
         else:
             assert row["error"] is None and row["new_tokens"] > 0, row
+    # One actor per node (SPREAD), one call in flight each: of 6+ calls, each actor decodes some
     decoded_on = {row["node_id"] for row in rows if row["error"] is None}
-    assert len(decoded_on) == 2 and None not in decoded_on, decoded_on  # one actor per node (SPREAD)
+    assert len(decoded_on) == 2 and None not in decoded_on, decoded_on
     from analysis.reports import build_report
 
     _, tables = build_report(out)
