@@ -16,12 +16,17 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
-# `ray start` with the node address kept as given: the CLI swaps a loopback --node-ip-address for the machine's
-# outside address (services.resolve_ip_for_localhost), and its servers then listen on every interface
-# (pipelines/generate.loopback_node_address does the same for the embedded cluster).
-RAY_START_ON_LOOPBACK = [sys.executable, "-c", "import sys; from ray._private import services; "
-                         "services.resolve_ip_for_localhost = lambda host: host; "
-                         "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())", "start"]
+# Every Python process of the test cluster (the CLI, the dashboard, the agents, the workers) keeps a loopback node
+# address as given: Ray swaps it for the machine's outside address (services.resolve_ip_for_localhost), and its
+# servers then listen on every interface (pipelines/generate.loopback_node_address does the same for the embedded
+# cluster, in its one process).
+LOOPBACK_SITECUSTOMIZE = """
+try:
+    from ray._private import services
+    services.resolve_ip_for_localhost = lambda host: host
+except Exception:
+    pass
+"""
 
 
 @pytest.fixture
@@ -41,6 +46,9 @@ def cluster(tmp_path):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
+    (tmp_path / "loopback").mkdir()
+    (tmp_path / "loopback" / "sitecustomize.py").write_text(LOOPBACK_SITECUSTOMIZE)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "loopback"), env.get("PYTHONPATH")]))
     gcs_port = _free_port()
     # Each node's dashboard agent needs a port of its own: the default (52365) is taken when another Ray instance
     # runs on the machine (the session's embedded cluster, tests/job_runs.py), and a head without its agent accepts
@@ -50,14 +58,14 @@ def cluster(tmp_path):
     try:
         head_log = tmp_path / "ray_head.log"
         nodes.append(subprocess.Popen(
-            [*RAY_START_ON_LOOPBACK, "--head", "--port", str(gcs_port), *common, "--num-cpus", "3", "--temp-dir", temp_dirs[0],
+            [RAY, "start", "--head", "--port", str(gcs_port), *common, "--num-cpus", "3", "--temp-dir", temp_dirs[0],
              "--include-dashboard=true",
              "--dashboard-host", "127.0.0.1", "--dashboard-agent-listen-port", str(_free_port())],
             stdout=open(head_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         _wait(lambda: _dashboard_up(), nodes[0], head_log)
         worker_log = tmp_path / "ray_worker.log"
         nodes.append(subprocess.Popen(
-            [*RAY_START_ON_LOOPBACK, "--address", f"127.0.0.1:{gcs_port}", *common, "--num-cpus", "2", "--temp-dir", temp_dirs[1],
+            [RAY, "start", "--address", f"127.0.0.1:{gcs_port}", *common, "--num-cpus", "2", "--temp-dir", temp_dirs[1],
              "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port())],
             stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True))
         _wait(lambda: "Ray runtime started" in worker_log.read_text(), nodes[1], worker_log)
