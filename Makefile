@@ -28,8 +28,8 @@ demo: install
 test: install
 	$(PY) -m pytest -m "not cluster" --durations=25
 
-# The job submitted to a Ray cluster the test starts itself (`ray start`, `ray job submit`): ~2 minutes of its own
-# (a cluster's start, the job's runtime environment, an actor restarted per fault). CI runs it after `make test`.
+# Jobs submitted to a two-node Ray cluster the test starts itself (`ray start` x 2, `ray job submit`): a poison row,
+# a hung row and a corrupt file, then a node lost mid-job; ~5 minutes of its own. CI runs it after `make test`.
 test-cluster: install
 	$(PY) -m pytest -m cluster --durations=10
 

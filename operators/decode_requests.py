@@ -52,7 +52,7 @@ class DecodeRequests:
     def _attach(self, engine, config, journal) -> None:
         self.engine, self.config, self.journal = engine, config, journal
         self.host = socket.gethostname()
-        self.actor_id, self.node_id = _actor_id(), _node_id()
+        self.actor_id, self.node_id = _ray_ids()
         # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
         self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
 
@@ -294,23 +294,15 @@ def _maybe_fault_on_row_for_test(row: dict) -> None:
             time.sleep(60)
 
 
-def _node_id() -> str | None:
-    """The Ray node this stage runs on (None outside Ray)."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:
-        return None
-
-
-def _actor_id() -> str:
-    """The Ray actor's id, or the process id outside Ray (the runtime context would start a Ray of its own)."""
+def _ray_ids() -> tuple[str, str | None]:
+    """(the Ray actor's id, its node's id), or (the process id, None) outside Ray: the runtime context would start a
+    Ray of its own there."""
     try:
         import ray
 
         if ray.is_initialized():
-            return ray.get_runtime_context().get_actor_id() or f"pid-{os.getpid()}"
+            context = ray.get_runtime_context()
+            return context.get_actor_id() or f"pid-{os.getpid()}", context.get_node_id()
     except Exception:
         pass
-    return f"pid-{os.getpid()}"
+    return f"pid-{os.getpid()}", None

@@ -142,8 +142,6 @@ def use_private_token() -> None:
     processes inherit. A user's own RAY_AUTH_MODE / token is left as it is."""
     import secrets
 
-    from pathlib import Path
-
     own = [os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")]
     if not any(own) and not (Path.home() / ".ray" / "auth_token").exists():
         # RAY_AUTH_MODE stays unset: ray.init then turns token mode on for a new local cluster (and refreshes its
