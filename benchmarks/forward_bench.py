@@ -1,7 +1,7 @@
 """One slot-cache forward of the real model four ways over the same cache: the fast forward (fast_forward.py) and
-Hugging Face's modules, both on oneDNN's reordered fp32 weights (packed_linear.py); the fast forward on PyTorch's
-default (MKL) linears, as before packing; and the fast forward with --deterministic (invariant_attention.py). Side by
-side in one process, alternating, median of the repeats.
+Hugging Face's modules, both on the panel kernel's fp32 linears (panel_linear.py); the fast forward on oneDNN's
+reordered weights (packed_linear.py), as before the panel kernel; and the fast forward with --deterministic
+(invariant_attention.py). Side by side in one process, alternating, median of the repeats.
 
   python benchmarks/forward_bench.py                          # SmolLM2, batch 16, contexts of ~170 and ~600 tokens
   python benchmarks/forward_bench.py --model qwen2.5-coder-0.5b --batch-size 8 --context 300
@@ -26,7 +26,7 @@ from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core import packed_linear  # noqa: E402
+from specdec_core import panel_linear  # noqa: E402
 from specdec_core.model_runner import ModelRunner  # noqa: E402
 
 
@@ -106,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
     runner = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
-    os.environ[packed_linear.DISABLE_ENV] = "0"
-    mkl = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
-    if runner.fast is None or mkl.fast is None:
+    os.environ[panel_linear.DISABLE_ENV] = "0"
+    onednn = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
+    if runner.fast is None or onednn.fast is None:
         print(f"{args.model}: the fast forward does not cover this model")
         return 1
     variants = {"fast": (runner, runner.fast, False), "HF": (runner, None, False),
-                "fast+MKL": (mkl, mkl.fast, False), "deterministic": (runner, runner.fast, True)}
+                "fast+oneDNN": (onednn, onednn.fast, False), "deterministic": (runner, runner.fast, True)}
     print(f"{hardware('cpu')}, dtype {runner.dtype_name}, {args.model}, batch {args.batch_size}, "
           f"{torch.get_num_threads()} threads; ms per forward (time / the first's)")
     b = args.batch_size

@@ -9,7 +9,7 @@ Hugging Face's decoder runs each layer through a dozen modules, hooks and kwargs
 - hidden states of a layer and post-rotary queries of chosen heads (what PLD+ reads) come out of the same pass.
 
 It computes what HF's modules compute, op for op in the same order (RMSNorm in fp32, rotate-half RoPE from the
-model's own rotary embedding, SiLU gate), with the same linear layers (packed_linear.py), so its fp32 outputs equal
+model's own rotary embedding, SiLU gate), with the same linear layers (panel_linear.py), so its fp32 outputs equal
 HF's forward over the same cache (tests/specdec_core/test_fast_forward.py). Measured against HF's forward in one
 process (benchmarks/forward_bench.py): equal on a plain decode step, 1.18x on a ragged verify step. Models it does
 not cover (other architectures, int8 drafters, sliding windows) run HF's forward: `FastForward.build` says why.
@@ -22,11 +22,13 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import grouped_attention, invariant_attention, packed_linear, rope_store
+from . import grouped_attention, invariant_attention, rope_store
 from .packed_linear import PackedLinear
+from .panel_linear import PanelLinear
 
 log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "qwen2", "mistral")
+LINEARS = (torch.nn.Linear, PanelLinear, PackedLinear)
 # Per-token work runs on the real tokens whenever at least 5 % of a [b, T] block is padding: here a gather costs two
 # small copies a layer (HF's hooked modules pay more: ragged_tokens.MAX_REAL_SHARE), and a shared prefill forward of
 # prompts of different lengths is ~20 % padding.
@@ -34,20 +36,21 @@ GATHER_MAX_REAL_SHARE = 0.95
 
 
 class _Projection:
-    """One linear layer as a plain call: oneDNN on its reordered weight (packed_linear.py), else F.linear."""
+    """One linear layer as a plain call: the panel kernel (panel_linear.py), oneDNN on its reordered weight
+    (packed_linear.py), else F.linear."""
 
     def __init__(self, module):
-        if isinstance(module, PackedLinear):
-            self.weight, self.run = module.packed, packed_linear.linear
-        elif type(module) is torch.nn.Linear:
-            self.weight, self.run = module.weight, F.linear
-        else:
-            raise TypeError(f"{type(module).__name__} is not a plain or packed linear layer")
-        self.bias = module.bias
+        if type(module) not in LINEARS:
+            raise TypeError(f"{type(module).__name__} is not a plain, panel or packed linear layer")
+        self.module = module
+        self.run = module.project if type(module) is not torch.nn.Linear else self._dense
         self.out_features = module.out_features
 
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.module.weight, self.module.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        return self.run(x, self.weight, self.bias)
+        return self.run(x)
 
 
 class _Layer:
@@ -207,7 +210,7 @@ def unsupported(model) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(type(linear) in (torch.nn.Linear, PackedLinear) for linear in linears):
+        if not all(type(linear) in LINEARS for linear in linears):
             return "linear layers that are not plain nn.Linear (quantized weights)"
         if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
             return "query / key norms"

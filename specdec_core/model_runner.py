@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fast_forward, grouped_attention, invariant_attention, packed_linear
+from . import fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
@@ -307,16 +307,20 @@ def tune_for_cpu(model) -> None:
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    if not packed_linear.available():
+    if panel_linear.available():
+        replace_all, replace_one = panel_linear.panel_linears, panel_linear.PanelLinear
+    elif packed_linear.available():
+        replace_all, replace_one = packed_linear.pack_linears, packed_linear.PackedLinear
+    else:
         return
     layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
     if layers is not None:
-        packed_linear.pack_linears(layers)  # fp32 decoder linears only (int8 drafters keep theirs)
+        replace_all(layers)  # fp32 decoder linears only (int8 drafters keep theirs)
     head = model.get_output_embeddings()
     if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
-        # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a reordered copy.
+        # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a copy of its own.
         model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
-        model.set_output_embeddings(packed_linear.PackedLinear(head))
+        model.set_output_embeddings(replace_one(head))
 
 
 SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}

@@ -47,8 +47,11 @@ class PackedLinear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.packed.to_dense()  # [out, in], a copy
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        return linear(x, self.packed, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        out = linear(x.reshape(-1, self.in_features), self.packed, self.bias)
+        out = self.project(x.reshape(-1, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from .packed_linear import PackedLinear
+from .panel_linear import PanelLinear
 
 MAX_REAL_SHARE = 0.75  # gather only when at most this share of the [b, T] block is real tokens
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -39,7 +40,7 @@ class RaggedTokens:
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             for name in ATTENTION_PROJECTIONS:
-                if isinstance(getattr(attention, name, None), (torch.nn.Linear, PackedLinear)):
+                if isinstance(getattr(attention, name, None), (torch.nn.Linear, PackedLinear, PanelLinear)):
                     self.modules.append(getattr(attention, name))
             if _dense_mlp(getattr(layer, "mlp", None)):
                 self.modules.append(layer.mlp)

@@ -106,9 +106,10 @@ def test_a_packed_linear_computes_the_linear_and_each_row_alone():
     assert torch.equal(packed.weight, linear.weight.detach())
 
 
-def test_load_packs_fp32_decoder_linears_unless_switched_off(monkeypatch):
+def test_load_packs_fp32_decoder_linears_when_the_panel_kernel_is_off(monkeypatch):
     from specdec_core.model_runner import tune_for_cpu
 
+    monkeypatch.setenv("SPECBATCH_PANEL_LINEAR", "0")
     model = tiny_llama().model
     tune_for_cpu(model)
     assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)

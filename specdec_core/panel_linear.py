@@ -1,0 +1,164 @@
+"""fp32 linear layers on a CPU through one numba kernel over weights cut into 16-column panels.
+
+Why: a decode step of a small model is a few hundred [16, hidden] x [hidden, out] products whose weights (540 MB for
+SmolLM2 in fp32) come from memory once a step. oneDNN's kernel on its reordered weight reads them at ~6 GB/s at 16
+rows, a third of what this machine streams, and those products were 70 % of a step. Here each panel is one
+contiguous [in, 16] block read front to back (the hardware prefetcher keeps up), while 4 rows x 16 columns of sums
+sit in registers. docs/decisions.md has the measurements.
+
+What is guaranteed: out[m, n] = bias[n] + sum over k = 0, 1, ... of x[m, k] * w[n, k], accumulated in that order in
+fp32 (with fused multiply-adds where the CPU has them), by the same instructions for every row. A row's numbers
+therefore depend on that row alone: not on how many rows share the call, nor on the row's place among them, nor on
+whether the call is a prefill or a decode step (tests/specdec_core/test_panel_linear.py checks it bitwise). That is
+what --deterministic needs of the linears, and it holds across prefill and decode, which oneDNN's did not promise.
+
+The kernel's body (4 rows x 16 columns of scalar sums that LLVM's SLP vectorizer packs into AVX registers) is
+generated (`kernel_source`), written once under $SPECBATCH_CACHE/numba and imported from there, so numba's disk
+cache keeps the compiled code across processes (~8 s to compile on a 2-core machine, once). Without numba, or where
+it cannot compile, the linears stay on oneDNN (packed_linear.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .numba_kernels import LazyKernel, use_torch_threads
+
+PANEL = 16  # output columns per panel: two AVX registers of fp32
+ROWS = 4  # rows whose sums are held in registers together (4 x 2 accumulators + 2 weights + 1 broadcast of 16)
+ROW_BLOCK = 128  # rows of x per task, so a long prefill's rows stay in L2 while every panel passes over them
+DISABLE_ENV = "SPECBATCH_PANEL_LINEAR"  # "0": keep every linear on oneDNN (packed_linear.py)
+MODULE_NAME = "specbatch_panel_kernel"
+
+
+def kernel_source() -> str:
+    """The numba kernel: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel)."""
+    lines = [
+        "import numpy as np",
+        "from numba import njit, prange",
+        "",
+        "",
+        "@njit(cache=True, parallel=True, fastmath={'contract'}, boundscheck=False, error_model='numpy')",
+        "def panel_matmul(x, panels, out):",
+        "    rows, depth = x.shape",
+        "    count = panels.shape[0]",
+        f"    blocks = (rows + {ROW_BLOCK - 1}) // {ROW_BLOCK}",
+        "    for task in prange(blocks * count):",
+        "        p = task % count",
+        f"        first = (task // count) * {ROW_BLOCK}",
+        f"        last = min(rows, first + {ROW_BLOCK})",
+        f"        held = first + (last - first) // {ROWS} * {ROWS}",
+        f"        for m in range(first, held, {ROWS}):",
+    ]
+    zeros = ", ".join(["np.float32(0.0)"] * PANEL)
+    for i in range(ROWS):
+        lines.append("            " + ", ".join(f"s{i}_{j}" for j in range(PANEL)) + f" = {zeros}")
+    lines.append("            for k in range(depth):")
+    lines += [f"                w{j} = panels[p, k, {j}]" for j in range(PANEL)]
+    for i in range(ROWS):
+        lines.append(f"                x{i} = x[m + {i}, k]")
+        lines += [f"                s{i}_{j} += x{i} * w{j}" for j in range(PANEL)]
+    for i in range(ROWS):
+        lines += [f"            out[m + {i}, p * {PANEL} + {j}] = s{i}_{j}" for j in range(PANEL)]
+    lines.append("        for m in range(held, last):")  # the rows left over: the same sums, one row at a time
+    lines.append("            " + ", ".join(f"t{j}" for j in range(PANEL)) + f" = {zeros}")
+    lines.append("            for k in range(depth):")
+    lines.append("                xm = x[m, k]")
+    lines += [f"                t{j} += xm * panels[p, k, {j}]" for j in range(PANEL)]
+    lines += [f"            out[m, p * {PANEL} + {j}] = t{j}" for j in range(PANEL)]
+    return "\n".join(lines) + "\n"
+
+
+def _compile():
+    from numba.core import config
+
+    from .model_registry import cache_root
+
+    folder = Path(os.environ.get("NUMBA_CACHE_DIR", cache_root() / "numba"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{MODULE_NAME}.py"
+    source = kernel_source()
+    if not path.exists() or path.read_text() != source:  # rewritten only when the generator changed
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(source)
+        os.replace(temporary, path)  # atomic: actors starting together never import half a file
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[MODULE_NAME] = module  # numba's disk cache finds a function's globals through its module's name
+    spec.loader.exec_module(module)
+    use_torch_threads()
+    # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar (~7 GFLOP/s, not ~60).
+    # The flag is read when a function is compiled, so it is on for this one only.
+    saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
+    try:
+        module.panel_matmul.compile("(float32[:, ::1], float32[:, :, ::1], float32[:, ::1])")
+    finally:
+        config.SLP_VECTORIZE = saved
+    return module.panel_matmul
+
+
+kernel = LazyKernel(_compile, "the panel linear kernel", "; linears stay on oneDNN")
+
+
+def available() -> bool:
+    """Whether fp32 linears on this machine run through the panel kernel (it compiles on the first call)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0" and kernel() is not None
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / PANEL), in, PANEL] float32, contiguous; missing columns are zeros."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // PANEL)
+    padded = weight.new_zeros(count * PANEL, in_features, dtype=torch.float32)
+    padded[:out_features] = weight
+    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """[M, in] float32 x panels of an [out, in] weight -> [M, out]."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], panels.shape[0] * PANEL, dtype=torch.float32)  # [M, P x PANEL]
+    kernel()(x.numpy(), panels.numpy(), out.numpy())
+    if out.shape[1] != out_features:
+        out = out[:, :out_features].contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+class PanelLinear(torch.nn.Module):
+    """An fp32 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel."""
+
+    def __init__(self, source: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.panels = to_panels(source.weight.detach())  # [P, in, PANEL]
+        self.bias = None if source.bias is None else source.bias.detach()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in], a dense copy (for the few readers of single rows: the attention probe, a subset head)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        return linear(x, self.panels, self.bias, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        out = self.project(x.reshape(-1, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def panel_linears(module: torch.nn.Module) -> int:
+    """Replace every fp32 nn.Linear under `module` with a PanelLinear, in place; returns how many."""
+    count = 0
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+            setattr(module, name, PanelLinear(child))
+            count += 1
+        else:
+            count += panel_linears(child)
+    return count
