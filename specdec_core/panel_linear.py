@@ -115,19 +115,19 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / PANEL), in, PANEL] float32, contiguous; missing columns are zeros."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
-    padded = weight.new_zeros(count * PANEL, in_features, dtype=torch.float32)
-    padded[:out_features] = weight
-    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+    if out_features != count * PANEL:
+        weight = torch.cat([weight, weight.new_zeros(count * PANEL - out_features, in_features)])
+    return weight.float().view(count, PANEL, in_features).transpose(1, 2).contiguous()  # one copy
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """[M, in] float32 x panels of an [out, in] weight -> [M, out]."""
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], panels.shape[0] * PANEL, dtype=torch.float32)  # [M, P x PANEL]
-    kernel()(x.numpy(), panels.numpy(), out.numpy())
+def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """[M, in] float32 x panels of an [out, in] weight (a numpy view) -> [M, out]."""
+    out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]
+    kernel()(x.contiguous().numpy(), panels, out)
+    result = torch.from_numpy(out)  # numpy <-> torch here share memory: no copies, a few microseconds a call
     if out.shape[1] != out_features:
-        out = out[:, :out_features].contiguous()
-    return out if bias is None else out.add_(bias)
+        result = result[:, :out_features].contiguous()
+    return result if bias is None else result.add_(bias)
 
 
 class PanelLinear(torch.nn.Module):
@@ -137,6 +137,7 @@ class PanelLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
         self.panels = to_panels(source.weight.detach())  # [P, in, PANEL]
+        self.panels_array = self.panels.numpy()  # the same memory, as the kernel takes it
         self.bias = None if source.bias is None else source.bias.detach()
 
     @property
@@ -145,7 +146,7 @@ class PanelLinear(torch.nn.Module):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        return linear(x, self.panels, self.bias, self.out_features)
+        return linear(x, self.panels_array, self.bias, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         out = self.project(x.reshape(-1, self.in_features))
