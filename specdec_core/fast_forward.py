@@ -8,10 +8,11 @@ Hugging Face's decoder runs each layer through a dozen modules, hooks and kwargs
   logits are wanted;
 - hidden states of a layer and post-rotary queries of chosen heads (what PLD+ reads) come out of the same pass.
 
-It computes what HF's modules compute, op for op in the same order (RMSNorm in fp32, rotate-half RoPE from the
-model's own rotary embedding, SiLU gate), with the same linear layers (panel_linear.py), so its fp32 outputs equal
-HF's forward over the same cache (tests/specdec_core/test_fast_forward.py). Measured against HF's forward in one
-process (benchmarks/forward_bench.py): equal on a plain decode step, 1.18x on a ragged verify step. Models it does
+It computes what HF's modules compute (RMSNorm in fp32, rotate-half RoPE from the model's own rotary embedding,
+SiLU gate) with the same linear layers (panel_linear.py). On an fp32 CPU each residual add and the RMSNorm after it,
+and the SiLU gate over gate and up computed in one call, are single compiled passes (residual_norm.py), so its
+logits equal HF's forward over the same cache within float rounding (tests/specdec_core/test_fast_forward.py), and
+each row's numbers stay its own. Measured in one process: benchmarks/forward_bench.py. Models it does
 not cover (other architectures, int8 drafters, sliding windows) run HF's forward: `FastForward.build` says why.
 """
 
@@ -22,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import grouped_attention, invariant_attention, rope_store
+from . import grouped_attention, invariant_attention, panel_linear, residual_norm, rope_store
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
 
@@ -59,10 +60,15 @@ class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn  # handed to SDPA for long queries (it reads num_key_value_groups and is_causal)
-        self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
+        self.norm2 = layer.post_attention_layernorm.weight.detach()
+        self.eps2 = layer.post_attention_layernorm.variance_epsilon
         self.q, self.k, self.v, self.o = (_Projection(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.gate, self.up, self.down = (_Projection(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+        # gate and up in one call, then silu(gate) * up in one pass (residual_norm.py), where both are on panels
+        both = (panel_linear.stack(mlp.gate_proj, mlp.up_proj)
+                if type(mlp.gate_proj) is PanelLinear and type(mlp.up_proj) is PanelLinear else None)
+        self.gate_up = None if both is None else _Projection(both)
         self.scaling = attn.scaling
 
 
@@ -72,6 +78,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [M, hidden] -> (x + delta, its RMSNorm): one compiled pass on an fp32 CPU (residual_norm.py)."""
+    if residual_norm.usable(x):
+        return residual_norm.add_rms_norm(x, delta, weight, eps)
+    x = x if delta is None else x + delta
+    return x, _rms_norm(x, weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -140,23 +155,28 @@ class FastForward:
         rotation = rope_store.prepare(cos, sin, rows, places, x, cache.keys[0])  # None: eager RoPE and cache writes
         if captured is not None and 0 in captured:
             captured[0] = self._padded(x, flat, b, num_new).float()
+        delta = None  # the last MLP's output, added to x by the next layer's norm (one pass with it)
         for index, layer in enumerate(self.layers):
             heads = (query_heads or {}).get(index)
-            x = self._layer(index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
-                            invariant, rotation)
+            x, delta = self._layer(index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new,
+                                   heads, queries, invariant, rotation)
             if captured is not None and index + 1 in captured:
+                x, delta = x + delta, None
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
         wanted = logit_index[:, 0] * num_new + logit_index[:, 1]  # [N] of b x T
         if flat is not None:
             where = torch.full((b * num_new,), -1, dtype=torch.long)
             where[flat] = torch.arange(flat.numel())
             wanted = where[wanted]
-        return _rms_norm(x[wanted], self.final_norm, self.final_eps)  # [N, hidden]
+        last = x[wanted] if delta is None else x[wanted] + delta[wanted]  # [N, hidden]
+        return _rms_norm(last, self.final_norm, self.final_eps)  # [N, hidden]
 
-    def _layer(self, index, layer, x, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
+    def _layer(self, index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
                invariant, rotation):
+        """x [M, hidden] the residual stream, delta [M, hidden] or None still to be added to it
+        -> (x, the MLP's output still to be added)."""
         tokens = x.shape[0]  # M
-        normed = _rms_norm(x, layer.norm1, layer.eps1)  # [M, hidden]
+        x, normed = _add_rms_norm(x, delta, layer.norm1, layer.eps1)  # [M, hidden] each
         q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
         k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
         v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
@@ -179,9 +199,10 @@ class FastForward:
         attended = attended.reshape(b * num_new, self.heads * self.head_dim)
         if flat is not None:
             attended = attended[flat]  # [M, H d]
-        x = x + layer.o(attended)
-        normed = _rms_norm(x, layer.norm2, layer.eps2)
-        return x + layer.down(_silu_mul(layer.gate(normed), layer.up(normed)))
+        x, normed = _add_rms_norm(x, layer.o(attended), layer.norm2, layer.eps2)
+        if layer.gate_up is not None and residual_norm.usable(normed):
+            return x, layer.down(residual_norm.silu_mul(layer.gate_up(normed)))
+        return x, layer.down(_silu_mul(layer.gate(normed), layer.up(normed)))
 
     @staticmethod
     def _padded(values: torch.Tensor, flat: torch.Tensor | None, b: int, num_new: int) -> torch.Tensor:

@@ -153,6 +153,26 @@ class PanelLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
+    """One PanelLinear computing [first(x), second(x)] in one call, or None when they cannot share one.
+
+    The two modules' panels become views into the stacked ones, so the weights stay a single copy and each module
+    still computes alone (Hugging Face's modules, the attention probe)."""
+    if first.in_features != second.in_features or first.out_features % PANEL or (first.bias is None) != (
+            second.bias is None):
+        return None
+    stacked = PanelLinear.__new__(PanelLinear)
+    torch.nn.Module.__init__(stacked)
+    stacked.in_features, stacked.out_features = first.in_features, first.out_features + second.out_features
+    stacked.panels = torch.cat([first.panels, second.panels])  # [P1 + P2, in, PANEL]
+    stacked.panels_array = stacked.panels.numpy()
+    stacked.bias = None if first.bias is None else torch.cat([first.bias, second.bias])
+    count = first.panels.shape[0]
+    for module, part in ((first, stacked.panels[:count]), (second, stacked.panels[count:])):
+        module.panels, module.panels_array = part, part.numpy()  # contiguous views: slices along the first dim
+    return stacked
+
+
 def panel_linears(module: torch.nn.Module) -> int:
     """Replace every fp32 nn.Linear under `module` with a PanelLinear, in place; returns how many."""
     count = 0

@@ -1,0 +1,79 @@
+"""The residual add and the RMSNorm after it, and the MLP's SiLU gate, each as one compiled pass on an fp32 CPU.
+
+A decoder layer adds its attention output to the residual stream and normalises the sum, then does the same with
+its MLP output before the next layer. Eagerly that is ~7 small ops each time (add, pow, mean, add, rsqrt, mul, mul),
+each a dispatch and a pass over [M, hidden]: at batch 16, ~60 such groups a step cost a few ms once the linears got
+fast (panel_linear.py). Here each row is one pass: the sum, its mean square (accumulated in float64, then rounded to
+fp32 as the eager mean is), and the normed row. Likewise silu(gate) * up reads the stacked gate / up output once
+(panel_linear.stack computes both projections in one call).
+
+What each output depends on: its own row's values and the norm's weight; a row's numbers are the same in any batch
+and any step. They are not bit-identical to the eager ops (whose mean sums in another order), so the fast forward's
+logits differ from Hugging Face's modules by float rounding (tests/specdec_core/test_fast_forward.py bounds it).
+
+Compiled by numba once per machine (cached under $SPECBATCH_CACHE/numba); without numba, or for other dtypes and
+devices, the fast forward keeps the eager ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .numba_kernels import LazyKernel, use_torch_threads
+
+
+def _compile():
+    from numba import njit, prange
+
+    @njit(cache=True, parallel=True)
+    def add_norm(x, delta, weight, eps, total_out, normed_out):  # pragma: no cover - compiled
+        """x, delta [M, H] -> total_out = x + delta; normed_out = weight * (total * 1 / sqrt(mean(total^2) + eps))."""
+        rows, hidden = x.shape
+        for m in prange(rows):
+            square = 0.0  # float64: the mean square of 576-8,960 fp32 values, summed without losing digits
+            for j in range(hidden):
+                value = x[m, j] + delta[m, j]
+                total_out[m, j] = value
+                square += np.float64(value) * np.float64(value)
+            variance = np.float32(square / hidden)
+            scale = np.float32(1.0) / np.sqrt(variance + eps)
+            for j in range(hidden):
+                normed_out[m, j] = weight[j] * (total_out[m, j] * scale)
+
+    @njit(cache=True, parallel=True)
+    def silu_mul(gate_up, out):  # pragma: no cover - compiled
+        """gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up."""
+        rows, width = out.shape
+        for m in prange(rows):
+            for j in range(width):
+                gate = gate_up[m, j]
+                out[m, j] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[m, width + j]
+
+    use_torch_threads()
+    return add_norm, silu_mul
+
+
+kernel = LazyKernel(_compile, "the compiled residual add, RMSNorm and SiLU gate", "; using eager ops")  # or None
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and kernel() is not None
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta [M, hidden] fp32 (delta None: nothing to add) -> (x + delta, RMSNorm(x + delta) * weight)."""
+    x = x.contiguous()
+    total = np.empty(x.shape, dtype=np.float32)
+    normed = np.empty(x.shape, dtype=np.float32)
+    addend = np.zeros(x.shape, dtype=np.float32) if delta is None else delta.contiguous().numpy()
+    kernel()[0](x.numpy(), addend, weight.numpy(), np.float32(eps), total, normed)
+    return torch.from_numpy(total), torch.from_numpy(normed)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] fp32, the gate's outputs then the up projection's -> [M, I] = silu(gate) * up, in one pass."""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    kernel()[1](gate_up.contiguous().numpy(), out)
+    return torch.from_numpy(out)
