@@ -92,7 +92,7 @@ class BatchDecoder:
     def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
                  row_timeout_s: float | None = None, prefix_cache: PrefixCache | None = None,
-                 prefill_tokens: int | None = None):
+                 prefill_tokens: int | None = None, draft_pool=None, job_memory=None):
         if max_batch < 1:
             raise ValueError(f"batch size must be >= 1, got {max_batch}")
         if row_timeout_s is not None and not row_timeout_s > 0:
@@ -112,8 +112,8 @@ class BatchDecoder:
         # them (operators/hang_watchdog.py), as a forward stuck in native code cannot be interrupted from Python.
         self.last_progress = time.monotonic()
         self.slowest_forward_s = 0.0
-        self.draft_pool = None  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
-        self.job_memory = None  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
+        self.draft_pool = draft_pool  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
+        self.job_memory = job_memory  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
         self.max_draft = max_draft
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft

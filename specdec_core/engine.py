@@ -113,22 +113,23 @@ class Engine:
                 row_timeout_s: float | None = None, method: str | None = None) -> BatchDecoder:
         """A batched decoder on this engine's models; with `method`, its budget starts from what earlier decoders
         of that method learned (and adds to it)."""
-        budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget)
+        learned = {}
         if method is not None:
-            budget.pooled, budget.payoff, budget.pricing = self.learned.setdefault(
-                method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))
-        decoder = BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
-                               prefix_cache=self.prefix_cache)
-        if method is not None and get_method(method).uses_job_memory:
-            decoder.job_memory = self.memory_for(method)
-        # One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache.
+            learned = dict(zip(("pooled", "payoff", "pricing"), self.learned.setdefault(
+                method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))))
+        budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget,
+                                   **learned)
+        memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
+        return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
+                            prefix_cache=self.prefix_cache, draft_pool=self._draft_pool(), job_memory=memory)
+
+    def _draft_pool(self):
+        """One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache."""
         if self.draft_model is None:
-            decoder.draft_pool = None
-        elif self.same_vocabulary:
-            decoder.draft_pool = DraftModelPool(self.draft_model)
-        else:
-            decoder.draft_pool = CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping())
-        return decoder
+            return None
+        if self.same_vocabulary:
+            return DraftModelPool(self.draft_model)
+        return CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping())
 
     def memory_for(self, method: str) -> JobMemory:
         """`method`'s job memory, seeded from config.memory_from when first asked for."""

@@ -149,10 +149,6 @@ class Drafter(ABC):
     What a drafter needs beyond the token sequence is declared by class attributes, which the loop reads:
     """
 
-    #: reads RequestContext.context_ids (a separate document to draft from)
-    uses_context: bool = False
-    #: may return trees (Draft.parents); the verifier then walks the tree
-    proposes_trees: bool = False
     #: drafts through a shared pool that the loop flushes once per step (None: propose() drafts at once)
     pool: DraftPool | None = None
     #: reads the target's hidden states of layer `hidden_layer` (set per instance): the loop captures that layer

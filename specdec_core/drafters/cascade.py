@@ -20,7 +20,6 @@ SMOOTHING = 0.3  # weight of the newest step in the moving average
 
 
 class CascadeDrafter(Drafter):
-    proposes_trees = True
 
     def __init__(self, candidates: list[Drafter]):
         if not candidates:
@@ -30,7 +29,6 @@ class CascadeDrafter(Drafter):
             raise ValueError("the cascade takes one pooled drafter (a draft model), last")
         self.candidates = candidates
         self.pool = pooled[0].pool if pooled else None
-        self.uses_context = any(d.uses_context for d in candidates)
         self.expected = [PRIOR_ACCEPTED] * len(candidates)  # per candidate: accepted tokens per verified draft
         self.chosen: int | None = None  # the candidate whose draft was proposed last
 

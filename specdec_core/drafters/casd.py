@@ -26,8 +26,6 @@ PROMPT_POOL_SOURCE = "copy"  # a row without a context retrieves from its own pr
 
 
 class ContextTreeDrafter(Drafter):
-    proposes_trees = True
-    uses_context = True
 
     def __init__(self, rule: ConditionalRule | None = None, node_budget: int = 32, depth: int = 10,
                  max_match: int = 16, min_match: int = 2, max_occurrences: int = 64):

@@ -24,8 +24,6 @@ class CopySpecDrafter(Drafter):
     With a request `context` (a separate document, indexed once per request), the suffix is also looked up there
     when the history has fewer than `candidates` continuations (source "context")."""
 
-    proposes_trees = True
-    uses_context = True
     SOURCES = (COPY_SOURCE, CONTEXT_SOURCE)
 
     def __init__(self, gamma: int = 3, copy_tokens: int = 10, adaptive: bool = False, max_copy_tokens: int = 64,

@@ -12,9 +12,7 @@ class FallbackDrafter(Drafter):
         if not drafters:
             raise ValueError("FallbackDrafter needs at least one drafter")
         self.drafters = drafters
-        self.proposes_trees = any(d.proposes_trees for d in drafters)
         self.pool = next((d.pool for d in drafters if d.pool is not None), None)
-        self.uses_context = any(d.uses_context for d in drafters)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)

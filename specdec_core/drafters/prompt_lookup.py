@@ -99,8 +99,6 @@ class PromptLookupDrafter(Drafter):
     the context (indexed once per request, ContextIndex), so a 3-gram found only in the context beats a 1-gram of
     the history. Context copies have the source "context"."""
 
-    proposes_trees = True
-    uses_context = True
     SOURCES = (LOOKUP_SOURCE, CONTEXT_SOURCE)
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, adaptive: bool = False,

@@ -18,7 +18,6 @@ RETRIEVAL_SOURCE = "retrieval"
 
 
 class RetrievalTreeDrafter(ContextTreeDrafter):
-    uses_context = False
 
     def __init__(self, corpus, node_budget: int = 32, depth: int = 10, max_match: int = 16, min_match: int = 2,
                  max_occurrences: int = 64):

@@ -78,7 +78,6 @@ class NgramDictionaries:
 
 
 class SpectraDrafter(Drafter):
-    proposes_trees = True
     reads_draft_logits = True
 
     def __init__(self, n: int = 5, pool_rows: int = 15, max_guesses: int = 15, tau: float = 0.1,

@@ -20,7 +20,6 @@ MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
 
 class SuffixDrafter(Drafter):
-    proposes_trees = True
 
     def __init__(self, factor: float = 1.0, min_prob: float = 0.1, depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth

@@ -77,7 +77,6 @@ class TreeOfWrongAndRight(Drafter):
     """Drafts a tree whose first branch is wrong and second right (for the states of a moved tree path)."""
 
     needs_hidden_states = True
-    proposes_trees = True
 
     def __init__(self, layer, runner):
         self.hidden_layer, self.runner, self.seen, self.drafted = layer, runner, [], []
