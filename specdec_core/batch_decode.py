@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import ExitStack
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -372,8 +373,6 @@ class BatchDecoder:
             if not fixed and row.request.drafter.pool is not None:
                 row.request.drafter.pool.cap(row.draft, limit)
         self.budget.pricing.verify_s = self.budget.cost.token_seconds(len(rows), context)
-        for pool in pools.values():
-            pool.pricing = self.budget.pricing  # (a draft model's confidence stop reads it; it times its forwards)
 
     def _verify(self, rows: list[Row]) -> tuple[int, int, int]:
         """Cut each draft to its limit, run ONE target forward over every row's pending token and draft, verify and
@@ -415,20 +414,17 @@ class BatchDecoder:
         """Each of `rows`' proposals (all live rows, or the pinned ones while drafting rests). Drafters that share
         a pool (a draft model) only ask here; `_flush` drafts for them together. -> the pools asked."""
         pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
-        for pool in pools.values():
-            pool.collecting = True
         failed = []
-        try:
-            for index, row in enumerate(rows):
+        with ExitStack() as collecting:
+            for pool in pools.values():
+                collecting.enter_context(pool.collecting_proposals())
+            for row in rows:
                 try:
                     limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
                     row.draft = row.request.drafter.propose(row.state.tokens, limit)
                 except Exception as exc:
                     row.error = f"{type(exc).__name__}: {exc}"
                     failed.append(row)
-        finally:
-            for pool in pools.values():
-                pool.collecting = False
         self._retire_rows(failed)
         return pools
 

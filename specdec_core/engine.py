@@ -121,15 +121,16 @@ class Engine:
                                    **learned)
         memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
         return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
-                            prefix_cache=self.prefix_cache, draft_pool=self._draft_pool(), job_memory=memory)
+                            prefix_cache=self.prefix_cache, draft_pool=self._draft_pool(budget.pricing),
+                            job_memory=memory)
 
-    def _draft_pool(self):
+    def _draft_pool(self, pricing: DraftPricing):
         """One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache."""
         if self.draft_model is None:
             return None
         if self.same_vocabulary:
-            return DraftModelPool(self.draft_model)
-        return CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping())
+            return DraftModelPool(self.draft_model, pricing)
+        return CrossVocabPool(self.draft_model, self.target.tokenizer, self.vocab_mapping(), pricing)
 
     def memory_for(self, method: str) -> JobMemory:
         """`method`'s job memory, seeded from config.memory_from when first asked for."""

@@ -8,6 +8,7 @@ drafter sees is append-only: prompt + accepted tokens, the last of which the tar
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -125,10 +126,19 @@ class RequestContext:
 
 class DraftPool(ABC):
     """Drafts for many rows together (a draft model steps all its rows in one batched forward). While the loop
-    collects a step's proposals (`collecting`), the pool's drafters return drafts that `flush()` fills in place."""
+    collects a step's proposals (inside `collecting_proposals()`), the pool's drafters return drafts that `flush()`
+    fills in place; outside it a propose drafts its own row at once."""
 
     collecting: bool = False
-    pricing: "DraftPricing | None" = None  # the decoder's measured prices (speculation_budget.py), set each step
+    pricing: "DraftPricing | None" = None  # the decoder's measured prices (speculation_budget.py), given at creation
+
+    @contextmanager
+    def collecting_proposals(self):
+        self.collecting = True
+        try:
+            yield self
+        finally:
+            self.collecting = False
 
     @abstractmethod
     def flush(self) -> None:

@@ -53,8 +53,8 @@ class CrossVocabPool(DraftModelPool):
     """A draft model whose tokenizer differs from the target's; its drafters' drafts are translated after the
     batched drafting."""
 
-    def __init__(self, runner: ModelRunner, target_tokenizer, mapping: VocabMapping):
-        super().__init__(runner)
+    def __init__(self, runner: ModelRunner, target_tokenizer, mapping: VocabMapping, pricing=None):
+        super().__init__(runner, pricing)
         self.target_tokenizer = target_tokenizer
         self.mapping = mapping
         self.target_specials = special_ids(target_tokenizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import time
 
@@ -25,6 +26,9 @@ from ..model_runner import ModelRunner
 from ..sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
+
+if TYPE_CHECKING:
+    from ..speculation_budget import DraftPricing
 
 SOURCE = "draft_model"
 LONG_BACKLOG = 16  # catch-up tokens past which a row is fed alone
@@ -53,11 +57,11 @@ class _Pending:
 class DraftModelPool(DraftPool):
     """The draft model's rows: a slot cache, and each row's record of which tokens its slot holds."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, pricing: "DraftPricing | None" = None):
         self.runner = runner
+        self.pricing = pricing  # the decoder's (its budget's): the confidence stop reads it, the pool times into it
         self.cache = runner.new_slot_cache()
         self.owners: list[PooledDrafter] = []  # owners[i] holds cache row i
-        self.collecting = False
         self._pending: list[_Pending] = []
         self._pending_by_draft: dict[int, _Pending] = {}  # id(draft) -> its request: the loop looks each row's up
 
