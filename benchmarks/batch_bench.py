@@ -164,16 +164,22 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
             "wall_s": wall}, outputs
 
 
-def warm_up(engine, items, methods: list[str], memory_seed: list | None = None) -> None:
+def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, batch_size: int = 1) -> None:
     """Untimed: a process's first forwards are slow (a cold run measured 0.70x a warm one), and HF, timed first,
     would pay for it; and the first use of a drafter's numba kernels on a machine compiles them (~10 s for suffix's
-    on a 2-core CPU, cached on disk after), which would land in that method's first timed pass."""
+    on a 2-core CPU, cached on disk after), which would land in that method's first timed pass. The first prefill of
+    a whole batch is slow too (`ar`, timed first, spent 0.30 of its pass in prefill against 0.16 a round later), so
+    `ar` also prefills `batch_size` of the prompts once."""
     from pipelines.hf_batch_peer import generate_batch
 
     generate_batch(engine.target, [items[0].prompt_ids], [4])
     short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]
     for method_text in dict.fromkeys(["ar"] + [text.split("@")[0] for text in methods]):
         run_ours(engine, short, method_text, 1, None, None, memory_seed)
+    if batch_size > 1:
+        batch = [dataclasses.replace(i, params=dataclasses.replace(i.params, max_new_tokens=2))
+                 for i in items[:batch_size]]
+        run_ours(engine, batch, "ar", batch_size, None)
 
 
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
@@ -333,7 +339,7 @@ def main() -> int:
                                                                                  batch_size=max(args.batch_sizes))
                            if not r["error"]]
         if workload == args.workload[0]:
-            warm_up(engine, items, args.methods, memory_seed)
+            warm_up(engine, items, args.methods, memory_seed, max(args.batch_sizes))
         results, hf_outputs = [], {}
         if not args.no_hf:
             for size in args.batch_sizes:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     items = workload_items(engine, args.workload, args.requests, args.max_new_tokens, args.batch_size)
     prompts = [item.prompt_ids for item in items]
     results, reference = [], None
-    warm_up(engine, items, args.methods)
+    warm_up(engine, items, args.methods, batch_size=args.batch_size)
     if not args.no_hf:
         result, outputs = run_hf(engine, items, args.batch_size, args.max_new_tokens)
         reference = [outputs[item.key] for item in items]
