@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .numba_kernels import LazyKernel, use_torch_threads
+from .packed_linear import replace_fp32_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
 ROWS = 4  # rows whose sums are held in registers together (4 x 2 accumulators + 2 weights + 1 broadcast of 16)
@@ -133,12 +134,16 @@ def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_f
 class PanelLinear(torch.nn.Module):
     """An fp32 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel."""
 
-    def __init__(self, source: torch.nn.Linear):
+    def __init__(self, source: torch.nn.Linear | None = None, panels: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, out_features: int = 0):
+        """From an nn.Linear, or from panels [P, in, PANEL] already cut (a stack of two layers')."""
         super().__init__()
-        self.in_features, self.out_features = source.in_features, source.out_features
-        self.panels = to_panels(source.weight.detach())  # [P, in, PANEL]
-        self.panels_array = self.panels.numpy()  # the same memory, as the kernel takes it
-        self.bias = None if source.bias is None else source.bias.detach()
+        if source is not None:
+            panels, bias, out_features = to_panels(source.weight.detach()), source.bias, source.out_features
+        self.in_features, self.out_features = panels.shape[1], out_features
+        self.panels = panels  # [P, in, PANEL]
+        self.panels_array = panels.numpy()  # the same memory, as the kernel takes it
+        self.bias = None if bias is None else bias.detach()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -161,12 +166,9 @@ def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
     if first.in_features != second.in_features or first.out_features % PANEL or (first.bias is None) != (
             second.bias is None):
         return None
-    stacked = PanelLinear.__new__(PanelLinear)
-    torch.nn.Module.__init__(stacked)
-    stacked.in_features, stacked.out_features = first.in_features, first.out_features + second.out_features
-    stacked.panels = torch.cat([first.panels, second.panels])  # [P1 + P2, in, PANEL]
-    stacked.panels_array = stacked.panels.numpy()
-    stacked.bias = None if first.bias is None else torch.cat([first.bias, second.bias])
+    stacked = PanelLinear(panels=torch.cat([first.panels, second.panels]),  # [P1 + P2, in, PANEL]
+                          bias=None if first.bias is None else torch.cat([first.bias, second.bias]),
+                          out_features=first.out_features + second.out_features)
     count = first.panels.shape[0]
     for module, part in ((first, stacked.panels[:count]), (second, stacked.panels[count:])):
         module.panels, module.panels_array = part, part.numpy()  # contiguous views: slices along the first dim
@@ -174,12 +176,5 @@ def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
 
 
 def panel_linears(module: torch.nn.Module) -> int:
-    """Replace every fp32 nn.Linear under `module` with a PanelLinear, in place; returns how many."""
-    count = 0
-    for name, child in module.named_children():
-        if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
-            setattr(module, name, PanelLinear(child))
-            count += 1
-        else:
-            count += panel_linears(child)
-    return count
+    """Every fp32 nn.Linear under `module` becomes a PanelLinear, in place; returns how many."""
+    return replace_fp32_linears(module, PanelLinear)
