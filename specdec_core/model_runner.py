@@ -68,10 +68,19 @@ class ModelRunner:
         if on and self.fast is not None and invariant_attention.kernel() is None:
             raise DeterminismUnavailableError(
                 f"--deterministic needs numba's compiled attention: {invariant_attention.kernel.unavailable}")
-        if on and self.fast is None:
+        if on and (self.fast is None or self.dtype not in panel_linear.DTYPES):
             raise DeterminismUnavailableError(
                 f"--deterministic runs on a CPU with Llama-family models ({', '.join(MODEL_TYPES)}) in fp32 or bf16; "
                 f"{self.name} ({self.model.config.model_type}, {self.device}, {self.dtype_name}) is not covered")
+        if on and self.dtype == torch.bfloat16:
+            # oneDNN's bf16 linears are not row-invariant (a row of SmolLM2's down projection, [M, 1536] x
+            # [1536, 576], changes from M = 14 rows on an avx512_bf16 CPU): the panel kernel's are, by construction.
+            if not panel_linear.available(torch.bfloat16):
+                raise DeterminismUnavailableError(
+                    f"--deterministic in bf16 needs numba's panel kernel: {panel_linear.kernels[self.dtype].unavailable}")
+            if tune_for_cpu(self.model, dtypes=(torch.bfloat16,)):  # both were bound to the replaced modules
+                self.fast = FastForward.build(self.model)
+                self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
         self._deterministic = bool(on)
 
     @classmethod
@@ -302,25 +311,29 @@ class ModelRunner:
         return getattr(self.model, self.model.base_model_prefix)
 
 
-def tune_for_cpu(model) -> None:
-    """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds."""
+def tune_for_cpu(model, dtypes=(torch.float32,)) -> int:
+    """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds.
+    The linear layers of `dtypes` go to the panel kernel (oneDNN's packed layout for fp32 without it); returns how
+    many were replaced."""
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    if panel_linear.available():
-        replace_all, replace_one = panel_linear.panel_linears, panel_linear.PanelLinear
-    elif packed_linear.available():
-        replace_all, replace_one = packed_linear.pack_linears, packed_linear.PackedLinear
+    if all(panel_linear.available(dtype) for dtype in dtypes):
+        make = panel_linear.PanelLinear
+    elif dtypes == (torch.float32,) and packed_linear.available():
+        make = packed_linear.PackedLinear
     else:
-        return
+        return 0
     layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
-    if layers is not None:
-        replace_all(layers)  # fp32 decoder linears only (int8 drafters keep theirs)
+    # decoder linears of these dtypes only (int8 drafters keep theirs)
+    count = 0 if layers is None else packed_linear.replace_linears(layers, make, dtypes)
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32:
+    if type(head) is torch.nn.Linear and head.weight.dtype in dtypes:
         # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a copy of its own.
         model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
-        model.set_output_embeddings(replace_one(head))
+        model.set_output_embeddings(make(head))
+        count += 1
+    return count
 
 
 SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}

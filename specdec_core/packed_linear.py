@@ -55,18 +55,18 @@ class PackedLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def replace_fp32_linears(module: torch.nn.Module, make) -> int:
-    """Replace every fp32 nn.Linear under `module` with make(linear), in place; returns how many."""
+def replace_linears(module: torch.nn.Module, make, dtypes=(torch.float32,)) -> int:
+    """Replace every nn.Linear of one of `dtypes` under `module` with make(linear), in place; returns how many."""
     count = 0
     for name, child in module.named_children():
-        if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+        if type(child) is torch.nn.Linear and child.weight.dtype in dtypes:
             setattr(module, name, make(child))
             count += 1
         else:
-            count += replace_fp32_linears(child, make)
+            count += replace_linears(child, make, dtypes)
     return count
 
 
 def pack_linears(module: torch.nn.Module) -> int:
     """Every fp32 nn.Linear under `module` becomes a PackedLinear, in place; returns how many."""
-    return replace_fp32_linears(module, PackedLinear)
+    return replace_linears(module, PackedLinear)

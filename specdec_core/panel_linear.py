@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .numba_kernels import LazyKernel, use_torch_threads
-from .packed_linear import replace_fp32_linears
+from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
 ROWS = 4  # rows whose sums are held in registers together (4 x 2 accumulators + 2 weights + 1 broadcast of 16)
@@ -38,15 +38,40 @@ DISABLE_ENV = "SPECBATCH_PANEL_LINEAR"  # "0": keep every linear on oneDNN (pack
 MODULE_NAME = "specbatch_panel_kernel"
 
 
+# The bf16 kernel reads its weights as uint16 bits and widens each exactly to fp32 (the bits shifted into the high
+# half of a 32-bit word), so it reads half the bytes of the fp32 kernel and sums the same way.
+WIDEN_SOURCE = '''from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def widen(typingctx, bits):
+    """bf16 bits (uint16) -> the same number as float32, exactly."""
+    def codegen(context, builder, signature, args):
+        word = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(word, ir.FloatType())
+    return types.float32(types.uint16), codegen
+'''
+KERNELS = {torch.float32: ("panel_matmul", "float32", "panels[p, k, {j}]"),
+           torch.bfloat16: ("panel_matmul_bf16", "uint16", "widen(panels[p, k, {j}])")}
+
+
 def kernel_source() -> str:
-    """The numba kernel: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel)."""
+    """The numba module: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel), one
+    function per weight dtype (KERNELS)."""
+    lines = ["import numpy as np", "from numba import njit, prange", WIDEN_SOURCE]
+    for name, _, load in KERNELS.values():
+        lines += _kernel_lines(name, load)
+    return "\n".join(lines) + "\n"
+
+
+def _kernel_lines(name: str, load: str) -> list[str]:
     lines = [
-        "import numpy as np",
-        "from numba import njit, prange",
         "",
         "",
         "@njit(cache=True, parallel=True, fastmath={'contract'}, boundscheck=False, error_model='numpy')",
-        "def panel_matmul(x, panels, out):",
+        f"def {name}(x, panels, out):",
         "    rows, depth = x.shape",
         "    count = panels.shape[0]",
         f"    blocks = (rows + {ROW_BLOCK - 1}) // {ROW_BLOCK}",
@@ -61,7 +86,7 @@ def kernel_source() -> str:
     for i in range(ROWS):
         lines.append("            " + ", ".join(f"s{i}_{j}" for j in range(PANEL)) + f" = {zeros}")
     lines.append("            for k in range(depth):")
-    lines += [f"                w{j} = panels[p, k, {j}]" for j in range(PANEL)]
+    lines += [f"                w{j} = " + load.format(j=j) for j in range(PANEL)]
     for i in range(ROWS):
         lines.append(f"                x{i} = x[m + {i}, k]")
         lines += [f"                s{i}_{j} += x{i} * w{j}" for j in range(PANEL)]
@@ -71,12 +96,12 @@ def kernel_source() -> str:
     lines.append("            " + ", ".join(f"t{j}" for j in range(PANEL)) + f" = {zeros}")
     lines.append("            for k in range(depth):")
     lines.append("                xm = x[m, k]")
-    lines += [f"                t{j} += xm * panels[p, k, {j}]" for j in range(PANEL)]
+    lines += [f"                t{j} += xm * " + load.format(j=j) for j in range(PANEL)]
     lines += [f"            out[m, p * {PANEL} + {j}] = t{j}" for j in range(PANEL)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def _compile():
+def _compile(dtype: torch.dtype):
     from numba.core import config
 
     from .model_registry import cache_root
@@ -96,43 +121,58 @@ def _compile():
     use_torch_threads()
     # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar (~7 GFLOP/s, not ~60).
     # The flag is read when a function is compiled, so it is on for this one only.
+    name, weight_type, _ = KERNELS[dtype]
     saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
     try:
-        module.panel_matmul.compile("(float32[:, ::1], float32[:, :, ::1], float32[:, ::1])")
+        getattr(module, name).compile(f"(float32[:, ::1], {weight_type}[:, :, ::1], float32[:, ::1])")
     finally:
         config.SLP_VECTORIZE = saved
-    return module.panel_matmul
+    return getattr(module, name)
 
 
-kernel = LazyKernel(_compile, "the panel linear kernel", "; linears stay on oneDNN")
+kernels = {dtype: LazyKernel(lambda dtype=dtype: _compile(dtype), f"the {dtype} panel linear kernel",
+                             "; linears stay on oneDNN") for dtype in KERNELS}
+DTYPES = tuple(KERNELS)
 
 
-def available() -> bool:
-    """Whether fp32 linears on this machine run through the panel kernel (it compiles on the first call)."""
-    return os.environ.get(DISABLE_ENV, "1") != "0" and kernel() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `dtype` linears on this machine run through the panel kernel (it compiles on the first call)."""
+    return os.environ.get(DISABLE_ENV, "1") != "0" and dtype in kernels and kernels[dtype]() is not None
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / PANEL), in, PANEL] float32, contiguous; missing columns are zeros."""
+    """[out, in] -> [ceil(out / PANEL), in, PANEL] in the weight's dtype (fp32 or bf16), contiguous; missing columns
+    are zeros."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
     if out_features != count * PANEL:
         weight = torch.cat([weight, weight.new_zeros(count * PANEL - out_features, in_features)])
-    return weight.float().view(count, PANEL, in_features).transpose(1, 2).contiguous()  # one copy
+    return weight.view(count, PANEL, in_features).transpose(1, 2).contiguous()  # one copy
 
 
-def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """[M, in] float32 x panels of an [out, in] weight (a numpy view) -> [M, out]."""
+def as_kernel_array(panels: torch.Tensor) -> np.ndarray:
+    """The panels' memory as the kernel reads it: fp32 as is, bf16 as its uint16 bits (no copy)."""
+    if panels.dtype == torch.bfloat16:
+        return panels.view(torch.int16).numpy().view(np.uint16)
+    return panels.numpy()
+
+
+def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_features: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, in] x panels of an [out, in] `dtype` weight (as_kernel_array) -> [M, out] in `dtype`, summed in fp32
+    (a bf16 result is the fp32 sum plus bias rounded once, as oneDNN's bf16 linear rounds)."""
     out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]
-    kernel()(x.contiguous().numpy(), panels, out)
+    kernels[dtype]()(x.float().contiguous().numpy(), panels, out)
     result = torch.from_numpy(out)  # numpy <-> torch here share memory: no copies, a few microseconds a call
     if out.shape[1] != out_features:
         result = result[:, :out_features].contiguous()
-    return result if bias is None else result.add_(bias)
+    if bias is not None:
+        result.add_(bias)
+    return result if dtype == torch.float32 else result.to(dtype)
 
 
 class PanelLinear(torch.nn.Module):
-    """An fp32 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel."""
+    """An fp32 or bf16 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel."""
 
     def __init__(self, source: torch.nn.Linear | None = None, panels: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, out_features: int = 0):
@@ -142,8 +182,8 @@ class PanelLinear(torch.nn.Module):
             panels, bias, out_features = to_panels(source.weight.detach()), source.bias, source.out_features
         self.in_features, self.out_features = panels.shape[1], out_features
         self.panels = panels  # [P, in, PANEL]
-        self.panels_array = panels.numpy()  # the same memory, as the kernel takes it
-        self.bias = None if bias is None else bias.detach()
+        self.panels_array = as_kernel_array(panels)  # the same memory, as the kernel takes it
+        self.bias = None if bias is None else bias.detach().float()  # added to the fp32 sums
 
     @property
     def weight(self) -> torch.Tensor:
@@ -151,7 +191,7 @@ class PanelLinear(torch.nn.Module):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        return linear(x, self.panels_array, self.bias, self.out_features)
+        return linear(x, self.panels_array, self.bias, self.out_features, self.panels.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         out = self.project(x.reshape(-1, self.in_features))
@@ -171,10 +211,10 @@ def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
                           out_features=first.out_features + second.out_features)
     count = first.panels.shape[0]
     for module, part in ((first, stacked.panels[:count]), (second, stacked.panels[count:])):
-        module.panels, module.panels_array = part, part.numpy()  # contiguous views: slices along the first dim
+        module.panels, module.panels_array = part, as_kernel_array(part)  # contiguous views along the first dim
     return stacked
 
 
-def panel_linears(module: torch.nn.Module) -> int:
-    """Every fp32 nn.Linear under `module` becomes a PanelLinear, in place; returns how many."""
-    return replace_fp32_linears(module, PanelLinear)
+def panel_linears(module: torch.nn.Module, dtypes=(torch.float32,)) -> int:
+    """Every nn.Linear of one of `dtypes` under `module` becomes a PanelLinear, in place; returns how many."""
+    return replace_linears(module, PanelLinear, dtypes)
