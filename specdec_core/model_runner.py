@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
+from . import bf16_dot, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
@@ -82,6 +82,13 @@ class ModelRunner:
                 self.fast = FastForward.build(self.model)
                 self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
         self._deterministic = bool(on)
+
+    def _compiled_short_attention(self, num_new: int) -> bool:
+        """Whether a bf16 decode or verify forward on a CPU attends through invariant_attention.py without the
+        switch: SDPA's flash kernel, built for long queries, took 77 ms of an 83 ms batch-16 decode step of SmolLM2
+        on an avx512_bf16 CPU (~400 cached keys), the compiled kernel 20 ms. fp32 has its own (cpu_attention.py)."""
+        return (self.fast is not None and self.dtype == torch.bfloat16 and num_new <= grouped_attention.MAX_QUERIES
+                and invariant_attention.kernel() is not None)
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -201,7 +208,7 @@ class ModelRunner:
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
-        invariant = (visible.cpu(), lengths) if self.deterministic else None
+        invariant = (visible.cpu(), lengths) if self.deterministic or self._compiled_short_attention(num_new) else None
         mask = None if invariant is not None or self._plain_prefill(lengths, positions, visible) else attention_masks(
             self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
@@ -311,10 +318,15 @@ class ModelRunner:
         return getattr(self.model, self.model.base_model_prefix)
 
 
-def tune_for_cpu(model, dtypes=(torch.float32,)) -> int:
+def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds.
     The linear layers of `dtypes` go to the panel kernel (oneDNN's packed layout for fp32 without it); returns how
-    many were replaced."""
+    many were replaced. By default fp32, and bf16 where the CPU's bf16 dot product runs them (bf16_dot.py: faster
+    than oneDNN at every row count on an AMD avx512_bf16 CPU) unless it has AMX, where oneDNN's tiles were not
+    measured against it."""
+    if dtypes is None:
+        bf16 = bf16_dot.available() and not torch.cpu._is_amx_tile_supported()
+        dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import bf16_dot
 from .numba_kernels import LazyKernel, use_torch_threads
 from .packed_linear import replace_linears
 
@@ -151,7 +152,10 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def as_kernel_array(panels: torch.Tensor) -> np.ndarray:
-    """The panels' memory as the kernel reads it: fp32 as is, bf16 as its uint16 bits (no copy)."""
+    """The panels' memory as their kernel reads it (no copy): fp32 as is, bf16 as its uint16 bits, bf16 pair
+    panels [P, K2, 16, 2] as uint32 words (bf16_dot.py)."""
+    if panels.dim() == 4:
+        return bf16_dot.as_words(panels)
     if panels.dtype == torch.bfloat16:
         return panels.view(torch.int16).numpy().view(np.uint16)
     return panels.numpy()
@@ -161,8 +165,11 @@ def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_f
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[M, in] x panels of an [out, in] `dtype` weight (as_kernel_array) -> [M, out] in `dtype`, summed in fp32
     (a bf16 result is the fp32 sum plus bias rounded once, as oneDNN's bf16 linear rounds)."""
-    out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]
-    kernels[dtype]()(x.float().contiguous().numpy(), panels, out)
+    if panels.ndim == 3 and panels.dtype == np.uint32:  # bf16 pair panels: the CPU's bf16 dot product
+        out = bf16_dot.matmul(x.to(torch.bfloat16), panels)
+    else:
+        out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]
+        kernels[dtype]()(x.float().contiguous().numpy(), panels, out)
     result = torch.from_numpy(out)  # numpy <-> torch here share memory: no copies, a few microseconds a call
     if out.shape[1] != out_features:
         result = result[:, :out_features].contiguous()
@@ -172,22 +179,28 @@ def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_f
 
 
 class PanelLinear(torch.nn.Module):
-    """An fp32 or bf16 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel."""
+    """An fp32 or bf16 nn.Linear whose weight lives as panels (the only copy) and runs through the panel kernel, or
+    for bf16 on a CPU with AVX512_BF16, through its dot-product instruction (bf16_dot.py)."""
 
     def __init__(self, source: torch.nn.Linear | None = None, panels: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, out_features: int = 0):
-        """From an nn.Linear, or from panels [P, in, PANEL] already cut (a stack of two layers')."""
+                 bias: torch.Tensor | None = None, out_features: int = 0, in_features: int = 0):
+        """From an nn.Linear, or from panels already cut (a stack of two layers')."""
         super().__init__()
         if source is not None:
-            panels, bias, out_features = to_panels(source.weight.detach()), source.bias, source.out_features
-        self.in_features, self.out_features = panels.shape[1], out_features
-        self.panels = panels  # [P, in, PANEL]
+            weight, bias = source.weight.detach(), source.bias
+            out_features, in_features = source.out_features, source.in_features
+            pairs = weight.dtype == torch.bfloat16 and bf16_dot.available()
+            panels = bf16_dot.to_pair_panels(weight) if pairs else to_panels(weight)
+        self.in_features, self.out_features = in_features or panels.shape[1], out_features
+        self.panels = panels  # [P, in, PANEL], or bf16 pair panels [P, in / 2, PANEL, 2]
         self.panels_array = as_kernel_array(panels)  # the same memory, as the kernel takes it
         self.bias = None if bias is None else bias.detach().float()  # added to the fp32 sums
 
     @property
     def weight(self) -> torch.Tensor:
         """[out, in], a dense copy (for the few readers of single rows: the attention probe, a subset head)."""
+        if self.panels.dim() == 4:
+            return bf16_dot.dense_weight(self.panels, self.out_features, self.in_features)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
@@ -203,12 +216,13 @@ def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
 
     The two modules' panels become views into the stacked ones, so the weights stay a single copy and each module
     still computes alone (Hugging Face's modules, the attention probe)."""
-    if first.in_features != second.in_features or first.out_features % PANEL or (first.bias is None) != (
-            second.bias is None):
+    columns = PANEL * (bf16_dot.WIDTH if first.panels.dim() == 4 else 1)  # the first's panels end where it does
+    if first.in_features != second.in_features or first.out_features % columns or (first.bias is None) != (
+            second.bias is None) or first.panels.shape[1:] != second.panels.shape[1:]:
         return None
-    stacked = PanelLinear(panels=torch.cat([first.panels, second.panels]),  # [P1 + P2, in, PANEL]
+    stacked = PanelLinear(panels=torch.cat([first.panels, second.panels]),  # [P1 + P2, ...]
                           bias=None if first.bias is None else torch.cat([first.bias, second.bias]),
-                          out_features=first.out_features + second.out_features)
+                          out_features=first.out_features + second.out_features, in_features=first.in_features)
     count = first.panels.shape[0]
     for module, part in ((first, stacked.panels[:count]), (second, stacked.panels[count:])):
         module.panels, module.panels_array = part, as_kernel_array(part)  # contiguous views along the first dim

@@ -4,7 +4,7 @@ own."""
 import pytest
 import torch
 
-from specdec_core import panel_linear
+from specdec_core import bf16_dot, panel_linear
 from specdec_core.panel_linear import PanelLinear, panel_linears, to_panels
 from tests.tiny_models import tiny_llama
 
@@ -24,13 +24,26 @@ def test_a_panel_linear_computes_the_linear_with_bias_and_odd_widths():
     assert torch.equal(panel.weight, linear.weight.detach())
 
 
-def test_a_bf16_panel_linear_sums_the_exact_products_in_fp32_and_rounds_once():
-    """bf16 weights are read as their bits and widened exactly: the result is the fp32 product of the same bf16
-    numbers, with the bias, rounded to bf16 once (as oneDNN's bf16 linear rounds; its sum order differs)."""
+BF16_KERNELS = ["dot", "widen"]  # the CPU's bf16 dot product (bf16_dot.py), else bf16 widened into fp32 sums
+
+
+def bf16_kernel(kind: str, monkeypatch) -> None:
+    if kind == "dot" and not bf16_dot.available():
+        pytest.skip(f"no bf16 dot-product kernel here: {bf16_dot.kernel.unavailable}")
+    if kind == "widen":
+        monkeypatch.setattr(bf16_dot, "available", lambda: False)
+
+
+@pytest.mark.parametrize("kind", BF16_KERNELS)
+def test_a_bf16_panel_linear_sums_the_products_in_fp32_and_rounds_once(kind, monkeypatch):
+    """bf16 weights summed in fp32: the result is the product of the same bf16 numbers, with the bias, rounded to
+    bf16 once (as oneDNN's bf16 linear rounds; the sum order differs), and an odd input width is padded."""
+    bf16_kernel(kind, monkeypatch)
     torch.manual_seed(2)
-    linear = torch.nn.Linear(1536, 40).to(torch.bfloat16)  # a down projection's depth; 40: padded columns
+    linear = torch.nn.Linear(1537, 40).to(torch.bfloat16)  # a down projection's depth, odd; 40: padded columns
     panel = PanelLinear(linear)
-    x = torch.randn(5, 1536).to(torch.bfloat16)
+    assert panel.panels.dim() == (4 if kind == "dot" else 3)
+    x = torch.randn(5, 1537).to(torch.bfloat16)
     with torch.no_grad():
         exact = (x.double() @ linear.weight.double().T + linear.bias.double()).to(torch.bfloat16)
         got = panel(x)
@@ -41,11 +54,14 @@ def test_a_bf16_panel_linear_sums_the_exact_products_in_fp32_and_rounds_once():
     assert (got == exact).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, ""), (torch.bfloat16, "dot"), (torch.bfloat16, "widen")],
+                         ids=["fp32", "bf16-dot", "bf16-widen"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, kind, monkeypatch):
     """Bitwise: one row alone, among 1..17 others, at any place in a call, and past a row block (129 rows) gives the
     same numbers; this is what lets a verify step, a prefill and a plain step agree on a row. (oneDNN's bf16 linear
     does not promise it: a [M, 1536] x [1536, 576] row changed from M = 14 on an avx512_bf16 CPU.)"""
+    if kind:
+        bf16_kernel(kind, monkeypatch)
     torch.manual_seed(1)
     linear = torch.nn.Linear(1536, 64, bias=False).to(dtype)
     panel = PanelLinear(linear)
@@ -97,3 +113,17 @@ def test_deterministic_bf16_puts_the_linears_and_head_on_bf16_panels():
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, PanelLinear)
     assert isinstance(runner.model.get_output_embeddings(), PanelLinear)
     assert runner.fast.layers[0].down.module is runner.model.model.layers[0].mlp.down_proj
+
+
+@pytest.mark.parametrize("kind", BF16_KERNELS)
+def test_bf16_layers_stack_into_one_call_and_each_still_computes_alone(kind, monkeypatch):
+    bf16_kernel(kind, monkeypatch)
+    torch.manual_seed(3)
+    gate, up = (PanelLinear(torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)) for _ in range(2))
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    alone = torch.cat([gate(x), up(x)], dim=1)
+    both = panel_linear.stack(gate, up)
+    assert torch.equal(both(x), alone) and torch.equal(torch.cat([gate(x), up(x)], dim=1), alone)
+    assert gate.panels.data_ptr() == both.panels.data_ptr()  # views: one copy of the weights
+    odd = PanelLinear(torch.nn.Linear(64, 48 if kind == "dot" else 20, bias=False).to(torch.bfloat16))
+    assert panel_linear.stack(odd, up) is None  # its panels would not end where the second's begin
