@@ -330,21 +330,23 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-    if all(panel_linear.available(dtype) for dtype in dtypes):
-        make = panel_linear.PanelLinear
-    elif dtypes == (torch.float32,) and packed_linear.available():
-        make = packed_linear.PackedLinear
-    else:
-        return 0
     layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
-    # decoder linears of these dtypes only (int8 drafters keep theirs)
-    count = 0 if layers is None else packed_linear.replace_linears(layers, make, dtypes)
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear and head.weight.dtype in dtypes:
-        # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a copy of its own.
-        model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
-        model.set_output_embeddings(make(head))
-        count += 1
+    count = 0
+    for dtype in dtypes:
+        if panel_linear.available(dtype):
+            make = panel_linear.PanelLinear
+        elif dtype == torch.float32 and packed_linear.available():
+            make = packed_linear.PackedLinear
+        else:
+            continue
+        # decoder linears of this dtype only (int8 drafters keep theirs)
+        count += 0 if layers is None else packed_linear.replace_linears(layers, make, (dtype,))
+        head = model.get_output_embeddings()
+        if type(head) is torch.nn.Linear and head.weight.dtype == dtype:
+            # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a copy of its own.
+            model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
+            model.set_output_embeddings(make(head))
+            count += 1
     return count
 
 
