@@ -27,7 +27,7 @@ import torch
 from .numba_kernels import LazyKernel, use_torch_threads
 
 
-QUERY_BLOCK = 16  # new tokens of a row per task: the keys they see are widened / copied once for all of them
+QUERY_BLOCK = 64  # new tokens of a row per task: the keys they see are widened / copied once for all of them
 
 
 def _compile():

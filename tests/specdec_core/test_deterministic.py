@@ -108,6 +108,25 @@ def test_lossless_methods_equal_batch_one_ar_in_bf16(make):
             assert got[key]["output_token_ids"] == reference[key]["output_token_ids"], (method, key)
 
 
+@pytest.mark.parametrize("dtype,short_forwards_compiled", [(torch.bfloat16, True), (torch.float32, False)],
+                         ids=["bf16", "fp32"])
+def test_without_the_switch_bf16_decode_steps_attend_through_the_compiled_kernel(dtype, short_forwards_compiled,
+                                                                                   monkeypatch):
+    """Without --deterministic a bf16 CPU forward of at most MAX_QUERIES tokens a row still attends through
+    invariant_attention.py (SDPA's flash kernel was ~4x slower at decode), a prefill through SDPA; fp32 keeps its
+    own kernels."""
+    from specdec_core import grouped_attention, invariant_attention
+
+    runner = runner_in(dtype)
+    runner.deterministic = False
+    calls = []
+    real_attend = invariant_attention.attend
+    monkeypatch.setattr(invariant_attention, "attend", lambda *args: calls.append(args[0].shape[2]) or real_attend(*args))
+    prefill = grouped_attention.MAX_QUERIES + 8
+    feed(runner, [prefill] + [1] * (len(SEQUENCE) - prefill))
+    assert calls == ([1] * runner.num_layers * (len(SEQUENCE) - prefill) if short_forwards_compiled else [])
+
+
 def test_a_model_the_fast_forward_does_not_cover_is_one_clear_error():
     with pytest.raises(DeterminismUnavailableError, match="Llama-family"):
         tiny_gemma3().deterministic = True
