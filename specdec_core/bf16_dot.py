@@ -119,8 +119,6 @@ def _rows_kernel(rows: int, width: int):
 def _compile():
     from numba import njit, prange
 
-    if not torch.cpu._is_avx512_bf16_supported():
-        raise RuntimeError("this CPU has no AVX512_BF16")
     held_rows, one_row = _rows_kernel(ROWS, WIDTH), _rows_kernel(1, WIDTH)
 
     @njit(parallel=True, cache=True)
@@ -148,7 +146,9 @@ kernel = LazyKernel(_compile, "the bf16 dot-product linear kernel", "; bf16 line
 
 
 def available() -> bool:
-    return kernel() is not None
+    """Whether bf16 linears run through this kernel here: a CPU with AVX512_BF16 (asked first, so other CPUs
+    neither compile it nor log about it) and numba able to compile it."""
+    return torch.cpu._is_avx512_bf16_supported() and kernel() is not None
 
 
 def to_pair_panels(weight: torch.Tensor) -> torch.Tensor:
