@@ -185,7 +185,7 @@ def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, 
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
              references: dict | None = None, memory_seed: list | None = None, outputs: dict | None = None) -> dict:
     """One timed pass of a method over `items` at batch `size` -> its result row; `outputs`, when given, gets each
-    request's output token ids."""
+    request's output token ids (None for a row that failed)."""
     from specdec_core.speculation_budget import StepCostModel
 
     method, options = parse_method(method_text)
@@ -218,7 +218,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
               "from_memory": sum(r["accepted_by_source"].get("memory", 0) for r in ok),
               "quality": mean_quality(got, references or {})}
     if outputs is not None:
-        outputs.update({key: r.get("output_token_ids") for key, r in got.items()})
+        outputs.update({key: None if r.get("error") else r.get("output_token_ids") for key, r in got.items()})
     if hf_outputs is not None:
         result["same_as_hf"] = sum(got[i.key].get("output_token_ids") == hf_outputs[i.key] for i in items)
     return result

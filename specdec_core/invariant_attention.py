@@ -8,7 +8,8 @@ What guarantees it: each query token's result comes from one function (`one_quer
    attend (a chain: those before it and itself; a tree node: its ancestors and itself), so the list is the same
    as when that token is fed alone at its position (a tree's ancestors sit at node slots, in depth order);
 2. with every score an fp32 dot product over head_dim in one fixed loop, the softmax in fp32 over exactly that list
-   (max, then exp and sum in list order), and the weighted sum of values in list order;
+   (max, exp, sum) and the weighted sum of values over it, loops that the compiler may split across vector lanes
+   (fastmath), but the same way for every list of the same length;
 3. the same compiled code for every query count, batch and row.
 Only the list's length and contents enter the arithmetic, and for one token they are the same in every forward.
 A task is up to QUERY_BLOCK new tokens of one row and key/value head: the keys and values any of them sees are first
@@ -31,133 +32,9 @@ QUERY_BLOCK = 64  # new tokens of a row per task: the keys they see are widened 
 
 
 def _compile():
-    # The kernels are defined here so that importing this module never imports numba.
-    from numba import njit, prange, types
-    from numba.extending import overload
+    from . import invariant_attention_kernel  # imports numba: only here, when the kernel is first used
 
-    @njit(fastmath=True, cache=True)
-    def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # pragma: no cover - compiled
-        """query [d]; keys, values [U, d] fp32; seen [n]: the rows of keys this query sees, in position order;
-        scores, powers [>= n] scratch -> out [d]. The only arithmetic of the kernel: the same code for every query,
-        whatever else the task holds."""
-        dim = query.shape[0]
-        for j in range(n):
-            key = keys[seen[j]]
-            dot = np.float32(0.0)
-            for x in range(dim):
-                dot += query[x] * key[x]
-            scores[j] = dot * scale
-        peak = scores[0]
-        for j in range(1, n):
-            peak = max(peak, scores[j])
-        # exp(score - peak) <= 1 as 2^k x exp(r), |r| <= ln 2 / 2 (Cephes' expf polynomial): plain arithmetic that
-        # vectorises, where np.exp is a libm call per score (numba has no vector math library here); a 1,000-token
-        # prefill computes ~15 million of them a layer.
-        bits = powers.view(np.uint32)
-        for j in range(n):
-            z = max(scores[j] - peak, np.float32(-87.0))  # below: 0 to fp32 precision of the sum
-            k = np.floor(z * np.float32(1.44269504) + np.float32(0.5))
-            r = z - k * np.float32(0.693359375)
-            r = r - k * np.float32(-2.12194440e-4)
-            p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-            p = p * r + np.float32(8.3334519073e-3)
-            p = p * r + np.float32(4.1665795894e-2)
-            p = p * r + np.float32(1.6666665459e-1)
-            p = p * r + np.float32(5.0000001201e-1)
-            scores[j] = p * (r * r) + r + np.float32(1.0)
-            bits[j] = np.uint32(np.int32(k) + 127) << np.uint32(23)  # 2^k, k in -126..0
-        total = np.float32(0.0)
-        for j in range(n):
-            scores[j] = scores[j] * powers[j]
-            total += scores[j]
-        out[:] = 0.0
-        for j in range(n):
-            value = values[seen[j]]
-            weight = scores[j]
-            for x in range(dim):
-                out[x] += weight * value[x]
-        for x in range(dim):
-            out[x] = out[x] / total
-
-    def widen(row, target):
-        """target[:] = a key or value row as fp32: fp32 copied, bf16 bits (uint16) widened exactly. The overload
-        below compiles one of the two per cache dtype."""
-        target[:] = row if row.dtype == np.float32 else (row.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-    @overload(widen)
-    def _widen(row, target):
-        if isinstance(row.dtype, types.Float):
-            def copy(row, target):
-                for x in range(row.shape[0]):
-                    target[x] = row[x]
-            return copy
-
-        def from_bf16(row, target):
-            bits = target.view(np.uint32)
-            for x in range(row.shape[0]):
-                bits[x] = np.uint32(row[x]) << np.uint32(16)
-        return from_bf16
-
-    @njit(cache=True)
-    def gather(source, slot, h, positions, count, dest):  # pragma: no cover - compiled
-        """dest[u] = source[slot, h, positions[u]] as fp32 for u < count."""
-        for u in range(count):
-            widen(source[slot, h, positions[u]], dest[u])
-
-    @njit(parallel=True, cache=True)
-    def attend(q, k, v, slots, lengths, visible, scale, out):  # pragma: no cover - compiled
-        """q [b, KV, G, T, d] fp32; k, v [slots, KV, capacity, d] fp32 or uint16 (bf16 bits); slots [b] cache row
-        of each batch row; lengths [b] cached keys; visible [b, T, T] uint8 (new token t may see new token i);
-        out [b, KV, G, T, d] fp32 (padding tokens, which see nothing, get zeros)."""
-        rows, kv_heads, group, num_new, dim = q.shape
-        blocks = (num_new + QUERY_BLOCK - 1) // QUERY_BLOCK
-        for task in prange(rows * kv_heads * blocks):
-            r = task // (kv_heads * blocks)
-            h = (task // blocks) % kv_heads
-            first = (task % blocks) * QUERY_BLOCK
-            last = min(num_new, first + QUERY_BLOCK)
-            slot, length = slots[r], lengths[r]
-            # the block's keys: the cached ones, then every new token some query of the block sees, in order
-            used = np.zeros(num_new, dtype=np.uint8)
-            for t in range(first, last):
-                if visible[r, t, t] != 0:
-                    for i in range(num_new):
-                        used[i] |= visible[r, t, i]
-            positions = np.empty(length + num_new, dtype=np.int64)
-            where = np.empty(num_new, dtype=np.int64)  # new token i's row in the block's keys
-            count = 0
-            for j in range(length):
-                positions[count] = j
-                count += 1
-            for i in range(num_new):
-                if used[i] != 0:
-                    where[i] = count
-                    positions[count] = length + i
-                    count += 1
-            keys = np.empty((count, dim), dtype=np.float32)
-            values = np.empty((count, dim), dtype=np.float32)
-            gather(k, slot, h, positions, count, keys)
-            gather(v, slot, h, positions, count, values)
-            seen = np.empty(count, dtype=np.int64)
-            scores = np.empty(count, dtype=np.float32)
-            powers = np.empty(count, dtype=np.float32)
-            for t in range(first, last):
-                if visible[r, t, t] == 0:
-                    for g in range(group):
-                        out[r, h, g, t, :] = 0.0
-                    continue
-                n = 0  # this token's keys, in position order: the same list as when it is fed alone
-                for j in range(length):
-                    seen[n] = j
-                    n += 1
-                for i in range(num_new):
-                    if visible[r, t, i] != 0:
-                        seen[n] = where[i]
-                        n += 1
-                for g in range(group):
-                    one_query(q[r, h, g, t], keys, values, seen, n, scale, scores, powers, out[r, h, g, t])
-
-    return attend
+    return invariant_attention_kernel.attend
 
 
 kernel = LazyKernel(_compile, "invariant CPU attention", "")  # the compiled kernel, or None

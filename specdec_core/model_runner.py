@@ -76,8 +76,8 @@ class ModelRunner:
             # oneDNN's bf16 linears are not row-invariant (a row of SmolLM2's down projection, [M, 1536] x
             # [1536, 576], changes from M = 14 rows on an avx512_bf16 CPU): the panel kernel's are, by construction.
             if not panel_linear.available(torch.bfloat16):
-                raise DeterminismUnavailableError(
-                    f"--deterministic in bf16 needs numba's panel kernel: {panel_linear.kernels[self.dtype].unavailable}")
+                why = panel_linear.kernels[self.dtype].unavailable or f"{panel_linear.DISABLE_ENV}=0 switches it off"
+                raise DeterminismUnavailableError(f"--deterministic in bf16 needs numba's panel kernel: {why}")
             if tune_for_cpu(self.model, dtypes=(torch.bfloat16,)):  # both were bound to the replaced modules
                 self.fast = FastForward.build(self.model)
                 self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
@@ -325,7 +325,7 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     than oneDNN at every row count on an AMD avx512_bf16 CPU) unless it has AMX, where oneDNN's tiles were not
     measured against it."""
     if dtypes is None:
-        bf16 = bf16_dot.available() and not torch.cpu._is_amx_tile_supported()
+        bf16 = not torch.cpu._is_amx_tile_supported() and bf16_dot.available()
         dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).

@@ -1,4 +1,8 @@
-"""fp32 linear layers on a CPU through one numba kernel over weights cut into 16-column panels.
+"""fp32 (and bf16) linear layers on a CPU through one numba kernel over weights cut into 16-column panels.
+
+bf16 weights go to bf16_dot.py's kernel (the CPU's bf16 dot product over k-pairs) where the CPU has AVX512_BF16;
+elsewhere this kernel reads them as bits widened exactly to fp32 and sums as below (row-invariant, but 0.3-0.7x
+oneDNN's bf16 from 16 rows up). The rest of this note is about the fp32 kernel.
 
 Why: a decode step of a small model is a few hundred [16, hidden] x [hidden, out] products whose weights (540 MB for
 SmolLM2 in fp32) come from memory once a step. oneDNN's kernel on its reordered weight reads them at ~6 GB/s at 16
@@ -191,6 +195,8 @@ class PanelLinear(torch.nn.Module):
             out_features, in_features = source.out_features, source.in_features
             pairs = weight.dtype == torch.bfloat16 and bf16_dot.available()
             panels = bf16_dot.to_pair_panels(weight) if pairs else to_panels(weight)
+        if panels.dim() == 4 and not in_features:
+            raise ValueError("bf16 pair panels hold half the input width: give in_features")
         self.in_features, self.out_features = in_features or panels.shape[1], out_features
         self.panels = panels  # [P, in, PANEL], or bf16 pair panels [P, in / 2, PANEL, 2]
         self.panels_array = as_kernel_array(panels)  # the same memory, as the kernel takes it
@@ -218,7 +224,8 @@ def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
     still computes alone (Hugging Face's modules, the attention probe)."""
     columns = PANEL * (bf16_dot.WIDTH if first.panels.dim() == 4 else 1)  # the first's panels end where it does
     if first.in_features != second.in_features or first.out_features % columns or (first.bias is None) != (
-            second.bias is None) or first.panels.shape[1:] != second.panels.shape[1:]:
+            second.bias is None) or first.panels.shape[1:] != second.panels.shape[1:] or (
+            first.panels.dtype != second.panels.dtype):
         return None
     stacked = PanelLinear(panels=torch.cat([first.panels, second.panels]),  # [P1 + P2, ...]
                           bias=None if first.bias is None else torch.cat([first.bias, second.bias]),

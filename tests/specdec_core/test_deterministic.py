@@ -17,7 +17,7 @@ SEQUENCE = repetitive_prompt(7, 40)
 def runner_in(dtype: torch.dtype, make=tiny_llama) -> ModelRunner:
     base = make()
     model = base.model.to(dtype)
-    tune_for_cpu(model)  # as ModelRunner.load sets a CPU model up: fp32 linears and head reordered for oneDNN
+    tune_for_cpu(model)  # as ModelRunner.load sets a CPU model up: its linears and head on the panel kernels
     runner = ModelRunner(model, base.tokenizer, base.name, "cpu", dtype)
     runner.deterministic = True
     return runner

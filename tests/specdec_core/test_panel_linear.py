@@ -105,11 +105,15 @@ def test_panel_linears_replaces_fp32_linears_only_unless_bf16_is_asked_for():
 
 
 def test_deterministic_bf16_puts_the_linears_and_head_on_bf16_panels():
-    """The switch moves a bf16 model's linears to the panel kernel (row-invariant) and rebuilds the fast forward
-    over them; without it they stay on PyTorch's bf16 linear."""
-    from tests.specdec_core.test_deterministic import runner_in
+    """The switch moves a bf16 model's linears, still on PyTorch's bf16 linear, to the panel kernel (row-invariant)
+    and rebuilds the fast forward over them."""
+    from specdec_core.model_runner import ModelRunner
 
-    runner = runner_in(torch.bfloat16)
+    base = tiny_llama()
+    model = base.model.to(torch.bfloat16)
+    runner = ModelRunner(model, base.tokenizer, base.name, "cpu", torch.bfloat16)
+    assert type(runner.model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    runner.deterministic = True
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, PanelLinear)
     assert isinstance(runner.model.get_output_embeddings(), PanelLinear)
     assert runner.fast.layers[0].down.module is runner.model.model.layers[0].mlp.down_proj

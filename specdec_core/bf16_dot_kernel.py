@@ -1,0 +1,107 @@
+"""The compiled kernel of bf16_dot.py, at module level so numba's disk cache finds it again in the next process (a
+function defined inside another, calling intrinsics it closes over, got a new cache key in every process). Imported
+only when the kernel is first used: it imports numba and llvmlite."""
+
+from functools import lru_cache
+
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .bf16_dot import INTRINSIC, PANEL, ROW_BLOCK, ROWS, WIDTH
+
+
+@lru_cache(maxsize=1)
+def _bfloat():
+    """LLVM's bfloat type, which llvmlite's IR builder has no name for (one class: declarations compare types)."""
+
+    class BFloat(ir.Type):
+        def _to_string(self):
+            return "bfloat"
+
+        def __eq__(self, other):
+            return isinstance(other, BFloat)
+
+        def __hash__(self):
+            return hash("bfloat")
+
+    return BFloat()
+
+
+def _rows_kernel(rows: int, width: int):
+    """A numba intrinsic: out[m : m + rows, p x 16 : (p + width) x 16] = x[m : m + rows] @ panels[p : p + width],
+    with x uint32 [M, K2] (bf16 pairs), panels uint32 [P, K2, 16], out float32 [M, P x 16]."""
+    i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+    floats, words, pairs = ir.VectorType(f32, PANEL), ir.VectorType(i32, PANEL), ir.VectorType(_bfloat(), 2 * PANEL)
+
+    def constant(value):
+        return ir.Constant(i64, value)
+
+    def codegen(context, builder, signature, args):
+        x, panels, out = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
+        first_row, first_panel = args[1], args[3]
+        depth = builder.extract_value(x.shape, 1)  # K2
+        columns = builder.extract_value(out.shape, 1)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, pairs, pairs]), INTRINSIC)
+        x_rows = builder.gep(x.data, [builder.mul(first_row, depth)])
+        panel_starts = [builder.gep(panels.data, [builder.mul(builder.add(first_panel, constant(w)),
+                                                              builder.mul(depth, constant(PANEL)))])
+                        for w in range(width)]
+        entry, loop, done = builder.block, builder.append_basic_block("k"), builder.append_basic_block("done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        k = builder.phi(i64)
+        k.add_incoming(constant(0), entry)
+        sums = {}
+        for key in ((r, w) for r in range(rows) for w in range(width)):
+            sums[key] = builder.phi(floats)
+            sums[key].add_incoming(ir.Constant(floats, None), entry)
+        weights = [builder.bitcast(builder.load(builder.bitcast(builder.gep(start, [builder.mul(k, constant(PANEL))]),
+                                                                words.as_pointer()), align=4), pairs)
+                   for start in panel_starts]
+        updated = {}
+        for r in range(rows):
+            pair = builder.load(builder.gep(x_rows, [builder.add(builder.mul(constant(r), depth), k)]))
+            spread = builder.insert_element(ir.Constant(words, None), pair, ir.Constant(i32, 0))
+            spread = builder.bitcast(builder.shuffle_vector(spread, ir.Constant(words, None),
+                                                            ir.Constant(words, [0] * PANEL)), pairs)
+            for w in range(width):
+                updated[r, w] = builder.call(dot, [sums[r, w], weights[w], spread])
+        following = builder.add(k, constant(1))
+        k.add_incoming(following, loop)
+        for key, phi in sums.items():
+            phi.add_incoming(updated[key], loop)
+        builder.cbranch(builder.icmp_unsigned("<", following, depth), loop, done)
+        builder.position_at_end(done)
+        for (r, w), value in updated.items():
+            place = builder.add(builder.mul(builder.add(first_row, constant(r)), columns),
+                                builder.mul(builder.add(first_panel, constant(w)), constant(PANEL)))
+            builder.store(value, builder.bitcast(builder.gep(out.data, [place]), floats.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def rows_kernel(typingctx, x, first_row, panels, first_panel, out):
+        return types.void(x, first_row, panels, first_panel, out), codegen
+
+    return rows_kernel
+
+
+held_rows, one_row = _rows_kernel(ROWS, WIDTH), _rows_kernel(1, WIDTH)
+
+
+@njit(parallel=True, cache=True)
+def matmul(x, panels, out):  # pragma: no cover - compiled
+    """x uint32 [M, K2]; panels uint32 [P, K2, 16] (P a multiple of WIDTH); out float32 [M, P x 16]."""
+    rows = x.shape[0]
+    count = panels.shape[0] // WIDTH
+    blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    for task in prange(blocks * count):
+        p = (task % count) * WIDTH
+        first = (task // count) * ROW_BLOCK
+        last = min(rows, first + ROW_BLOCK)
+        held = first + (last - first) // ROWS * ROWS
+        for m in range(first, held, ROWS):
+            held_rows(x, m, panels, p, out)
+        for m in range(held, last):  # the rows left over: the same instructions, one row at a time
+            one_row(x, m, panels, p, out)
