@@ -1,0 +1,39 @@
+"""The compiled kernels of rope_store.py, at module level so numba's disk cache finds them in the next process (the
+parallel one, defined inside a function and calling the serial one it closed over, got a new cache key in every
+process and was compiled again each time). Imported only when first used: it imports numba."""
+
+from numba import njit, prange
+
+from .rope_store import PARALLEL_CHUNKS
+
+
+@njit(cache=True)
+def rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, last):  # pragma: no cover
+    """Tokens first..last-1: q [M, H, d] rotated in place; k [M, KV, d] rotated into key_cache[rows[m], :,
+    places[m]]; v copied into value_cache there; cos / sin [M, d]; rows / places [M]."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, half = k.shape[1], dim // 2
+    for m in range(first, last):
+        r, p = rows[m], places[m]
+        for h in range(heads):
+            for j in range(half):
+                a, b = q[m, h, j], q[m, h, j + half]
+                q[m, h, j] = a * cos[m, j] + (-b) * sin[m, j]
+                q[m, h, j + half] = b * cos[m, j + half] + a * sin[m, j + half]
+        for h in range(kv_heads):
+            for j in range(half):
+                a, b = k[m, h, j], k[m, h, j + half]
+                key_cache[r, h, p, j] = a * cos[m, j] + (-b) * sin[m, j]
+                key_cache[r, h, p, j + half] = b * cos[m, j + half] + a * sin[m, j + half]
+            for j in range(dim):
+                value_cache[r, h, p, j] = v[m, h, j]
+
+# A function of its own, not a parallel=True copy of the one above: numba's disk cache keys a function by its
+# name and line, not by its options, so two variants of one function would load each other's code.
+@njit(cache=True, parallel=True)
+def rotate_store_parallel(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover
+    tokens = q.shape[0]
+    size = (tokens + PARALLEL_CHUNKS - 1) // PARALLEL_CHUNKS
+    for chunk in prange(PARALLEL_CHUNKS):
+        first = chunk * size
+        rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))
