@@ -88,8 +88,8 @@ def matmul(x: torch.Tensor, panels: np.ndarray) -> np.ndarray:
     depth = panels.shape[1]
     if x.shape[1] != 2 * depth:  # an odd input width: one zero column, as the panels have
         x = torch.nn.functional.pad(x, (0, 2 * depth - x.shape[1]))
-    out = np.zeros((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)
-    if depth:  # the kernel's k loop runs at least once
-        words = x.contiguous().view(torch.int32).numpy().view(np.uint32)  # [M, K2]
-        kernel()(words, panels, out)
+    if not depth:  # no inputs: the kernel's k loop would run once anyway
+        return np.zeros((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)
+    out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # every entry is written
+    kernel()(x.contiguous().view(torch.int32).numpy().view(np.uint32), panels, out)  # x as [M, K2] words
     return out

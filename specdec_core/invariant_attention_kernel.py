@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .bf16_bits import bf16_to_f32
 from .invariant_attention import QUERY_BLOCK
 
 
@@ -53,10 +54,12 @@ def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # prag
     for x in range(dim):
         out[x] = out[x] / total
 
+
 def widen(row, target):
-    """target[:] = a key or value row as fp32: fp32 copied, bf16 bits (uint16) widened exactly. The overload
-    below compiles one of the two per cache dtype."""
+    """target[:] = a key or value row as fp32: fp32 copied, bf16 bits (uint16) widened exactly (bf16_bits.py). The
+    overload below compiles one of the two per cache dtype."""
     target[:] = row if row.dtype == np.float32 else (row.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
 
 @overload(widen)
 def _widen(row, target):
@@ -67,16 +70,17 @@ def _widen(row, target):
         return copy
 
     def from_bf16(row, target):
-        bits = target.view(np.uint32)
         for x in range(row.shape[0]):
-            bits[x] = np.uint32(row[x]) << np.uint32(16)
+            target[x] = bf16_to_f32(row[x])
     return from_bf16
+
 
 @njit(cache=True)
 def gather(source, slot, h, positions, count, dest):  # pragma: no cover - compiled
     """dest[u] = source[slot, h, positions[u]] as fp32 for u < count."""
     for u in range(count):
         widen(source[slot, h, positions[u]], dest[u])
+
 
 @njit(parallel=True, cache=True)
 def attend(q, k, v, slots, lengths, visible, scale, out):  # pragma: no cover - compiled

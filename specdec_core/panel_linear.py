@@ -43,29 +43,16 @@ DISABLE_ENV = "SPECBATCH_PANEL_LINEAR"  # "0": keep every linear on oneDNN (pack
 MODULE_NAME = "specbatch_panel_kernel"
 
 
-# The bf16 kernel reads its weights as uint16 bits and widens each exactly to fp32 (the bits shifted into the high
-# half of a 32-bit word), so it reads half the bytes of the fp32 kernel and sums the same way.
-WIDEN_SOURCE = '''from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
-
-
-@intrinsic
-def widen(typingctx, bits):
-    """bf16 bits (uint16) -> the same number as float32, exactly."""
-    def codegen(context, builder, signature, args):
-        word = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(word, ir.FloatType())
-    return types.float32(types.uint16), codegen
-'''
+# The bf16 kernel reads its weights as uint16 bits and widens each exactly to fp32 (bf16_bits.py), so it reads half
+# the bytes of the fp32 kernel and sums the same way.
 KERNELS = {torch.float32: ("panel_matmul", "float32", "panels[p, k, {j}]"),
-           torch.bfloat16: ("panel_matmul_bf16", "uint16", "widen(panels[p, k, {j}])")}
+           torch.bfloat16: ("panel_matmul_bf16", "uint16", "bf16_to_f32(panels[p, k, {j}])")}
 
 
 def kernel_source() -> str:
     """The numba module: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel), one
     function per weight dtype (KERNELS)."""
-    lines = ["import numpy as np", "from numba import njit, prange", WIDEN_SOURCE]
+    lines = ["import numpy as np", "from numba import njit, prange", "", "from specdec_core.bf16_bits import bf16_to_f32"]
     for name, _, load in KERNELS.values():
         lines += _kernel_lines(name, load)
     return "\n".join(lines) + "\n"
