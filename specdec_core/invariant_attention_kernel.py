@@ -7,6 +7,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .bf16_bits import bf16_to_f32
+from .fast_exp import exp_shifted
 from .invariant_attention import QUERY_BLOCK
 
 
@@ -25,26 +26,7 @@ def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # prag
     peak = scores[0]
     for j in range(1, n):
         peak = max(peak, scores[j])
-    # exp(score - peak) <= 1 as 2^k x exp(r), |r| <= ln 2 / 2 (Cephes' expf polynomial): plain arithmetic that
-    # vectorises, where np.exp is a libm call per score (numba has no vector math library here); a 1,000-token
-    # prefill computes ~15 million of them a layer.
-    bits = powers.view(np.uint32)
-    for j in range(n):
-        z = max(scores[j] - peak, np.float32(-87.0))  # below: 0 to fp32 precision of the sum
-        k = np.floor(z * np.float32(1.44269504) + np.float32(0.5))
-        r = z - k * np.float32(0.693359375)
-        r = r - k * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        scores[j] = p * (r * r) + r + np.float32(1.0)
-        bits[j] = np.uint32(np.int32(k) + 127) << np.uint32(23)  # 2^k, k in -126..0
-    total = np.float32(0.0)
-    for j in range(n):
-        scores[j] = scores[j] * powers[j]
-        total += scores[j]
+    total = exp_shifted(scores, n, peak, powers)
     out[:] = 0.0
     for j in range(n):
         value = values[seen[j]]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bf16_dot, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
+from . import bf16_attention, bf16_dot, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
@@ -89,6 +89,12 @@ class ModelRunner:
         on an avx512_bf16 CPU (~400 cached keys), the compiled kernel 20 ms. fp32 has its own (cpu_attention.py)."""
         return (self.fast is not None and self.dtype == torch.bfloat16 and num_new <= grouped_attention.MAX_QUERIES
                 and invariant_attention.kernel() is not None)
+
+    def _bf16_long_attention(self, num_new: int) -> bool:
+        """Whether a bf16 CPU forward of more than MAX_QUERIES tokens a row (a prefill chunk) attends through
+        bf16_attention.py: SDPA took 55 % of a bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel."""
+        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+                and num_new > grouped_attention.MAX_QUERIES and bf16_attention.usable(self.fast.head_dim))
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -209,14 +215,17 @@ class ModelRunner:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
         invariant = (visible.cpu(), lengths) if self.deterministic or self._compiled_short_attention(num_new) else None
-        mask = None if invariant is not None or self._plain_prefill(lengths, positions, visible) else attention_masks(
-            self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(), self.dtype)
+        news = bf16_attention.chain_news(visible) if invariant is None and self._bf16_long_attention(num_new) else None
+        chain = (lengths, news) if news is not None else None
+        masked = invariant is None and chain is None and not self._plain_prefill(lengths, positions, visible)
+        mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
+                               self.dtype) if masked else None
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
             if self.fast is not None:
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
                                        real if RaggedTokens.worth_it(real, self.gather_share) else None,
-                                       logit_index, captured, query_heads, queries, invariant)
+                                       logit_index, captured, query_heads, queries, invariant, chain)
             else:
                 hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
                                          queries)

@@ -1,0 +1,120 @@
+"""The compiled kernel of bf16_attention.py, at module level so numba's disk cache finds it again in the next
+process. Imported only when the kernel is first used: it imports numba and llvmlite."""
+
+import numpy as np
+from numba import njit, prange
+
+from .bf16_attention import QUERY_BLOCK
+from .bf16_dot import PANEL, ROWS, WIDTH
+from .bf16_dot_kernel import held_rows, one_row
+from .fast_exp import exp_shifted
+
+
+@njit(cache=True)
+def product(x, panels, out, rows, count):  # pragma: no cover - compiled
+    """out[:rows, :count x 16] = x[:rows] @ panels[:count] through vdpbf16ps (bf16_dot_kernel.py); x uint32
+    [>= rows, K2] bf16 pairs, panels uint32 [>= count, K2, 16], count a multiple of WIDTH."""
+    held = rows // ROWS * ROWS
+    for p in range(0, count, WIDTH):
+        for m in range(0, held, ROWS):
+            held_rows(x, m, panels, p, out)
+        for m in range(held, rows):
+            one_row(x, m, panels, p, out)
+
+
+@njit(cache=True)
+def key_panels(k, slot, h, n, panels):  # pragma: no cover - compiled
+    """panels [n / 16, d / 2, 16] uint32 = keys 0..n-1 of (slot, h) as the right-hand side of q @ k^T: panel p,
+    pair c, lane l holds dimensions 2c, 2c + 1 of key 16p + l. Lanes past n stay as they are (zeros)."""
+    half = panels.shape[1]
+    for key in range(n):
+        row = k[slot, h, key]
+        p, lane = key // PANEL, key % PANEL
+        for c in range(half):
+            panels[p, c, lane] = np.uint32(row[2 * c]) | (np.uint32(row[2 * c + 1]) << np.uint32(16))
+
+
+@njit(cache=True)
+def value_panels(v, slot, h, n, panels):  # pragma: no cover - compiled
+    """panels [>= d / 16, n / 2, 16] uint32 = values 0..n-1 of (slot, h) as the right-hand side of p @ v: panel p,
+    pair c, lane l holds dimension 16p + l of values 2c and 2c + 1 (a missing value 2c + 1 is zero)."""
+    dim = v.shape[3]
+    for c in range((n + 1) // 2):
+        low = v[slot, h, 2 * c]
+        for x in range(dim):
+            panels[x // PANEL, c, x % PANEL] = np.uint32(low[x])
+        if 2 * c + 1 < n:
+            high = v[slot, h, 2 * c + 1]
+            for x in range(dim):
+                panels[x // PANEL, c, x % PANEL] |= np.uint32(high[x]) << np.uint32(16)
+
+
+@njit(fastmath=True, cache=True)
+def softmax_to_bf16(scores, seen, scale, powers, weights):  # pragma: no cover - compiled
+    """scores [>= seen] raw q.k of one query -> weights [seen] uint16: exp(scale x score - max) rounded to bf16
+    (nearest even); -> their fp32 sum before rounding."""
+    for j in range(seen):
+        scores[j] = scores[j] * scale
+    peak = scores[0]
+    for j in range(1, seen):
+        peak = max(peak, scores[j])
+    total = exp_shifted(scores, seen, peak, powers)
+    bits = scores.view(np.uint32)
+    for j in range(seen):
+        word = bits[j]
+        weights[j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return total
+
+
+@njit(parallel=True, cache=True)
+def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - compiled
+    """q uint32 [b, T, H, d / 2] (bf16 pairs); k, v uint16 [slots, KV, capacity, d] (bf16 bits); slots, lengths,
+    news int64 [b]: each row's cache row, cached keys and new tokens; out float32 [b, T, H, d]. New token t < news[r]
+    of row r sees keys 0 .. lengths[r] + t; the padding tokens after news[r] get zeros."""
+    b, num_new, heads, half = q.shape
+    kv_heads, dim = k.shape[1], k.shape[3]
+    group = heads // kv_heads
+    blocks = (num_new + QUERY_BLOCK - 1) // QUERY_BLOCK
+    pairs = b * kv_heads
+    for task in prange(pairs * blocks):
+        # blocks zigzag (first, last, second, second last, ...): later blocks see more keys, and each thread's
+        # contiguous share of the tasks gets a mix
+        j = task // pairs
+        block = j // 2 if j % 2 == 0 else blocks - 1 - j // 2
+        r, h = (task % pairs) // kv_heads, (task % pairs) % kv_heads
+        first = block * QUERY_BLOCK
+        end = min(num_new, first + QUERY_BLOCK)
+        last = min(end, news[r])  # the block's real tokens: first .. last - 1
+        for t in range(max(first, last), end):
+            for g in range(group):
+                out[r, t, h * group + g, :] = 0.0
+        if last <= first:
+            continue
+        count, length = last - first, lengths[r]
+        n = length + last  # keys the block's last token sees; the others see a prefix of them
+        width = (n + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL)
+        rows = group * count  # the group's query heads stacked: row g x count + i is head g's token first + i
+        queries = np.empty((rows, half), dtype=np.uint32)
+        for g in range(group):
+            for i in range(count):
+                queries[g * count + i, :] = q[r, first + i, h * group + g, :]
+        keys = np.zeros((width // PANEL, half, PANEL), dtype=np.uint32)
+        key_panels(k, slots[r], h, n, keys)
+        columns = (dim + WIDTH * PANEL - 1) // (WIDTH * PANEL) * WIDTH  # panels of the values' dimensions
+        values = np.zeros((columns, width // 2, PANEL), dtype=np.uint32)
+        value_panels(v, slots[r], h, n, values)
+        scores = np.empty((rows, width), dtype=np.float32)
+        product(queries, keys, scores, rows, width // PANEL)
+        weights = np.zeros((rows, width // 2), dtype=np.uint32)  # zeros past each query's keys add nothing
+        halves = weights.view(np.uint16)
+        totals = np.empty(rows, dtype=np.float32)
+        powers = np.empty(width, dtype=np.float32)
+        for row in range(rows):
+            totals[row] = softmax_to_bf16(scores[row], length + first + row % count + 1, scale, powers, halves[row])
+        sums = np.empty((rows, columns * PANEL), dtype=np.float32)
+        product(weights, values, sums, rows, columns)
+        for g in range(group):
+            for i in range(count):
+                inverse = np.float32(1.0) / totals[g * count + i]
+                for x in range(dim):
+                    out[r, first + i, h * group + g, x] = sums[g * count + i, x] * inverse
