@@ -26,7 +26,9 @@ import torch
 from . import bf16_dot
 from .numba_kernels import LazyKernel, use_torch_threads
 
-QUERY_BLOCK = 32  # new tokens per task: 64 left a 3-head group's scores (192 x keys fp32) outside L2
+# New tokens per task. One SmolLM2 layer, ms at 16 / 32 / 64: a 1,024-token prompt 5.2 / 4.3 / 4.2, three prompts of
+# 330 tokens 1.8 / 1.7 / 2.1.
+QUERY_BLOCK = 32
 
 
 def _compile():

@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import bf16_attention, grouped_attention, invariant_attention, panel_linear, residual_norm, rope_store
+from . import bf16_attention, bf16_step_attention, grouped_attention, invariant_attention, panel_linear, residual_norm, rope_store
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
 
@@ -132,7 +132,8 @@ class FastForward:
     @torch.inference_mode()
     def run(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, mask, real: torch.Tensor | None,
             logit_index: torch.Tensor, captured: dict | None = None, query_heads: dict | None = None,
-            queries: dict | None = None, invariant: tuple | None = None, chain: tuple | None = None) -> torch.Tensor:
+            queries: dict | None = None, invariant: tuple | None = None, chain: tuple | None = None,
+            step: tuple | None = None) -> torch.Tensor:
         """cache     bound to the forward's rows (cache.bind)
         input_ids  [b, T]; positions [b, T]
         mask       [b, 1, T, L] float (0 / dtype-min), or None for one row fed causally from position 0
@@ -144,6 +145,8 @@ class FastForward:
                    token's result is the same in any forward
         chain      (lengths [b], news [b]) for a bf16 forward whose rows are chains: attend through
                    bf16_attention.py (mask unused)
+        step       (visible [b, T, T], lengths [b]) for a bf16 decode or verify step: attend through
+                   bf16_step_attention.py (mask unused)
         -> [N, hidden] final-normed hidden states of the logit positions."""
         b, num_new = input_ids.shape
         flat = None if real is None else real.reshape(-1).nonzero().squeeze(1)  # [M] of b x T
@@ -161,7 +164,7 @@ class FastForward:
         for index, layer in enumerate(self.layers):
             heads = (query_heads or {}).get(index)
             x, delta = self._layer(index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new,
-                                   heads, queries, invariant, chain, rotation)
+                                   heads, queries, invariant, chain, step, rotation)
             if captured is not None and index + 1 in captured:
                 x, delta = x + delta, None
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
@@ -174,7 +177,7 @@ class FastForward:
         return _rms_norm(last, self.final_norm, self.final_eps)  # [N, hidden]
 
     def _layer(self, index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
-               invariant, chain, rotation):
+               invariant, chain, step, rotation):
         """x [M, hidden] the residual stream, delta [M, hidden] or None still to be added to it
         -> (x, the MLP's output still to be added)."""
         tokens = x.shape[0]  # M
@@ -193,6 +196,10 @@ class FastForward:
         if invariant is not None:
             visible, lengths = invariant
             attended = invariant_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
+                                                  lengths, visible, layer.scaling)  # [b, T, H, d]
+        elif step is not None:
+            visible, lengths = step
+            attended = bf16_step_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
                                                   lengths, visible, layer.scaling)  # [b, T, H, d]
         elif chain is not None:
             lengths, news = chain

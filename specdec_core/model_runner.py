@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bf16_attention, bf16_dot, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
+from . import bf16_attention, bf16_dot, bf16_step_attention, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
@@ -84,11 +84,18 @@ class ModelRunner:
         self._deterministic = bool(on)
 
     def _compiled_short_attention(self, num_new: int) -> bool:
-        """Whether a bf16 decode or verify forward on a CPU attends through invariant_attention.py without the
-        switch: SDPA's flash kernel, built for long queries, took 77 ms of an 83 ms batch-16 decode step of SmolLM2
-        on an avx512_bf16 CPU (~400 cached keys), the compiled kernel 20 ms. fp32 has its own (cpu_attention.py)."""
+        """Whether a bf16 decode or verify forward on a CPU attends through a compiled kernel without the switch
+        (bf16_step_attention.py where it runs, else invariant_attention.py): SDPA's flash kernel, built for long
+        queries, took 77 ms of an 83 ms batch-16 decode step of SmolLM2 on an avx512_bf16 CPU (~400 cached keys),
+        invariant_attention.py 20 ms. fp32 has its own (cpu_attention.py)."""
         return (self.fast is not None and self.dtype == torch.bfloat16 and num_new <= grouped_attention.MAX_QUERIES
                 and invariant_attention.kernel() is not None)
+
+    def _bf16_steps(self, visible: torch.Tensor) -> bool:
+        """Whether a bf16 decode or verify step attends through bf16_step_attention.py (without --deterministic):
+        2.9x the compiled fp32 kernel at decode, 3.5x at a 5-token verify, on an avx512_bf16 CPU (SmolLM2, 16 rows of
+        1,100-1,700 keys)."""
+        return bf16_step_attention.usable(self.fast.head_dim) and bf16_step_attention.takes(visible.cpu())
 
     def _bf16_long_attention(self, num_new: int) -> bool:
         """Whether a bf16 CPU forward of more than MAX_QUERIES tokens a row (a prefill chunk) attends through
@@ -214,10 +221,12 @@ class ModelRunner:
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
-        invariant = (visible.cpu(), lengths) if self.deterministic or self._compiled_short_attention(num_new) else None
+        short = self._compiled_short_attention(num_new)
+        step = (visible.cpu(), lengths) if short and not self.deterministic and self._bf16_steps(visible) else None
+        invariant = (visible.cpu(), lengths) if step is None and (self.deterministic or short) else None
         news = bf16_attention.chain_news(visible) if invariant is None and self._bf16_long_attention(num_new) else None
         chain = (lengths, news) if news is not None else None
-        masked = invariant is None and chain is None and not self._plain_prefill(lengths, positions, visible)
+        masked = invariant is None and step is None and chain is None and not self._plain_prefill(lengths, positions, visible)
         mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
                                self.dtype) if masked else None
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
@@ -225,7 +234,7 @@ class ModelRunner:
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
                                        mask["full_attention"] if isinstance(mask, dict) else mask,
                                        real if RaggedTokens.worth_it(real, self.gather_share) else None,
-                                       logit_index, captured, query_heads, queries, invariant, chain)
+                                       logit_index, captured, query_heads, queries, invariant, chain, step)
             else:
                 hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
                                          queries)

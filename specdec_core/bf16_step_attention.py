@@ -1,0 +1,82 @@
+"""Attention of a bf16 decode or verify step on a CPU with AVX512_BF16: each row's cached keys and values read once,
+as bf16, through the CPU's bf16 dot-product instruction (vdpbf16ps).
+
+Why: a step feeds 1..8 tokens a row against hundreds or thousands of cached keys, so its attention is a read of the
+cache. The fp32 kernels widen every key and value first (invariant_attention.py copies them into an fp32 scratch)
+and reduce each fp32 dot product across vector lanes: on an AMD avx512_bf16 CPU a batch-16 SmolLM2 decode step
+at 1,100-1,700 cached keys spent 41 of its 64 ms there, ~15 GB/s of a ~50 GB/s memory.
+
+How: a task is one row and key/value head. Its query rows (the group's heads x the step's tokens) take each key's
+scores in one pass over the keys (two instructions a key and query for head_dim 64, and one lane reduction); the
+softmax is fp32 over the row's cached keys and the new tokens each query may see; the weights are rounded to bf16
+(as flash attention rounds them) and multiply pairs of values, interleaved dimension by dimension, in one pass
+over the values. The padding after a row's real tokens is never read.
+
+Without --deterministic only: a token's numbers depend on the row's key count through the vectorised sums (a
+decode and a verify of the same token can differ in the last bit); the switch keeps invariant_attention.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import bf16_dot
+from .numba_kernels import LazyKernel, use_torch_threads
+
+PASS_ROWS = 4  # query rows per pass over a row's keys (head_dim 64; 2 for 128): their sums stay in registers
+HEAD_DIMS = (64, 128)
+
+
+def _compile():
+    from . import bf16_step_attention_kernel  # imports numba and llvmlite: only here, when the kernel is first used
+
+    return bf16_step_attention_kernel.attend
+
+
+kernel = LazyKernel(_compile, "the bf16 dot-product step attention", "; bf16 steps use the fp32 kernel")
+
+
+def usable(head_dim: int) -> bool:
+    """Whether a model with this head_dim runs the kernel on this CPU."""
+    return head_dim in HEAD_DIMS and bf16_dot.available() and kernel() is not None
+
+
+def takes(visible: torch.Tensor) -> bool:
+    """Whether every row's real tokens (those that see themselves in visible [b, T, T]) are its first ones, as the
+    kernel reads them."""
+    real = visible.diagonal(dim1=1, dim2=2)  # [b, T]
+    return bool(torch.equal(real, torch.arange(real.shape[1])[None, :] < real.sum(1, keepdim=True)))
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+           visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [b, H, T, d] bf16; keys/values the layer's whole bf16 buffers [slots, KV, capacity, d]; slots [b] each
+    row's cache row; lengths [b] its cached keys; visible [b, T, T] bool, each row's real tokens first (`takes`)
+    -> [b, T, H, d] bf16."""
+    b, heads, num_new, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    if not takes(visible):
+        raise ValueError("the step attention reads each row's real tokens first, then its padding")
+    news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]
+    rows = group * num_new
+    padded = -(-rows // PASS_ROWS) * PASS_ROWS
+    q = query.reshape(b, kv_heads, rows, dim)  # [b, KV, G x T, d]: query head h x G + g is row g x T + t
+    if padded != rows:
+        q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
+    q = q.contiguous()
+    out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
+    use_torch_threads()
+    kernel()(_words(q), _words(keys), _words(values), slots.numpy().astype(np.int64),
+             lengths.numpy().astype(np.int64), news.numpy().astype(np.int64), visible.numpy().astype(np.uint8),
+             group, np.float32(scale), out.numpy())
+    out = out[:, :, :rows].reshape(b, kv_heads, group, num_new, dim)  # [b, KV, G, T, d]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
+
+
+def _words(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous bf16 tensor [..., d] as uint32 [..., d / 2] pairs, without a copy."""
+    if tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
+        raise TypeError(f"bf16 step attention reads contiguous bf16 tensors, not {tensor.dtype}")
+    return tensor.view(torch.int32).numpy().view(np.uint32)

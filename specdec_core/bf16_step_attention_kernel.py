@@ -1,0 +1,227 @@
+"""The compiled kernel of bf16_step_attention.py, at module level so numba's disk cache finds it again in the next
+process. Imported only when the kernel is first used: it imports numba and llvmlite.
+
+numba has no vector types, so the two loops over a row's keys are LLVM IR (as in bf16_dot_kernel.py): `scores`
+walks the keys, each read once as bf16 for every query row of a pass; `weighted_sum` walks pairs of values, each
+interleaved dimension by dimension into the pairs vdpbf16ps reads."""
+
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .bf16_dot import INTRINSIC, PANEL
+from .bf16_dot_kernel import _bfloat
+from .bf16_step_attention import PASS_ROWS
+from .fast_exp import exp_shifted
+
+I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+FLOATS, WORDS, HALVES = ir.VectorType(F32, PANEL), ir.VectorType(I32, PANEL), ir.VectorType(ir.IntType(16), 2 * PANEL)
+
+
+def _constant(value):
+    return ir.Constant(I64, value)
+
+
+@lru_cache(maxsize=1)
+def _pairs():
+    return ir.VectorType(_bfloat(), 2 * PANEL)
+
+
+def _scores_kernel(rows: int, vectors: int):
+    """scores[i, j] = scale x q[i] . k[j] for i < rows, j < n: k uint32 [>= n, 16 x vectors] (one key's bf16 pairs
+    a row), q uint32 [>= rows, 16 x vectors], scores float32 [>= rows, >= n]."""
+
+    def codegen(context, builder, signature, args):
+        keys, queries, out = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3))
+        n, scale = args[1], args[4]
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS, _pairs(), _pairs()]),
+                                             INTRINSIC)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, FLOATS]),
+                                                "llvm.vector.reduce.fadd.v16f32")
+        depth = builder.extract_value(keys.strides, 0)  # bytes between keys
+        columns = builder.extract_value(out.strides, 0)
+        q_depth = builder.extract_value(queries.strides, 0)
+        base = builder.ptrtoint(keys.data, I64)
+        q_base = builder.ptrtoint(queries.data, I64)
+        out_base = builder.ptrtoint(out.data, I64)
+
+        def vector_at(address):
+            return builder.bitcast(builder.load(builder.inttoptr(address, WORDS.as_pointer()), align=4), _pairs())
+
+        q = [[vector_at(builder.add(q_base, builder.add(builder.mul(_constant(r), q_depth), _constant(64 * v))))
+              for v in range(vectors)] for r in range(rows)]
+        entry, loop, done = builder.block, builder.append_basic_block("key"), builder.append_basic_block("done")
+        builder.cbranch(builder.icmp_signed(">", n, _constant(0)), loop, done)
+        builder.position_at_end(loop)
+        j = builder.phi(I64)
+        j.add_incoming(_constant(0), entry)
+        row = builder.add(base, builder.mul(j, depth))
+        key = [vector_at(builder.add(row, _constant(64 * v))) for v in range(vectors)]
+        for r in range(rows):
+            total = ir.Constant(FLOATS, None)
+            for v in range(vectors):
+                total = builder.call(dot, [total, key[v], q[r][v]])
+            value = builder.fmul(builder.call(reduce, [ir.Constant(F32, -0.0), total], fastmath=("reassoc",)), scale)
+            place = builder.add(out_base, builder.add(builder.mul(_constant(r), columns), builder.mul(j, _constant(4))))
+            builder.store(value, builder.inttoptr(place, F32.as_pointer()), align=4)
+        following = builder.add(j, _constant(1))
+        j.add_incoming(following, builder.block)
+        builder.cbranch(builder.icmp_signed("<", following, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def scores(typingctx, keys, n, queries, out, scale):
+        return types.void(keys, n, queries, out, scale), codegen
+
+    return scores
+
+
+def _weighted_sum_kernel(rows: int, vectors: int):
+    """out[i, :] = sum over j < n of weight[i, j] x v[j] for i < rows: v uint32 [>= n, 16 x vectors] (one value's
+    bf16 pairs a row), weights uint32 [>= rows, >= ceil(n / 2)] (bf16 weights of values 2c, 2c + 1 in word c), out
+    float32 [>= rows, 32 x vectors]. An odd n's last pair reads value n - 1 twice, the second time with weight 0."""
+    interleave = [[(i // 2) + 16 * half + (32 if i % 2 else 0) for i in range(32)] for half in (0, 1)]
+
+    def codegen(context, builder, signature, args):
+        values, weights, out = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3))
+        n = args[1]
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS, _pairs(), _pairs()]),
+                                             INTRINSIC)
+        depth = builder.extract_value(values.strides, 0)
+        w_depth = builder.extract_value(weights.strides, 0)
+        columns = builder.extract_value(out.strides, 0)
+        base, w_base = builder.ptrtoint(values.data, I64), builder.ptrtoint(weights.data, I64)
+        out_base = builder.ptrtoint(out.data, I64)
+        pairs_count = builder.sdiv(builder.add(n, _constant(1)), _constant(2))
+        entry, loop, done = builder.block, builder.append_basic_block("pair"), builder.append_basic_block("done")
+        builder.cbranch(builder.icmp_signed(">", n, _constant(0)), loop, done)
+        builder.position_at_end(loop)
+        c = builder.phi(I64)
+        c.add_incoming(_constant(0), entry)
+        sums = {}
+        for key in ((r, d) for r in range(rows) for d in range(2 * vectors)):
+            sums[key] = builder.phi(FLOATS)
+            sums[key].add_incoming(ir.Constant(FLOATS, None), entry)
+        first = builder.mul(c, _constant(2))
+        second = builder.select(builder.icmp_signed("<", builder.add(first, _constant(1)), n),
+                                builder.add(first, _constant(1)), first)
+        low_row, high_row = (builder.add(base, builder.mul(index, depth)) for index in (first, second))
+
+        def halves_at(address):
+            return builder.load(builder.inttoptr(address, HALVES.as_pointer()), align=4)
+
+        pairs = []
+        for v in range(vectors):
+            low, high = (halves_at(builder.add(row, _constant(64 * v))) for row in (low_row, high_row))
+            for half in (0, 1):
+                mixed = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(I32, 32), interleave[half]))
+                pairs.append(builder.bitcast(mixed, _pairs()))
+        updated = {}
+        for r in range(rows):
+            place = builder.add(w_base, builder.add(builder.mul(_constant(r), w_depth), builder.mul(c, _constant(4))))
+            word = builder.load(builder.inttoptr(place, I32.as_pointer()), align=4)
+            spread = builder.insert_element(ir.Constant(WORDS, None), word, ir.Constant(I32, 0))
+            spread = builder.bitcast(builder.shuffle_vector(spread, ir.Constant(WORDS, None),
+                                                            ir.Constant(WORDS, [0] * PANEL)), _pairs())
+            for d in range(2 * vectors):
+                updated[r, d] = builder.call(dot, [sums[r, d], pairs[d], spread])
+        following = builder.add(c, _constant(1))
+        c.add_incoming(following, builder.block)
+        for key, phi in sums.items():
+            phi.add_incoming(updated[key], builder.block)
+        builder.cbranch(builder.icmp_signed("<", following, pairs_count), loop, done)
+        builder.position_at_end(done)
+        finals = {}
+        for key in sums:  # phis first in a block
+            finals[key] = builder.phi(FLOATS)
+            finals[key].add_incoming(ir.Constant(FLOATS, None), entry)
+            finals[key].add_incoming(updated[key], loop)
+        for (r, d), final in finals.items():
+            place = builder.add(out_base, builder.add(builder.mul(_constant(r), columns), _constant(64 * d)))
+            builder.store(final, builder.inttoptr(place, FLOATS.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def weighted_sum(typingctx, values, n, weights, out):
+        return types.void(values, n, weights, out), codegen
+
+    return weighted_sum
+
+
+scores_64, weighted_sum_64 = _scores_kernel(PASS_ROWS, 2), _weighted_sum_kernel(PASS_ROWS, 2)  # head_dim 64
+scores_128, weighted_sum_128 = _scores_kernel(PASS_ROWS // 2, 4), _weighted_sum_kernel(PASS_ROWS // 2, 4)  # 128
+
+
+@njit(cache=True)
+def _scores(keys, n, queries, scores, scale):  # pragma: no cover - compiled
+    """scores[:Q, :n] of every query row, PASS_ROWS at a time (head_dim 64) or half as many (128)."""
+    if queries.shape[1] == 32:
+        for i in range(0, queries.shape[0], PASS_ROWS):
+            scores_64(keys, n, queries[i:], scores[i:], scale)
+    else:
+        for i in range(0, queries.shape[0], PASS_ROWS // 2):
+            scores_128(keys, n, queries[i:], scores[i:], scale)
+
+
+@njit(cache=True)
+def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
+    if values.shape[1] == 32:
+        for i in range(0, weights.shape[0], PASS_ROWS):
+            weighted_sum_64(values, n, weights[i:], sums[i:])
+    else:
+        for i in range(0, weights.shape[0], PASS_ROWS // 2):
+            weighted_sum_128(values, n, weights[i:], sums[i:])
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
+    """q uint32 [b, KV, Q, d / 2]: the bf16 pairs of each key/value head's query rows g x T + t (Q padded to a
+    multiple of PASS_ROWS with zeros); k, v uint32 [slots, KV, capacity, d / 2]; slots, lengths, news int64 [b]: each
+    row's cache row, cached keys and real new tokens (the first news[r]); visible uint8 [b, T, T];
+    out float32 [b, KV, Q, d] (padding tokens get zeros)."""
+    b, kv_heads, query_rows, half = q.shape
+    num_new = visible.shape[1]
+    for task in prange(b * kv_heads):
+        r, h = task // kv_heads, task % kv_heads
+        length, real = lengths[r], news[r]
+        n = length + real  # the cached keys and this forward's real tokens
+        keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
+        scores = np.empty((query_rows, n), dtype=np.float32)
+        _scores(keys, n, q[r, h], scores, scale)
+        weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)  # zero: padding rows, the odd last value
+        halves = weights.view(np.uint16)
+        totals = np.ones(query_rows, dtype=np.float32)
+        powers = np.empty(n, dtype=np.float32)
+        for g in range(group):
+            for t in range(real):
+                i = g * num_new + t
+                row = scores[i]
+                for j in range(real):  # the new tokens this one may not see (later ones, a tree's other branches)
+                    if visible[r, t, j] == 0:
+                        row[length + j] = np.float32(-1e30)
+                peak = row[0]
+                for j in range(1, n):
+                    peak = max(peak, row[j])
+                total = exp_shifted(row, n, peak, powers)
+                for j in range(real):
+                    if visible[r, t, j] == 0:
+                        total -= row[length + j]
+                        row[length + j] = np.float32(0.0)
+                totals[i] = total
+                bits = row.view(np.uint32)
+                for j in range(n):  # round to bf16, nearest even
+                    word = bits[j]
+                    halves[i, j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
+                                             >> np.uint32(16))
+        sums = np.empty((query_rows, 2 * half), dtype=np.float32)
+        _weighted_sums(values, n, weights, sums)
+        for i in range(query_rows):
+            t = i % num_new
+            inverse = np.float32(1.0) / totals[i] if i < group * num_new and t < real else np.float32(0.0)
+            for x in range(2 * half):
+                out[r, h, i, x] = sums[i, x] * inverse
