@@ -7,7 +7,7 @@ from numba import njit, prange
 from .bf16_attention import QUERY_BLOCK
 from .bf16_dot import PANEL, ROWS, WIDTH
 from .bf16_dot_kernel import held_rows, one_row
-from .fast_exp import exp_shifted
+from .fast_exp import exp_shifted, peak
 
 
 @njit(cache=True)
@@ -23,46 +23,48 @@ def product(x, panels, out, rows, count):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def key_panels(k, slot, h, n, panels):  # pragma: no cover - compiled
-    """panels [n / 16, d / 2, 16] uint32 = keys 0..n-1 of (slot, h) as the right-hand side of q @ k^T: panel p,
-    pair c, lane l holds dimensions 2c, 2c + 1 of key 16p + l. Lanes past n stay as they are (zeros)."""
+def key_panels(keys, n, panels):  # pragma: no cover - compiled
+    """keys uint16 [>= n, d] -> panels uint32 [>= ceil(n / 32) x 2, d / 2, 16], the right-hand side of q @ k^T:
+    panel p, pair c, lane l holds dimensions 2c, 2c + 1 of key 16p + l; the lanes past n up to a multiple of 32
+    keys are zeros."""
     half = panels.shape[1]
     for key in range(n):
-        row = k[slot, h, key]
+        row = keys[key]
         p, lane = key // PANEL, key % PANEL
         for c in range(half):
             panels[p, c, lane] = np.uint32(row[2 * c]) | (np.uint32(row[2 * c + 1]) << np.uint32(16))
+    for key in range(n, (n + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL)):
+        for c in range(half):
+            panels[key // PANEL, c, key % PANEL] = 0
 
 
 @njit(cache=True)
-def value_panels(v, slot, h, n, panels):  # pragma: no cover - compiled
-    """panels [>= d / 16, n / 2, 16] uint32 = values 0..n-1 of (slot, h) as the right-hand side of p @ v: panel p,
-    pair c, lane l holds dimension 16p + l of values 2c and 2c + 1 (a missing value 2c + 1 is zero)."""
-    dim = v.shape[3]
-    for c in range((n + 1) // 2):
-        low = v[slot, h, 2 * c]
-        for x in range(dim):
-            panels[x // PANEL, c, x % PANEL] = np.uint32(low[x])
-        if 2 * c + 1 < n:
-            high = v[slot, h, 2 * c + 1]
-            for x in range(dim):
-                panels[x // PANEL, c, x % PANEL] |= np.uint32(high[x]) << np.uint32(16)
+def value_panels(values, n, panels):  # pragma: no cover - compiled
+    """values uint16 [>= n, d] -> panels uint32 [>= d / 16, >= ceil(n / 32) x 16, 16], the right-hand side of
+    p @ v: panel p, pair c, lane l holds dimension 16p + l of values 2c and 2c + 1; a missing value 2c + 1, the pairs
+    past n up to a multiple of 32 values and the dimensions past d are zeros."""
+    dim = values.shape[1]
+    columns, depth = panels.shape[0], (n + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL) // 2
+    for c in range(depth):
+        for x in range(columns * PANEL):
+            low = values[2 * c, x] if x < dim and 2 * c < n else 0
+            high = values[2 * c + 1, x] if x < dim and 2 * c + 1 < n else 0
+            panels[x // PANEL, c, x % PANEL] = np.uint32(low) | (np.uint32(high) << np.uint32(16))
 
 
 @njit(fastmath=True, cache=True)
-def softmax_to_bf16(scores, seen, scale, powers, weights):  # pragma: no cover - compiled
-    """scores [>= seen] raw q.k of one query -> weights [seen] uint16: exp(scale x score - max) rounded to bf16
-    (nearest even); -> their fp32 sum before rounding."""
+def softmax_to_bf16(scores, seen, width, scale, powers, weights):  # pragma: no cover - compiled
+    """scores [>= seen] raw q.k of one query -> weights [width] uint16: exp(scale x score - max) rounded to bf16
+    (nearest even) for the first `seen`, zeros after; -> their fp32 sum before rounding."""
     for j in range(seen):
         scores[j] = scores[j] * scale
-    peak = scores[0]
-    for j in range(1, seen):
-        peak = max(peak, scores[j])
-    total = exp_shifted(scores, seen, peak, powers)
+    total = exp_shifted(scores, seen, peak(scores, seen), powers)
     bits = scores.view(np.uint32)
     for j in range(seen):
         word = bits[j]
         weights[j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    for j in range(seen, width):
+        weights[j] = 0
     return total
 
 
@@ -76,6 +78,18 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
     group = heads // kv_heads
     blocks = (num_new + QUERY_BLOCK - 1) // QUERY_BLOCK
     pairs = b * kv_heads
+    columns = (dim + WIDTH * PANEL - 1) // (WIDTH * PANEL) * WIDTH  # panels of the values' dimensions
+    most = 0
+    for r in range(b):
+        most = max(most, lengths[r] + news[r])
+    most = (most + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL)
+    # every row's keys and values repacked once, for all of its query blocks
+    key_pack = np.empty((b, kv_heads, most // PANEL, half, PANEL), dtype=np.uint32)
+    value_pack = np.empty((b, kv_heads, columns, most // 2, PANEL), dtype=np.uint32)
+    for pair in prange(pairs):
+        r, h = pair // kv_heads, pair % kv_heads
+        key_panels(k[slots[r], h], lengths[r] + news[r], key_pack[r, h])
+        value_panels(v[slots[r], h], lengths[r] + news[r], value_pack[r, h])
     for task in prange(pairs * blocks):
         # blocks zigzag (first, last, second, second last, ...): later blocks see more keys, and each thread's
         # contiguous share of the tasks gets a mix
@@ -98,21 +112,17 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
         for g in range(group):
             for i in range(count):
                 queries[g * count + i, :] = q[r, first + i, h * group + g, :]
-        keys = np.zeros((width // PANEL, half, PANEL), dtype=np.uint32)
-        key_panels(k, slots[r], h, n, keys)
-        columns = (dim + WIDTH * PANEL - 1) // (WIDTH * PANEL) * WIDTH  # panels of the values' dimensions
-        values = np.zeros((columns, width // 2, PANEL), dtype=np.uint32)
-        value_panels(v, slots[r], h, n, values)
         scores = np.empty((rows, width), dtype=np.float32)
-        product(queries, keys, scores, rows, width // PANEL)
-        weights = np.zeros((rows, width // 2), dtype=np.uint32)  # zeros past each query's keys add nothing
+        product(queries, key_pack[r, h], scores, rows, width // PANEL)
+        weights = np.empty((rows, width // 2), dtype=np.uint32)
         halves = weights.view(np.uint16)
         totals = np.empty(rows, dtype=np.float32)
         powers = np.empty(width, dtype=np.float32)
         for row in range(rows):
-            totals[row] = softmax_to_bf16(scores[row], length + first + row % count + 1, scale, powers, halves[row])
+            seen = length + first + row % count + 1
+            totals[row] = softmax_to_bf16(scores[row], seen, width, scale, powers, halves[row])
         sums = np.empty((rows, columns * PANEL), dtype=np.float32)
-        product(weights, values, sums, rows, columns)
+        product(weights, value_pack[r, h], sums, rows, columns)
         for g in range(group):
             for i in range(count):
                 inverse = np.float32(1.0) / totals[g * count + i]

@@ -31,7 +31,8 @@ def _bfloat():
 
 def _rows_kernel(rows: int, width: int):
     """A numba intrinsic: out[m : m + rows, p x 16 : (p + width) x 16] = x[m : m + rows] @ panels[p : p + width],
-    with x uint32 [M, K2] (bf16 pairs), panels uint32 [P, K2, 16], out float32 [M, P x 16]."""
+    with x uint32 [M, K2] (bf16 pairs), panels uint32 [P, >= K2, 16] (the first K2 pairs of each panel are read),
+    out float32 [M, P x 16]."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     floats, words, pairs = ir.VectorType(f32, PANEL), ir.VectorType(i32, PANEL), ir.VectorType(_bfloat(), 2 * PANEL)
 
@@ -45,8 +46,9 @@ def _rows_kernel(rows: int, width: int):
         columns = builder.extract_value(out.shape, 1)
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, pairs, pairs]), INTRINSIC)
         x_rows = builder.gep(x.data, [builder.mul(first_row, depth)])
-        panel_starts = [builder.gep(panels.data, [builder.mul(builder.add(first_panel, constant(w)),
-                                                              builder.mul(depth, constant(PANEL)))])
+        # a panel's words from the array's stride, not from K2: the attention's panels may hold more pairs than x
+        panel_words = builder.udiv(builder.extract_value(panels.strides, 0), constant(4))
+        panel_starts = [builder.gep(panels.data, [builder.mul(builder.add(first_panel, constant(w)), panel_words)])
                         for w in range(width)]
         entry, loop, done = builder.block, builder.append_basic_block("k"), builder.append_basic_block("done")
         builder.branch(loop)

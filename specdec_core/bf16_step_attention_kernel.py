@@ -16,7 +16,7 @@ from numba.extending import intrinsic
 from .bf16_dot import INTRINSIC, PANEL
 from .bf16_dot_kernel import _bfloat
 from .bf16_step_attention import PASS_ROWS
-from .fast_exp import exp_shifted
+from .fast_exp import exp_shifted, peak
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 FLOATS, WORDS, HALVES = ir.VectorType(F32, PANEL), ir.VectorType(I32, PANEL), ir.VectorType(ir.IntType(16), 2 * PANEL)
@@ -204,10 +204,7 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
                 for j in range(real):  # the new tokens this one may not see (later ones, a tree's other branches)
                     if visible[r, t, j] == 0:
                         row[length + j] = np.float32(-1e30)
-                peak = row[0]
-                for j in range(1, n):
-                    peak = max(peak, row[j])
-                total = exp_shifted(row, n, peak, powers)
+                total = exp_shifted(row, n, peak(row, n), powers)
                 for j in range(real):
                     if visible[r, t, j] == 0:
                         total -= row[length + j]

@@ -23,7 +23,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import bf16_attention, bf16_step_attention, grouped_attention, invariant_attention, panel_linear, residual_norm, rope_store
+from . import (bf16_attention, bf16_step_attention, grouped_attention, invariant_attention, panel_linear, residual_norm,
+               rope_store)
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
 

@@ -7,7 +7,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .bf16_bits import bf16_to_f32
-from .fast_exp import exp_shifted
+from .fast_exp import exp_shifted, peak
 from .invariant_attention import QUERY_BLOCK
 
 
@@ -23,10 +23,7 @@ def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # prag
         for x in range(dim):
             dot += query[x] * key[x]
         scores[j] = dot * scale
-    peak = scores[0]
-    for j in range(1, n):
-        peak = max(peak, scores[j])
-    total = exp_shifted(scores, n, peak, powers)
+    total = exp_shifted(scores, n, peak(scores, n), powers)  # the max is the same in any order
     out[:] = 0.0
     for j in range(n):
         value = values[seen[j]]

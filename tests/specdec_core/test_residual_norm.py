@@ -46,3 +46,31 @@ def test_stacked_panels_compute_both_linears_and_each_still_alone():
     assert gate.panels.data_ptr() == both.panels.data_ptr()
     odd = PanelLinear(torch.nn.Linear(48, 20, bias=False))
     assert panel_linear.stack(odd, up) is None  # its panels would not end where the second's begin
+
+
+def test_bf16_add_rms_norm_rounds_where_the_eager_ops_round():
+    """bf16 in and out: the sum is the eager bf16 add bit for bit; the normed row is the eager bf16 RMSNorm (fp32
+    inside, rounded, times the weight) up to one bf16 step from the mean square's summation order; a row alone is
+    bitwise the row in a batch; no delta is the row itself."""
+    torch.manual_seed(3)
+    x = (torch.randn(37, 576) * 3).bfloat16()
+    delta, weight = torch.randn(37, 576).bfloat16(), (torch.rand(576) + 0.5).bfloat16()
+    total, normed = residual_norm.add_rms_norm(x, delta, weight, 1e-5)
+    assert total.dtype == normed.dtype == torch.bfloat16
+    assert torch.equal(total, x + delta)
+    x32 = (x + delta).float()
+    eager = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert torch.allclose(normed.float(), eager.float(), rtol=2 ** -7, atol=0)
+    assert (normed == eager).float().mean() > 0.98
+    assert torch.equal(residual_norm.add_rms_norm(x[20:21], delta[20:21], weight, 1e-5)[1], normed[20:21])
+    assert torch.equal(residual_norm.add_rms_norm(x, None, weight, 1e-5)[0], x)
+
+
+def test_bf16_silu_mul_rounds_where_the_eager_ops_round():
+    torch.manual_seed(4)
+    gate, up = (torch.randn(9, 64) * 6).bfloat16(), torch.randn(9, 64).bfloat16()
+    got = residual_norm.silu_mul(torch.cat([gate, up], dim=1))
+    eager = torch.nn.functional.silu(gate) * up
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), eager.float(), rtol=2 ** -7, atol=1e-30)
+    assert (got == eager).float().mean() > 0.98
