@@ -49,30 +49,45 @@ def takes(visible: torch.Tensor) -> bool:
     return bool(torch.equal(real, torch.arange(real.shape[1])[None, :] < real.sum(1, keepdim=True)))
 
 
+class Step:
+    """One forward's rows as the kernel reads them, converted once for all of its layers (per layer, the checks and
+    conversions had cost ~2 ms of a 38 ms batch-16 decode step)."""
+
+    def __init__(self, visible: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """visible [b, T, T] bool, each row's real tokens first (`takes`); lengths [b] cached keys; slots [b] each
+        row's cache row."""
+        if not takes(visible):
+            raise ValueError("the step attention reads each row's real tokens first, then its padding")
+        news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]
+        self.num_new = visible.shape[1]
+        self.rows = (slots.cpu().numpy().astype(np.int64), lengths.cpu().numpy().astype(np.int64),
+                     news.numpy().astype(np.int64), visible.cpu().numpy().astype(np.uint8))
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [b, H, T, d] bf16; keys/values a layer's whole bf16 buffers [slots, KV, capacity, d]
+        -> [b, T, H, d] bf16."""
+        b, heads, num_new, dim = query.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        rows = group * num_new
+        padded = -(-rows // PASS_ROWS) * PASS_ROWS
+        q = query.reshape(b, kv_heads, rows, dim)  # [b, KV, G x T, d]: query head h x G + g is row g x T + t
+        if padded != rows:
+            q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
+        out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
+        use_torch_threads()
+        kernel()(_words(q.contiguous()), _words(keys), _words(values), *self.rows, group, np.float32(scale),
+                 out.numpy())
+        out = out[:, :, :rows].reshape(b, kv_heads, group, num_new, dim)  # [b, KV, G, T, d]
+        return out.permute(0, 3, 1, 2, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
+
+
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
            visible: torch.Tensor, scale: float) -> torch.Tensor:
     """query [b, H, T, d] bf16; keys/values the layer's whole bf16 buffers [slots, KV, capacity, d]; slots [b] each
     row's cache row; lengths [b] its cached keys; visible [b, T, T] bool, each row's real tokens first (`takes`)
-    -> [b, T, H, d] bf16."""
-    b, heads, num_new, dim = query.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    if not takes(visible):
-        raise ValueError("the step attention reads each row's real tokens first, then its padding")
-    news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]
-    rows = group * num_new
-    padded = -(-rows // PASS_ROWS) * PASS_ROWS
-    q = query.reshape(b, kv_heads, rows, dim)  # [b, KV, G x T, d]: query head h x G + g is row g x T + t
-    if padded != rows:
-        q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
-    q = q.contiguous()
-    out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
-    use_torch_threads()
-    kernel()(_words(q), _words(keys), _words(values), slots.numpy().astype(np.int64),
-             lengths.numpy().astype(np.int64), news.numpy().astype(np.int64), visible.numpy().astype(np.uint8),
-             group, np.float32(scale), out.numpy())
-    out = out[:, :, :rows].reshape(b, kv_heads, group, num_new, dim)  # [b, KV, G, T, d]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
+    -> [b, T, H, d] bf16 (one layer; a forward's layers share a Step)."""
+    return Step(visible, lengths, slots).attend(query, keys, values, scale)
 
 
 def _words(tensor: torch.Tensor) -> np.ndarray:

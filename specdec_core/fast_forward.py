@@ -23,8 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from . import (bf16_attention, bf16_step_attention, grouped_attention, invariant_attention, panel_linear, residual_norm,
-               rope_store)
+from . import bf16_attention, grouped_attention, invariant_attention, panel_linear, residual_norm, rope_store
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
 
@@ -70,6 +69,11 @@ class _Layer:
         both = (panel_linear.stack(mlp.gate_proj, mlp.up_proj)
                 if type(mlp.gate_proj) is PanelLinear and type(mlp.up_proj) is PanelLinear else None)
         self.gate_up = None if both is None else _Projection(both)
+        # q, k and v in one call: at batch 16 a decode step made ~180 kernel calls of ~10 us host work each
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv = panel_linear.stack(*projections) if all(type(p) is PanelLinear for p in projections) else None
+        self.qkv = None if qkv is None else _Projection(qkv)
+        self.qkv_widths = [p.out_features for p in projections]
         self.scaling = attn.scaling
 
 
@@ -134,7 +138,7 @@ class FastForward:
     def run(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, mask, real: torch.Tensor | None,
             logit_index: torch.Tensor, captured: dict | None = None, query_heads: dict | None = None,
             queries: dict | None = None, invariant: tuple | None = None, chain: tuple | None = None,
-            step: tuple | None = None) -> torch.Tensor:
+            step=None) -> torch.Tensor:
         """cache     bound to the forward's rows (cache.bind)
         input_ids  [b, T]; positions [b, T]
         mask       [b, 1, T, L] float (0 / dtype-min), or None for one row fed causally from position 0
@@ -146,8 +150,7 @@ class FastForward:
                    token's result is the same in any forward
         chain      (lengths [b], news [b]) for a bf16 forward whose rows are chains: attend through
                    bf16_attention.py (mask unused)
-        step       (visible [b, T, T], lengths [b]) for a bf16 decode or verify step: attend through
-                   bf16_step_attention.py (mask unused)
+        step       a bf16_step_attention.Step for a bf16 decode or verify step: attend through it (mask unused)
         -> [N, hidden] final-normed hidden states of the logit positions."""
         b, num_new = input_ids.shape
         flat = None if real is None else real.reshape(-1).nonzero().squeeze(1)  # [M] of b x T
@@ -183,9 +186,13 @@ class FastForward:
         -> (x, the MLP's output still to be added)."""
         tokens = x.shape[0]  # M
         x, normed = _add_rms_norm(x, delta, layer.norm1, layer.eps1)  # [M, hidden] each
-        q = layer.q(normed).view(tokens, self.heads, self.head_dim)  # [M, H, d]
-        k = layer.k(normed).view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
-        v = layer.v(normed).view(tokens, self.kv_heads, self.head_dim)
+        if layer.qkv is not None:
+            q, k, v = (part.contiguous() for part in layer.qkv(normed).split(layer.qkv_widths, dim=1))
+        else:
+            q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
+        q = q.view(tokens, self.heads, self.head_dim)  # [M, H, d]
+        k = k.view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
+        v = v.view(tokens, self.kv_heads, self.head_dim)
         if rotation is not None:
             q = rotation(q, k, v, cache.keys[index], cache.values[index])
         else:
@@ -199,9 +206,7 @@ class FastForward:
             attended = invariant_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
                                                   lengths, visible, layer.scaling)  # [b, T, H, d]
         elif step is not None:
-            visible, lengths = step
-            attended = bf16_step_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
-                                                  lengths, visible, layer.scaling)  # [b, T, H, d]
+            attended = step.attend(query, cache.keys[index], cache.values[index], layer.scaling)  # [b, T, H, d]
         elif chain is not None:
             lengths, news = chain
             attended = bf16_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),

@@ -222,7 +222,8 @@ class ModelRunner:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
         short = self._compiled_short_attention(num_new)
-        step = (visible.cpu(), lengths) if short and not self.deterministic and self._bf16_steps(visible) else None
+        step = (bf16_step_attention.Step(visible, lengths, cache.bound_rows())
+                if short and not self.deterministic and self._bf16_steps(visible) else None)
         invariant = (visible.cpu(), lengths) if step is None and (self.deterministic or short) else None
         news = bf16_attention.chain_news(visible) if invariant is None and self._bf16_long_attention(num_new) else None
         chain = (lengths, news) if news is not None else None

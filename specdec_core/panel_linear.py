@@ -204,22 +204,26 @@ class PanelLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def stack(first: PanelLinear, second: PanelLinear) -> PanelLinear | None:
-    """One PanelLinear computing [first(x), second(x)] in one call, or None when they cannot share one.
+def stack(*modules: PanelLinear) -> PanelLinear | None:
+    """One PanelLinear computing [m(x) for m in modules] in one call (gate and up; q, k and v), or None when they
+    cannot share one.
 
-    The two modules' panels become views into the stacked ones, so the weights stay a single copy and each module
+    The modules' panels become views into the stacked ones, so the weights stay a single copy and each module
     still computes alone (Hugging Face's modules, the attention probe)."""
-    columns = PANEL * (bf16_dot.WIDTH if first.panels.dim() == 4 else 1)  # the first's panels end where it does
-    if first.in_features != second.in_features or first.out_features % columns or (first.bias is None) != (
-            second.bias is None) or first.panels.shape[1:] != second.panels.shape[1:] or (
-            first.panels.dtype != second.panels.dtype):
+    first = modules[0]
+    columns = PANEL * (bf16_dot.WIDTH if first.panels.dim() == 4 else 1)  # each one's panels end where it does
+    if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
+           or m.panels.shape[1:] != first.panels.shape[1:] or m.panels.dtype != first.panels.dtype
+           for m in modules) or any(m.out_features % columns for m in modules[:-1]):
         return None
-    stacked = PanelLinear(panels=torch.cat([first.panels, second.panels]),  # [P1 + P2, ...]
-                          bias=None if first.bias is None else torch.cat([first.bias, second.bias]),
-                          out_features=first.out_features + second.out_features, in_features=first.in_features)
-    count = first.panels.shape[0]
-    for module, part in ((first, stacked.panels[:count]), (second, stacked.panels[count:])):
-        module.panels, module.panels_array = part, as_kernel_array(part)  # contiguous views along the first dim
+    stacked = PanelLinear(panels=torch.cat([m.panels for m in modules]),  # [P1 + P2 + ..., ...]
+                          bias=None if first.bias is None else torch.cat([m.bias for m in modules]),
+                          out_features=sum(m.out_features for m in modules), in_features=first.in_features)
+    start = 0
+    for module in modules:
+        part = stacked.panels[start:start + module.panels.shape[0]]  # a contiguous view along the first dim
+        module.panels, module.panels_array = part, as_kernel_array(part)
+        start += part.shape[0]
     return stacked
 
 

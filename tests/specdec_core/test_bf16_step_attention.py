@@ -83,9 +83,9 @@ def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypat
     prefill = grouped_attention.MAX_QUERIES + 4
     pieces = [prefill, 5, 3] + [1] * (len(SEQUENCE) - prefill - 8)
     calls = {"step": 0, "invariant": 0}
-    for module, name in ((bf16_step_attention, "step"), (invariant_attention, "invariant")):
-        real = module.attend
-        monkeypatch.setattr(module, "attend", lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
+    for owner, name in ((bf16_step_attention.Step, "step"), (invariant_attention, "invariant")):
+        real = owner.attend
+        monkeypatch.setattr(owner, "attend", lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
                             or real(*args))
     ours = feed(runner, pieces)
     assert calls == {"step": runner.num_layers * (len(pieces) - 1), "invariant": 0}

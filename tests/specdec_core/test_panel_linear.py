@@ -131,3 +131,17 @@ def test_bf16_layers_stack_into_one_call_and_each_still_computes_alone(kind, mon
     assert gate.panels.data_ptr() == both.panels.data_ptr()  # views: one copy of the weights
     odd = PanelLinear(torch.nn.Linear(64, 48 if kind == "dot" else 20, bias=False).to(torch.bfloat16))
     assert panel_linear.stack(odd, up) is None  # its panels would not end where the second's begin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_three_stacked_linears_compute_each_and_keep_one_copy(dtype):
+    """q, k and v in one call: [q(x), k(x), v(x)] bitwise, and each module computes alone from a view of the stack."""
+    torch.manual_seed(5)
+    modules = [PanelLinear(torch.nn.Linear(64, width, bias=True).to(dtype)) for width in (64, 32, 32)]
+    x = torch.randn(7, 64).to(dtype)
+    before = torch.cat([m(x) for m in modules], dim=1)
+    stacked = panel_linear.stack(*modules)
+    assert torch.equal(stacked(x), before)
+    assert torch.equal(torch.cat([m(x) for m in modules], dim=1), before)
+    assert [m.panels.data_ptr() for m in modules][0] == stacked.panels.data_ptr()
+    assert modules[2].panels.data_ptr() > modules[1].panels.data_ptr() > modules[0].panels.data_ptr()
