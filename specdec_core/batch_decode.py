@@ -255,7 +255,8 @@ class BatchDecoder:
         if drafter.needs_hidden_states or drafter.needs_attention:
             return 0
         blocks = self.prefix_cache.lookup(request.prompt_ids)
-        if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens):
+        if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens,
+                             masked=not self.target.unmasked_prefill):
             blocks = []
         reused = self.prefix_cache.copy_into(self.cache, index, blocks)
         self.stats.prefix_hit_tokens += reused

@@ -97,6 +97,12 @@ class ModelRunner:
         1,100-1,700 keys)."""
         return bf16_step_attention.usable(self.fast.head_dim) and bf16_step_attention.takes(visible.cpu())
 
+    @property
+    def unmasked_prefill(self) -> bool:
+        """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py), so a prefix-cache
+        hit never brings one back (prefill_plan.worth_reusing)."""
+        return self._bf16_long_attention(grouped_attention.MAX_QUERIES + 1) and not self.deterministic
+
     def _bf16_long_attention(self, num_new: int) -> bool:
         """Whether a bf16 CPU forward of more than MAX_QUERIES tokens a row (a prefill chunk) attends through
         bf16_attention.py: SDPA took 55 % of a bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel."""

@@ -29,11 +29,12 @@ def default_budget(device: str) -> int:
 MIN_HIT_SHARE = 1 / 8
 
 
-def worth_reusing(hit: int, prompt: int, budget: int) -> bool:
+def worth_reusing(hit: int, prompt: int, budget: int, masked: bool = True) -> bool:
     """Whether a prefix hit of `hit` positions pays for a `prompt`-token prompt under a prefill budget of `budget`
-    padded tokens: always where the prompt shares its forwards (they are masked anyway), else from MIN_HIT_SHARE."""
+    padded tokens: always where the prompt shares its forwards (they are masked anyway) or where no prefill is
+    masked (`masked` False: bf16_attention.py attends any chain without one), else from MIN_HIT_SHARE."""
     alone = 2 * prompt > budget
-    return hit > 0 and (not alone or hit >= MIN_HIT_SHARE * prompt)
+    return hit > 0 and (not alone or not masked or hit >= MIN_HIT_SHARE * prompt)
 
 
 def next_forward(remaining: list[int], done: list[int], capacity: int, budget: int = PREFILL_TOKENS) -> list[int]:

@@ -211,3 +211,8 @@ def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(l
         results, decoder = decode(llama, [long_prompt], prefill_tokens=budget, prefix_cache=store)
         assert decoder.stats.prefix_hit_tokens == hit and results[0].token_ids == expected
         assert sum(plain) == unmasked_forwards  # the prompt's one forward ran without a mask only without the hit
+
+
+def test_a_small_hit_pays_where_no_prefill_is_masked():
+    assert not worth_reusing(16, 400, budget=512) and worth_reusing(16, 400, budget=512, masked=False)
+    assert not worth_reusing(0, 400, budget=512, masked=False)
