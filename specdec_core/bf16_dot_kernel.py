@@ -11,6 +11,11 @@ from numba.extending import intrinsic
 
 from .bf16_dot import INTRINSIC, PANEL, ROW_BLOCK, ROWS, WIDTH
 
+# k-steps (64-byte lines of a panel) to prefetch ahead. At 16 rows the kernel computes about as fast as memory
+# streams the weights, and without it did one after the other: 30 layers of SmolLM2 weights at 16 rows (out of
+# cache, AMD avx512_bf16) 9.1-11.8 -> 7.7-8.6 ms; 4 and 64 lines gained less.
+PREFETCH = 32
+
 
 @lru_cache(maxsize=1)
 def _bfloat():
@@ -27,6 +32,15 @@ def _bfloat():
             return hash("bfloat")
 
     return BFloat()
+
+
+def prefetch(builder, pointer) -> None:
+    """A read prefetch of the cache line at `pointer` into all cache levels."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                              "llvm.prefetch.p0")
+    builder.call(function, [builder.bitcast(pointer, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                            ir.Constant(i32, 1)])
 
 
 def _rows_kernel(rows: int, width: int):
@@ -62,6 +76,8 @@ def _rows_kernel(rows: int, width: int):
         weights = [builder.bitcast(builder.load(builder.bitcast(builder.gep(start, [builder.mul(k, constant(PANEL))]),
                                                                 words.as_pointer()), align=4), pairs)
                    for start in panel_starts]
+        for start in panel_starts:  # a panel's later cache lines while this one computes (prefetch never faults)
+            prefetch(builder, builder.gep(start, [builder.mul(builder.add(k, constant(PREFETCH)), constant(PANEL))]))
         updated = {}
         for r in range(rows):
             pair = builder.load(builder.gep(x_rows, [builder.add(builder.mul(constant(r), depth), k)]))
