@@ -40,6 +40,7 @@ def _compile():
 
     use_torch_threads()
     bf16_dot_kernel.matmul.compile("(uint32[:, ::1], uint32[:, :, ::1], float32[:, ::1])")
+    bf16_dot_kernel.matmul.compile("(uint32[:, ::1], uint32[:, :, ::1], uint16[:, ::1])")
     return bf16_dot_kernel.matmul
 
 
@@ -83,13 +84,15 @@ def as_words(panels: torch.Tensor) -> np.ndarray:
     return panels.view(torch.int32).numpy().view(np.uint32).reshape(panels.shape[:3])
 
 
-def matmul(x: torch.Tensor, panels: np.ndarray) -> np.ndarray:
-    """[M, in] bf16 x pair panels (as_words) -> [M, P x 16] float32 sums."""
+def matmul(x: torch.Tensor, panels: np.ndarray, rounded: bool = False) -> np.ndarray:
+    """[M, in] bf16 x pair panels (as_words) -> [M, P x 16] float32 sums, or (rounded) the sums rounded to bf16, as
+    uint16 bits: no fp32 result to write, read back and convert (a bf16 linear without a bias)."""
     depth = panels.shape[1]
     if x.shape[1] != 2 * depth:  # an odd input width: one zero column, as the panels have
         x = torch.nn.functional.pad(x, (0, 2 * depth - x.shape[1]))
+    dtype = np.uint16 if rounded else np.float32
     if not depth:  # no inputs: the kernel's k loop would run once anyway
-        return np.zeros((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)
-    out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # every entry is written
+        return np.zeros((x.shape[0], panels.shape[0] * PANEL), dtype=dtype)
+    out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=dtype)  # every entry is written
     kernel()(x.contiguous().view(torch.int32).numpy().view(np.uint32), panels, out)  # x as [M, K2] words
     return out

@@ -15,6 +15,7 @@ from .bf16_dot import INTRINSIC, PANEL, ROW_BLOCK, ROWS, WIDTH
 # streams the weights, and without it did one after the other: 30 layers of SmolLM2 weights at 16 rows (out of
 # cache, AMD avx512_bf16) 9.1-11.8 -> 7.7-8.6 ms; 4 and 64 lines gained less.
 PREFETCH = 32
+TO_BF16 = "llvm.x86.avx512bf16.cvtneps2bf16.512"
 
 
 @lru_cache(maxsize=1)
@@ -46,7 +47,8 @@ def prefetch(builder, pointer) -> None:
 def _rows_kernel(rows: int, width: int):
     """A numba intrinsic: out[m : m + rows, p x 16 : (p + width) x 16] = x[m : m + rows] @ panels[p : p + width],
     with x uint32 [M, K2] (bf16 pairs), panels uint32 [P, >= K2, 16] (the first K2 pairs of each panel are read),
-    out float32 [M, P x 16]."""
+    out float32 [M, P x 16] (the sums), or uint16 (the sums rounded to bf16 by the CPU's vcvtneps2bf16: nearest
+    even, as torch rounds, but fp32 denormals become zero)."""
     i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     floats, words, pairs = ir.VectorType(f32, PANEL), ir.VectorType(i32, PANEL), ir.VectorType(_bfloat(), 2 * PANEL)
 
@@ -92,10 +94,18 @@ def _rows_kernel(rows: int, width: int):
             phi.add_incoming(updated[key], loop)
         builder.cbranch(builder.icmp_unsigned("<", following, depth), loop, done)
         builder.position_at_end(done)
+        rounded = isinstance(signature.args[4].dtype, types.Integer)  # uint16 out: bf16 bits, rounded here
+        convert = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VectorType(_bfloat(), PANEL), [floats]), TO_BF16) if rounded else None
         for (r, w), value in updated.items():
             place = builder.add(builder.mul(builder.add(first_row, constant(r)), columns),
                                 builder.mul(builder.add(first_panel, constant(w)), constant(PANEL)))
-            builder.store(value, builder.bitcast(builder.gep(out.data, [place]), floats.as_pointer()), align=4)
+            if rounded:
+                halves = ir.VectorType(ir.IntType(16), PANEL)
+                builder.store(builder.bitcast(builder.call(convert, [value]), halves),
+                              builder.bitcast(builder.gep(out.data, [place]), halves.as_pointer()), align=2)
+            else:
+                builder.store(value, builder.bitcast(builder.gep(out.data, [place]), floats.as_pointer()), align=4)
         return context.get_dummy_value()
 
     @intrinsic
@@ -110,7 +120,8 @@ held_rows, one_row = _rows_kernel(ROWS, WIDTH), _rows_kernel(1, WIDTH)
 
 @njit(parallel=True, cache=True)
 def matmul(x, panels, out):  # pragma: no cover - compiled
-    """x uint32 [M, K2]; panels uint32 [P, K2, 16] (P a multiple of WIDTH); out float32 [M, P x 16]."""
+    """x uint32 [M, K2]; panels uint32 [P, K2, 16] (P a multiple of WIDTH); out float32 or uint16 (bf16 bits)
+    [M, P x 16]."""
     rows = x.shape[0]
     count = panels.shape[0] // WIDTH
     blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK

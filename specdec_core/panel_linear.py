@@ -157,6 +157,8 @@ def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_f
     """[M, in] x panels of an [out, in] `dtype` weight (as_kernel_array) -> [M, out] in `dtype`, summed in fp32
     (a bf16 result is the fp32 sum plus bias rounded once, as oneDNN's bf16 linear rounds)."""
     if panels.ndim == 3 and panels.dtype == np.uint32:  # bf16 pair panels: the CPU's bf16 dot product
+        if bias is None and dtype == torch.bfloat16 and panels.shape[0] * PANEL == out_features:
+            return torch.from_numpy(bf16_dot.matmul(x.to(torch.bfloat16), panels, rounded=True)).view(torch.bfloat16)
         out = bf16_dot.matmul(x.to(torch.bfloat16), panels)
     else:
         out = np.empty((x.shape[0], panels.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]

@@ -54,6 +54,19 @@ def test_a_bf16_panel_linear_sums_the_products_in_fp32_and_rounds_once(kind, mon
     assert (got == exact).float().mean() > 0.95
 
 
+def test_a_bf16_linear_without_a_bias_rounds_its_fp32_sums_as_torch_does(monkeypatch):
+    """Without a bias the dot kernel rounds its sums itself (no fp32 result to convert): the same bf16 numbers as
+    its fp32 sums rounded by torch, bit for bit, with and without padded columns."""
+    bf16_kernel("dot", monkeypatch)
+    torch.manual_seed(6)
+    for width in (64, 40):
+        panel = PanelLinear(torch.nn.Linear(96, width, bias=False).to(torch.bfloat16))
+        x = torch.randn(9, 96).to(torch.bfloat16) * 3
+        sums = torch.from_numpy(bf16_dot.matmul(x, panel.panels_array))[:, :width]  # [9, width] fp32
+        got = panel(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, sums.to(torch.bfloat16)), width
+
+
 @pytest.mark.parametrize("dtype,kind", [(torch.float32, ""), (torch.bfloat16, "dot"), (torch.bfloat16, "widen")],
                          ids=["fp32", "bf16-dot", "bf16-widen"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype, kind, monkeypatch):
