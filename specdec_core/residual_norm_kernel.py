@@ -12,7 +12,7 @@ from .bf16_bits import bf16_to_f32, f32_to_bf16
 from .fast_exp import exp_nonpositive
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=True)  # fastmath: the mean square's sum vectorises
 def add_norm_bf16(x, delta, weight, eps, total_out, normed_out):  # pragma: no cover - compiled
     """x, delta [M, H], weight [H] bf16 bits (uint16) -> total_out = x + delta, normed_out = weight x RMSNorm(total),
     both bf16 bits [M, H]."""

@@ -28,16 +28,24 @@ def _compile():
     return rope_store_kernel.rotate_store, rope_store_kernel.rotate_store_parallel
 
 
+def _compile_bf16():
+    from . import rope_store_kernel
+
+    return rope_store_kernel.rotate_store_bf16, rope_store_kernel.rotate_store_bf16_parallel
+
+
 kernels = LazyKernel(_compile, "compiled RoPE and cache write", "; using eager ops")  # (serial, parallel), or None
+bf16_kernels = LazyKernel(_compile_bf16, "compiled bf16 RoPE and cache write", "; using eager ops")
 
 
 class RotateStore:
     """One forward's rotation: its tokens' cos / sin and cache slots, converted once for all of its layers."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, places: torch.Tensor):
-        """cos / sin [M, 1, d]; rows / places [M]: where each token's keys and values go."""
-        serial, parallel = kernels()
-        self.shared = (cos[:, 0].contiguous().numpy(), sin[:, 0].contiguous().numpy(),
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, places: torch.Tensor, compiled):
+        """cos / sin [M, 1, d]; rows / places [M]: where each token's keys and values go; compiled: the (serial,
+        parallel) kernels of their dtype."""
+        serial, parallel = compiled
+        self.shared = (_array(cos[:, 0]), _array(sin[:, 0]),
                        rows.numpy().astype(np.int64, copy=False), places.numpy().astype(np.int64, copy=False))
         tokens = rows.shape[0]
         if tokens >= PARALLEL_MIN_TOKENS:
@@ -50,14 +58,24 @@ class RotateStore:
                  value_cache: torch.Tensor) -> torch.Tensor:
         """q [M, H, d], k / v [M, KV, d], key_cache / value_cache a layer's buffers [slots, KV, capacity, d]
         -> q rotated (in place); k rotated and v written into the cache."""
-        self.run(q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), *self.shared, key_cache.numpy(),
-                 value_cache.numpy(), *self.span)
+        q = q.contiguous()  # rotated in place: this tensor, not a copy of it
+        self.run(_array(q), _array(k), _array(v), *self.shared, _array(key_cache), _array(value_cache), *self.span)
         return q
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """The kernel's view of a tensor: fp32 as is, bf16 as its uint16 bits; a copy only when not contiguous (q is
+    rotated in place, so it must already be)."""
+    tensor = tensor.contiguous()
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
 def prepare(cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, places: torch.Tensor,
             activations: torch.Tensor, key_cache: torch.Tensor) -> RotateStore | None:
-    """The compiled rotation for a forward whose activations and cache are fp32 CPU tensors, else None (eager)."""
-    usable = (activations.device.type == "cpu" and activations.dtype == torch.float32
-              and key_cache.dtype == torch.float32 and kernels() is not None)
-    return RotateStore(cos, sin, rows, places) if usable else None
+    """The compiled rotation for a forward whose activations and cache are fp32 or bf16 CPU tensors (of one dtype),
+    else None (eager)."""
+    dtype = activations.dtype
+    compiled = {torch.float32: kernels, torch.bfloat16: bf16_kernels}.get(dtype)
+    usable = (activations.device.type == "cpu" and key_cache.dtype == dtype and cos.dtype == dtype
+              and compiled is not None and compiled() is not None)
+    return RotateStore(cos, sin, rows, places, compiled()) if usable else None

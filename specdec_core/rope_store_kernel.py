@@ -4,6 +4,7 @@ process and was compiled again each time). Imported only when first used: it imp
 
 from numba import njit, prange
 
+from .bf16_bits import bf16_to_f32, f32_to_bf16
 from .rope_store import PARALLEL_CHUNKS
 
 
@@ -37,3 +38,42 @@ def rotate_store_parallel(q, k, v, cos, sin, rows, places, key_cache, value_cach
     for chunk in prange(PARALLEL_CHUNKS):
         first = chunk * size
         rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))
+
+
+@njit(cache=True)
+def rotate_store_bf16(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, last):  # pragma: no cover
+    """rotate_store for bf16 bits (uint16 arrays): each product and the sum rounded to bf16, as the eager bf16 ops
+    round (x * cos, rotate_half(x) * sin, their sum), so the numbers are the eager ones bit for bit."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, half = k.shape[1], dim // 2
+    for m in range(first, last):
+        r, p = rows[m], places[m]
+        for h in range(heads):
+            for j in range(half):
+                a, b = bf16_to_f32(q[m, h, j]), bf16_to_f32(q[m, h, j + half])
+                q[m, h, j] = _rotated(a, -b, cos[m, j], sin[m, j])
+                q[m, h, j + half] = _rotated(b, a, cos[m, j + half], sin[m, j + half])
+        for h in range(kv_heads):
+            for j in range(half):
+                a, b = bf16_to_f32(k[m, h, j]), bf16_to_f32(k[m, h, j + half])
+                key_cache[r, h, p, j] = _rotated(a, -b, cos[m, j], sin[m, j])
+                key_cache[r, h, p, j + half] = _rotated(b, a, cos[m, j + half], sin[m, j + half])
+            for j in range(dim):
+                value_cache[r, h, p, j] = v[m, h, j]
+
+
+@njit(cache=True, inline="always")
+def _rotated(x, partner, cos, sin):  # pragma: no cover - compiled
+    """bf16(bf16(x * cos) + bf16(partner * sin)), cos / sin bf16 bits."""
+    first = bf16_to_f32(f32_to_bf16(x * bf16_to_f32(cos)))
+    second = bf16_to_f32(f32_to_bf16(partner * bf16_to_f32(sin)))
+    return f32_to_bf16(first + second)
+
+
+@njit(cache=True, parallel=True)
+def rotate_store_bf16_parallel(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover
+    tokens = q.shape[0]
+    size = (tokens + PARALLEL_CHUNKS - 1) // PARALLEL_CHUNKS
+    for chunk in prange(PARALLEL_CHUNKS):
+        first = chunk * size
+        rotate_store_bf16(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))

@@ -159,18 +159,21 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
     assert RaggedTokens([layer]).hooked == 0  # routers and aux outputs keep the padded layout
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # 300: the parallel loop (rope_store.PARALLEL_MIN_TOKENS)
-def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens):
+def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens, dtype):
+    """fp32, and bf16 rounded where each eager bf16 op rounds."""
     from specdec_core import fast_forward, rope_store
 
     generator = torch.Generator().manual_seed(tokens)
     heads, kv_heads, dim, slots, capacity = 9, 3, 64, 4, 400
-    q, k, v = (torch.randn(tokens, n, dim, generator=generator) for n in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(tokens, n, dim, generator=generator).to(dtype) for n in (heads, kv_heads, kv_heads))
     angles = torch.rand(tokens, 1, dim // 2, generator=generator) * 50
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [M, 1, d], as HF's rotary
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))  # [M, 1, d], as HF's
     rows = torch.randint(0, slots, (tokens,), generator=generator)
     places = torch.randperm(capacity, generator=generator)[:tokens]  # every token its own slot
-    eager_keys, eager_values = torch.zeros(slots, kv_heads, capacity, dim), torch.zeros(slots, kv_heads, capacity, dim)
+    eager_keys = torch.zeros(slots, kv_heads, capacity, dim, dtype=dtype)
+    eager_values = torch.zeros_like(eager_keys)
     eager_q, eager_k = fast_forward._rope(q, cos, sin), fast_forward._rope(k, cos, sin)
     eager_keys[rows, :, places], eager_values[rows, :, places] = eager_k, v
     keys, values = torch.zeros_like(eager_keys), torch.zeros_like(eager_values)
@@ -179,5 +182,6 @@ def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(token
     got_q = rotation(q.clone(), k, v, keys, values)
     assert torch.equal(got_q, eager_q)
     assert torch.equal(keys, eager_keys) and torch.equal(values, eager_values)
-    # other dtypes keep the eager ops
-    assert rope_store.prepare(cos, sin, rows, places, q.bfloat16(), keys.bfloat16()) is None
+    # other dtypes, or a cache of another dtype, keep the eager ops
+    assert rope_store.prepare(cos.half(), sin.half(), rows, places, q.half(), keys.half()) is None
+    assert rope_store.prepare(cos, sin, rows, places, q, keys.double()) is None
