@@ -279,7 +279,7 @@ class BatchDecoder:
         forward_started = time.perf_counter()
         logits = self.target.forward_slots(self.cache, input_ids, positions, visible,
                                            torch.tensor(ending, dtype=torch.long).view(-1, 2), rows=indices,
-                                           **signals.forward_kwargs())  # [len(ending), vocab]
+                                           prefill=True, **signals.forward_kwargs())  # [len(ending), vocab]
         self.stats.prefill_s += time.perf_counter() - forward_started
         self._progress(time.perf_counter() - forward_started)
         for entry, chunk, index in zip(group, chunks, indices):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bf16_attention, bf16_dot, bf16_step_attention, fast_forward, grouped_attention, invariant_attention, packed_linear, panel_linear
+from . import (bf16_attention, bf16_dot, bf16_step_attention, fast_forward, grouped_attention, invariant_attention,
+               packed_linear, panel_linear)
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
@@ -101,13 +102,17 @@ class ModelRunner:
     def unmasked_prefill(self) -> bool:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py), so a prefix-cache
         hit never brings one back (prefill_plan.worth_reusing)."""
-        return self._bf16_long_attention(grouped_attention.MAX_QUERIES + 1) and not self.deterministic
+        return self._bf16_chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
 
-    def _bf16_long_attention(self, num_new: int) -> bool:
-        """Whether a bf16 CPU forward of more than MAX_QUERIES tokens a row (a prefill chunk) attends through
-        bf16_attention.py: SDPA took 55 % of a bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel."""
-        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
-                and num_new > grouped_attention.MAX_QUERIES and bf16_attention.usable(self.fast.head_dim))
+    def _bf16_chain_attention(self, num_new: int, prefill: bool) -> bool:
+        """Whether a bf16 CPU forward attends through bf16_attention.py (if its rows are chains): SDPA took 55 % of a
+        bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel. Without the switch, forwards of more than
+        MAX_QUERIES tokens a row; with it, every prefill forward and nothing else: a token's result there depends on
+        its own keys only, and a prompt's tokens are then always computed by it, generated ones always by
+        invariant_attention.py (a prompt's last chunk may be short; a verify block may be long)."""
+        usable = (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+                  and bf16_attention.usable(self.fast.head_dim))
+        return usable and (prefill if self.deterministic else num_new > grouped_attention.MAX_QUERIES)
 
     @classmethod
     def load(cls, name: str, dtype: str = "auto", device: str = "auto") -> "ModelRunner":
@@ -204,6 +209,7 @@ class ModelRunner:
         query_heads: dict[int, list[int]] | None = None,
         queries: dict[int, torch.Tensor] | None = None,
         head: SubsetHead | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """One forward over the cache's live rows (or `rows`); keys/values land at each row's length.
 
@@ -217,6 +223,8 @@ class ModelRunner:
         query_heads {layer: [heads]}: fill `queries` with those heads' post-rotary queries [b, n, T, d] (for their
                    attention weights, attention_probe.py)
         head       the LM head restricted to some tokens (SubsetHead), or None for the whole vocabulary
+        prefill    the forward feeds prompt tokens (with --deterministic in bf16 they attend through
+                   bf16_attention.py, so a prompt's tokens always come from that kernel)
         -> [N, vocab] float32 logits. The rows' lengths are NOT advanced: the caller commits what it accepts.
         """
         b, num_new = input_ids.shape
@@ -227,13 +235,14 @@ class ModelRunner:
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
-        short = self._compiled_short_attention(num_new)
+        news = bf16_attention.chain_news(visible) if self._bf16_chain_attention(num_new, prefill) else None
+        chain = (lengths, news) if news is not None else None
+        short = chain is None and self._compiled_short_attention(num_new)
         step = (bf16_step_attention.Step(visible, lengths, cache.bound_rows())
                 if short and not self.deterministic and self._bf16_steps(visible) else None)
-        invariant = (visible.cpu(), lengths) if step is None and (self.deterministic or short) else None
-        news = bf16_attention.chain_news(visible) if invariant is None and self._bf16_long_attention(num_new) else None
-        chain = (lengths, news) if news is not None else None
-        masked = invariant is None and step is None and chain is None and not self._plain_prefill(lengths, positions, visible)
+        compiled = chain is not None or step is not None
+        invariant = (visible.cpu(), lengths) if not compiled and (self.deterministic or short) else None
+        masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
         mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
                                self.dtype) if masked else None
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):

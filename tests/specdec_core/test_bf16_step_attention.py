@@ -83,10 +83,14 @@ def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypat
     prefill = grouped_attention.MAX_QUERIES + 4
     pieces = [prefill, 5, 3] + [1] * (len(SEQUENCE) - prefill - 8)
     calls = {"step": 0, "invariant": 0}
+    def counted(real, name):
+        def attend(*args):
+            calls[name] += 1
+            return real(*args)
+        return attend
+
     for owner, name in ((bf16_step_attention.Step, "step"), (invariant_attention, "invariant")):
-        real = owner.attend
-        monkeypatch.setattr(owner, "attend", lambda *args, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
-                            or real(*args))
+        monkeypatch.setattr(owner, "attend", counted(owner.attend, name))
     ours = feed(runner, pieces)
     assert calls == {"step": runner.num_layers * (len(pieces) - 1), "invariant": 0}
     monkeypatch.setattr(bf16_step_attention, "usable", lambda head_dim: False)

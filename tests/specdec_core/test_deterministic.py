@@ -23,9 +23,10 @@ def runner_in(dtype: torch.dtype, make=tiny_llama) -> ModelRunner:
     return runner
 
 
-def feed(runner, pieces: list[int], others: list[int] = ()) -> torch.Tensor:
+def feed(runner, pieces: list[int], others: list[int] = (), prefill: bool = False) -> torch.Tensor:
     """SEQUENCE fed in chunks of the given sizes to row 0, each forward also feeding a chunk to rows of other
-    lengths (`others`: their cached lengths) -> [len(SEQUENCE), vocab] logits of row 0 at every position."""
+    lengths (`others`: their cached lengths), as prefill forwards or steps -> [len(SEQUENCE), vocab] logits of row 0
+    at every position."""
     cache = runner.new_slot_cache()
     cache.fit(1 + len(others), len(SEQUENCE) + 64)
     cache.add_row()
@@ -50,7 +51,7 @@ def feed(runner, pieces: list[int], others: list[int] = ()) -> torch.Tensor:
         lengths = torch.tensor(cache.lengths)
         positions = lengths[:, None] + torch.arange(width)
         index = torch.tensor([(0, t) for t in range(size)])
-        logits.append(runner.forward_slots(cache, ids, positions, visible, index))
+        logits.append(runner.forward_slots(cache, ids, positions, visible, index, prefill=prefill))
         done += size
         cache.set_length(0, done)
     return torch.cat(logits)
@@ -65,6 +66,23 @@ def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype):
     assert torch.equal(feed(runner, [3, 5, 2, 8, 6, 16], others=[11, 37]), alone)  # beside other rows and lengths
     for blocks in ([1] * 40, [2] * 20, list(range(1, 9)) + [4]):  # every query count 1..8 and 17 above
         assert torch.equal(feed(runner, blocks, others=[5]), alone)
+
+
+def test_with_the_switch_a_bf16_prompts_tokens_are_bit_identical_however_its_prefill_is_cut(monkeypatch):
+    """bf16 prefill forwards attend through bf16_attention.py under the switch (where it runs): a prompt token's
+    logits are the same whole, in chunks of any size (short ones too), beside other rows."""
+    from specdec_core import bf16_attention
+
+    runner = runner_in(torch.bfloat16)
+    if not runner._bf16_chain_attention(1, prefill=True):
+        pytest.skip("no bf16 dot-product attention on this CPU")
+    calls = []
+    real_attend = bf16_attention.attend
+    monkeypatch.setattr(bf16_attention, "attend", lambda *args: calls.append(args[0].shape[2]) or real_attend(*args))
+    whole = feed(runner, [len(SEQUENCE)], prefill=True)
+    assert calls
+    for pieces, others in (([3, 37], ()), ([20, 1, 19], (5, 30)), ([8] * 5, (12,))):
+        assert torch.equal(feed(runner, pieces, others, prefill=True), whole), (pieces, others)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
