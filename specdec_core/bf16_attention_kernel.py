@@ -6,7 +6,7 @@ from numba import njit, prange
 
 from .bf16_attention import QUERY_BLOCK
 from .bf16_dot import PANEL, ROWS, WIDTH
-from .bf16_dot_kernel import held_rows, one_row
+from .bf16_dot_kernel import held_rows, rest_rows
 from .fast_exp import exp_shifted, peak
 
 
@@ -18,8 +18,8 @@ def product(x, panels, out, rows, count):  # pragma: no cover - compiled
     for p in range(0, count, WIDTH):
         for m in range(0, held, ROWS):
             held_rows(x, m, panels, p, out)
-        for m in range(held, rows):
-            one_row(x, m, panels, p, out)
+        if held < rows:
+            rest_rows(x, held, rows - held, panels, p, out)
 
 
 @njit(cache=True)
