@@ -12,8 +12,11 @@ softmax is fp32 over the row's cached keys and the new tokens each query may see
 (as flash attention rounds them) and multiply pairs of values, interleaved dimension by dimension, in one pass
 over the values. The padding after a row's real tokens is never read.
 
-Without --deterministic only: a token's numbers depend on the row's key count through the vectorised sums (a
-decode and a verify of the same token can differ in the last bit); the switch keeps invariant_attention.py.
+Two kernels. `attend` sums every query's softmax over the row's key count and masks what a query may not see, so a
+token's numbers depend on the step's width in the last bit. `attend_exact` (--deterministic) lists each query's own
+keys in position order and sums over exactly those, in pairs from position 0, so a token's numbers are those of the
+same token fed alone (a decode step), whatever the verify's width, tree, batch or neighbours; it costs a gather of
+each query's few new values.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ HEAD_DIMS = (64, 128)
 def _compile():
     from . import bf16_step_attention_kernel  # imports numba and llvmlite: only here, when the kernel is first used
 
-    return bf16_step_attention_kernel.attend
+    return bf16_step_attention_kernel.attend, bf16_step_attention_kernel.attend_exact
 
 
 kernel = LazyKernel(_compile, "the bf16 dot-product step attention", "; bf16 steps use the fp32 kernel")
@@ -53,9 +56,10 @@ class Step:
     """One forward's rows as the kernel reads them, converted once for all of its layers (per layer, the checks and
     conversions had cost ~2 ms of a 38 ms batch-16 decode step)."""
 
-    def __init__(self, visible: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+    def __init__(self, visible: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, exact: bool = False):
         """visible [b, T, T] bool, each row's real tokens first (`takes`); lengths [b] cached keys; slots [b] each
-        row's cache row."""
+        row's cache row; exact: each token's result a function of its own keys only (--deterministic)."""
+        self.exact = exact
         if not takes(visible):
             raise ValueError("the step attention reads each row's real tokens first, then its padding")
         news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]
@@ -76,18 +80,18 @@ class Step:
             q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
         out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
         use_torch_threads()
-        kernel()(_words(q.contiguous()), _words(keys), _words(values), *self.rows, group, np.float32(scale),
-                 out.numpy())
+        kernel()[1 if self.exact else 0](_words(q.contiguous()), _words(keys), _words(values), *self.rows, group,
+                                         np.float32(scale), out.numpy())
         out = out[:, :, :rows].reshape(b, kv_heads, group, num_new, dim)  # [b, KV, G, T, d]
         return out.permute(0, 3, 1, 2, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-           visible: torch.Tensor, scale: float) -> torch.Tensor:
+           visible: torch.Tensor, scale: float, exact: bool = False) -> torch.Tensor:
     """query [b, H, T, d] bf16; keys/values the layer's whole bf16 buffers [slots, KV, capacity, d]; slots [b] each
     row's cache row; lengths [b] its cached keys; visible [b, T, T] bool, each row's real tokens first (`takes`)
     -> [b, T, H, d] bf16 (one layer; a forward's layers share a Step)."""
-    return Step(visible, lengths, slots).attend(query, keys, values, scale)
+    return Step(visible, lengths, slots, exact).attend(query, keys, values, scale)
 
 
 def _words(tensor: torch.Tensor) -> np.ndarray:

@@ -81,10 +81,11 @@ def _scores_kernel(rows: int, vectors: int):
     return scores
 
 
-def _weighted_sum_kernel(rows: int, vectors: int):
+def _weighted_sum_kernel(rows: int, vectors: int, carry: bool = False):
     """out[i, :] = sum over j < n of weight[i, j] x v[j] for i < rows: v uint32 [>= n, 16 x vectors] (one value's
     bf16 pairs a row), weights uint32 [>= rows, >= ceil(n / 2)] (bf16 weights of values 2c, 2c + 1 in word c), out
-    float32 [>= rows, 32 x vectors]. An odd n's last pair reads value n - 1 twice, the second time with weight 0."""
+    float32 [>= rows, 32 x vectors]. An odd n's last pair reads value n - 1 twice, the second time with weight 0.
+    carry: the sums start from out's values (a sum split into two calls, carried through memory exactly) instead of 0."""
     interleave = [[(i // 2) + 16 * half + (32 if i % 2 else 0) for i in range(32)] for half in (0, 1)]
 
     def codegen(context, builder, signature, args):
@@ -98,6 +99,11 @@ def _weighted_sum_kernel(rows: int, vectors: int):
         base, w_base = builder.ptrtoint(values.data, I64), builder.ptrtoint(weights.data, I64)
         out_base = builder.ptrtoint(out.data, I64)
         pairs_count = builder.sdiv(builder.add(n, _constant(1)), _constant(2))
+        places = {(r, d): builder.inttoptr(builder.add(out_base, builder.add(builder.mul(_constant(r), columns),
+                                                                              _constant(64 * d))), FLOATS.as_pointer())
+                  for r in range(rows) for d in range(2 * vectors)}
+        start = {key: builder.load(place, align=4) if carry else ir.Constant(FLOATS, None)
+                 for key, place in places.items()}
         entry, loop, done = builder.block, builder.append_basic_block("pair"), builder.append_basic_block("done")
         builder.cbranch(builder.icmp_signed(">", n, _constant(0)), loop, done)
         builder.position_at_end(loop)
@@ -106,7 +112,7 @@ def _weighted_sum_kernel(rows: int, vectors: int):
         sums = {}
         for key in ((r, d) for r in range(rows) for d in range(2 * vectors)):
             sums[key] = builder.phi(FLOATS)
-            sums[key].add_incoming(ir.Constant(FLOATS, None), entry)
+            sums[key].add_incoming(start[key], entry)
         first = builder.mul(c, _constant(2))
         second = builder.select(builder.icmp_signed("<", builder.add(first, _constant(1)), n),
                                 builder.add(first, _constant(1)), first)
@@ -139,11 +145,10 @@ def _weighted_sum_kernel(rows: int, vectors: int):
         finals = {}
         for key in sums:  # phis first in a block
             finals[key] = builder.phi(FLOATS)
-            finals[key].add_incoming(ir.Constant(FLOATS, None), entry)
+            finals[key].add_incoming(start[key], entry)
             finals[key].add_incoming(updated[key], loop)
-        for (r, d), final in finals.items():
-            place = builder.add(out_base, builder.add(builder.mul(_constant(r), columns), _constant(64 * d)))
-            builder.store(final, builder.inttoptr(place, FLOATS.as_pointer()), align=4)
+        for key, final in finals.items():
+            builder.store(final, places[key], align=4)
         return context.get_dummy_value()
 
     @intrinsic
@@ -155,6 +160,7 @@ def _weighted_sum_kernel(rows: int, vectors: int):
 
 scores_64, weighted_sum_64 = _scores_kernel(PASS_ROWS, 2), _weighted_sum_kernel(PASS_ROWS, 2)  # head_dim 64
 scores_128, weighted_sum_128 = _scores_kernel(PASS_ROWS // 2, 4), _weighted_sum_kernel(PASS_ROWS // 2, 4)  # 128
+carry_sum_64, carry_sum_128 = _weighted_sum_kernel(1, 2, carry=True), _weighted_sum_kernel(1, 4, carry=True)
 
 
 @njit(cache=True)
@@ -217,6 +223,74 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
                                              >> np.uint32(16))
         sums = np.empty((query_rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, n, weights, sums)
+        for i in range(query_rows):
+            t = i % num_new
+            inverse = np.float32(1.0) / totals[i] if i < group * num_new and t < real else np.float32(0.0)
+            for x in range(2 * half):
+                out[r, h, i, x] = sums[i, x] * inverse
+
+
+@njit(cache=True)
+def _carry_sum(values, n, weights, sums):  # pragma: no cover - compiled
+    """sums[0] += the weighted sum of values[:n] (one query row), continuing its accumulation in order."""
+    if values.shape[1] == 32:
+        carry_sum_64(values, n, weights, sums)
+    else:
+        carry_sum_128(values, n, weights, sums)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
+    """`attend` with each query's result a function of its own keys only (--deterministic): its keys are listed in
+    position order (the cached ones, then the new tokens it sees, which for a tree are its ancestors at node slots,
+    in depth order), the softmax runs over exactly that list, and the weighted sum walks it in pairs from position 0:
+    the cached pairs for every query in one pass, then the query's own pairs from the first even position it does
+    not share, read through a small gathered list and carried on from the first pass's sums. So a token's numbers are
+    those of the same token fed alone, whatever the step's width, tree, batch or neighbours. Same arguments."""
+    b, kv_heads, query_rows, half = q.shape
+    num_new = visible.shape[1]
+    for task in prange(b * kv_heads):
+        r, h = task // kv_heads, task % kv_heads
+        length, real = lengths[r], news[r]
+        n = length + real
+        keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
+        scores = np.empty((query_rows, n), dtype=np.float32)
+        _scores(keys, n, q[r, h], scores, scale)
+        weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)
+        halves = weights.view(np.uint16)
+        totals = np.ones(query_rows, dtype=np.float32)
+        powers = np.empty(n, dtype=np.float32)
+        for g in range(group):
+            for t in range(real):
+                i = g * num_new + t
+                row = scores[i]
+                count = length
+                for j in range(real):  # the new tokens it sees, in slot (= depth) order, moved next to the cache
+                    if visible[r, t, j] != 0:
+                        row[count] = row[length + j]
+                        count += 1
+                totals[i] = exp_shifted(row, count, peak(row, count), powers)
+                bits = row.view(np.uint32)
+                for j in range(count):
+                    word = bits[j]
+                    halves[i, j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
+                                             >> np.uint32(16))
+        shared = length // 2 * 2  # the pairs of cached values every query starts with
+        sums = np.zeros((query_rows, 2 * half), dtype=np.float32)
+        _weighted_sums(values, shared, weights, sums)
+        tail = np.empty((2 + real, half), dtype=np.uint32)  # a query's values from position `shared` on
+        for g in range(group):
+            for t in range(real):
+                i = g * num_new + t
+                used = 0
+                if shared < length:  # the odd last cached value opens the first pair of the tail
+                    tail[0, :] = values[length - 1]
+                    used = 1
+                for j in range(real):
+                    if visible[r, t, j] != 0:
+                        tail[used, :] = values[length + j]
+                        used += 1
+                _carry_sum(tail, used, weights[i, shared // 2:], sums[i:i + 1])
         for i in range(query_rows):
             t = i % num_new
             inverse = np.float32(1.0) / totals[i] if i < group * num_new and t < real else np.float32(0.0)

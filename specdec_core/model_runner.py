@@ -98,6 +98,11 @@ class ModelRunner:
         1,100-1,700 keys)."""
         return bf16_step_attention.usable(self.fast.head_dim) and bf16_step_attention.takes(visible.cpu())
 
+    def _bf16_step_kernel(self) -> bool:
+        """Whether this bf16 CPU model's steps can run bf16_step_attention.py (its head_dim, this CPU)."""
+        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+                and bf16_step_attention.usable(self.fast.head_dim))
+
     @property
     def unmasked_prefill(self) -> bool:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py), so a prefix-cache
@@ -109,7 +114,8 @@ class ModelRunner:
         bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel. Without the switch, forwards of more than
         MAX_QUERIES tokens a row; with it, every prefill forward and nothing else: a token's result there depends on
         its own keys only, and a prompt's tokens are then always computed by it, generated ones always by
-        invariant_attention.py (a prompt's last chunk may be short; a verify block may be long)."""
+        bf16_step_attention.py's exact kernel (invariant_attention.py where that does not run), whatever the widths
+        (a prompt's last chunk may be short; a verify block may be long)."""
         usable = (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
                   and bf16_attention.usable(self.fast.head_dim))
         return usable and (prefill if self.deterministic else num_new > grouped_attention.MAX_QUERIES)
@@ -238,8 +244,13 @@ class ModelRunner:
         news = bf16_attention.chain_news(visible) if self._bf16_chain_attention(num_new, prefill) else None
         chain = (lengths, news) if news is not None else None
         short = chain is None and self._compiled_short_attention(num_new)
-        step = (bf16_step_attention.Step(visible, lengths, cache.bound_rows())
-                if short and not self.deterministic and self._bf16_steps(visible) else None)
+        if chain is None and not prefill and self.deterministic and self._bf16_step_kernel():
+            # every generated token, in a step of any width, through the exact kernel (prompts: bf16_attention.py)
+            step = bf16_step_attention.Step(visible, lengths, cache.bound_rows(), exact=True)
+        elif short and not self.deterministic and self._bf16_steps(visible):
+            step = bf16_step_attention.Step(visible, lengths, cache.bound_rows())
+        else:
+            step = None
         compiled = chain is not None or step is not None
         invariant = (visible.cpu(), lengths) if not compiled and (self.deterministic or short) else None
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)

@@ -37,6 +37,15 @@ def tiny_llama(seed: int = 0) -> ModelRunner:
     return ModelRunner(model, DigitsTokenizer(), "tiny-llama", "cpu", torch.float32)
 
 
+def tiny_llama_64(seed: int = 0) -> ModelRunner:
+    """tiny_llama with SmolLM2's head_dim (64), which the bf16 step kernel (bf16_step_attention.py) takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, "head_dim": 64})).eval()
+    return ModelRunner(model, DigitsTokenizer(), "tiny-llama-64", "cpu", torch.float32)
+
+
 def tiny_gemma3(seed: int = 0, window: int = 8) -> ModelRunner:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 

@@ -66,19 +66,11 @@ def test_real_tokens_that_are_not_a_rows_first_are_left_to_the_other_kernel():
 def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypatch):
     """Without --deterministic the model runner sends a bf16 step of at most MAX_QUERIES tokens a row here (a model
     with head_dim 64); its logits stay those of invariant_attention.py's fp32 arithmetic within bf16 rounding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specdec_core import grouped_attention, invariant_attention
-    from specdec_core.model_runner import ModelRunner
     from tests.specdec_core.test_deterministic import SEQUENCE, feed, runner_in
-    from tests.tiny_models import TINY_DECODER, DigitsTokenizer
+    from tests.tiny_models import tiny_llama_64
 
-    def wide_heads():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, "head_dim": 64})).eval()
-        return ModelRunner(model, DigitsTokenizer(), "tiny-llama-64", "cpu", torch.float32)
-
-    runner = runner_in(torch.bfloat16, wide_heads)
+    runner = runner_in(torch.bfloat16, tiny_llama_64)
     runner.deterministic = False
     prefill = grouped_attention.MAX_QUERIES + 4
     pieces = [prefill, 5, 3] + [1] * (len(SEQUENCE) - prefill - 8)
@@ -97,3 +89,34 @@ def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypat
     theirs = feed(runner, pieces)
     assert calls["invariant"] == runner.num_layers * (len(pieces) - 1)
     assert torch.allclose(ours, theirs, atol=0.1), (ours - theirs).abs().max()
+
+
+def test_the_exact_kernel_gives_a_verified_or_tree_token_the_numbers_of_the_token_fed_alone():
+    """attend_exact (--deterministic): each token of a 5-token chain and of a tree (root; a, b under it; a2 under a)
+    over 37 cached keys equals, bit for bit, the same query fed alone after its own path (cached keys, then its
+    ancestors in depth order); odd and even cached lengths; a neighbour row of another width beside it."""
+    torch.manual_seed(7)
+    heads, kv_heads, dim = 9, 3, 64
+    for length in (37, 38):
+        keys = (torch.randn(8, kv_heads, 64, dim) * 2).bfloat16()
+        values = torch.randn(8, kv_heads, 64, dim).bfloat16()
+        parents = [-1, -1, 0]  # nodes 1 and 2 under node 0, node 3 under node 1
+        visible = torch.zeros(2, 5, 5, dtype=torch.bool)
+        visible[0] = torch.ones(5, 5, dtype=torch.bool).tril()
+        visible[1, :4, :4] = ancestor_mask(parents, 4)
+        query = (torch.randn(2, heads, 5, dim) * 2).bfloat16()
+        lengths, slots = torch.tensor([length, length]), torch.tensor([0, 1])
+        keys[1, :, :length], values[1, :, :length] = keys[0, :, :length], values[0, :, :length]
+        together = bf16_step_attention.attend(query, keys, values, slots, lengths, visible, dim ** -0.5, exact=True)
+        for row in (0, 1):
+            for node in range(int(visible[row].diagonal().sum())):
+                path = visible[row, node, :node + 1].nonzero().squeeze(1).tolist()  # its ancestors, then itself
+                alone_keys, alone_values = keys[2:3].clone(), values[2:3].clone()
+                alone_keys[0, :, :length], alone_values[0, :, :length] = keys[row, :, :length], values[row, :, :length]
+                for depth, slot in enumerate(path):
+                    alone_keys[0, :, length + depth] = keys[row, :, length + slot]
+                    alone_values[0, :, length + depth] = values[row, :, length + slot]
+                alone = bf16_step_attention.attend(query[row:row + 1, :, node:node + 1], alone_keys, alone_values,
+                                                   torch.tensor([0]), torch.tensor([length + len(path) - 1]),
+                                                   torch.ones(1, 1, 1, dtype=torch.bool), dim ** -0.5, exact=True)
+                assert torch.equal(together[row, node], alone[0, 0]), (length, row, node)

@@ -9,7 +9,7 @@ from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
-from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
+from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_llama_64, tiny_qwen2
 
 SEQUENCE = repetitive_prompt(7, 40)
 
@@ -57,10 +57,23 @@ def feed(runner, pieces: list[int], others: list[int] = (), prefill: bool = Fals
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype):
-    runner = runner_in(dtype)
+# head_dim 64 in bf16: the steps' exact kernel (bf16_step_attention.py) where this CPU runs it, else the invariant one
+RUNNERS = [(torch.float32, tiny_llama), (torch.bfloat16, tiny_llama), (torch.bfloat16, tiny_llama_64)]
+RUNNER_IDS = ["fp32", "bf16", "bf16-head64"]
+
+
+@pytest.mark.parametrize("dtype,make", RUNNERS, ids=RUNNER_IDS)
+def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype, make, monkeypatch):
+    from specdec_core import bf16_step_attention
+
+    runner = runner_in(dtype, make)
+    exact = []
+    real_attend = bf16_step_attention.Step.attend
+    monkeypatch.setattr(bf16_step_attention.Step, "attend", lambda step, *args: exact.append(step.exact)
+                        or real_attend(step, *args))
     alone = feed(runner, [1] * len(SEQUENCE))  # `ar`: one token a forward
+    takes_steps = dtype == torch.bfloat16 and runner._bf16_step_kernel()
+    assert exact == ([True] * runner.num_layers * len(SEQUENCE) if takes_steps else [])
     assert torch.equal(feed(runner, [len(SEQUENCE)]), alone)  # one prefill
     assert torch.equal(feed(runner, [17, 9, 1, 13]), alone)  # chunks and verify blocks of many sizes
     assert torch.equal(feed(runner, [3, 5, 2, 8, 6, 16], others=[11, 37]), alone)  # beside other rows and lengths
@@ -85,12 +98,12 @@ def test_with_the_switch_a_bf16_prompts_tokens_are_bit_identical_however_its_pre
         assert torch.equal(feed(runner, pieces, others, prefill=True), whole), (pieces, others)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype):
+@pytest.mark.parametrize("dtype,make", RUNNERS, ids=RUNNER_IDS)
+def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype, make):
     """After a 20-token prefix, row 0 feeds the pending token and two branches of two drafts (draft parents -1, -1,
     0, 1: nodes a and b under the pending token, a2 under a, b2 under b); each node's logits equal those of its
     own path fed as a chain."""
-    runner = runner_in(dtype)
+    runner = runner_in(dtype, make)
     prefix, (root, a, b, a2, b2) = SEQUENCE[:20], SEQUENCE[20:25]
     parents = [-1, -1, 0, 1]
 
@@ -112,7 +125,7 @@ def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype):
     assert torch.equal(tree[0], chain[0])
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_llama_64], ids=["llama", "qwen2", "llama-head64"])
 def test_lossless_methods_equal_batch_one_ar_in_bf16(make):
     """bf16, deterministic: pld and copyspec in batches of 3 (more requests than slots, rows of different lengths)
     give batch-1 `ar`'s tokens on every row."""
