@@ -14,8 +14,13 @@ token's own keys (its cached ones and the new tokens up to itself), rounds the w
 does before its second product) and multiplies them into the values. Against an fp32 reference it errs less than
 SDPA in bf16 (3e-3 against 9e-3 on random unit-scale inputs).
 
-Chains only (each new token sees the ones before it): a prefill, or a verify of a chain draft. Trees, the
-deterministic switch (invariant_attention.py) and CPUs without the instruction keep their own paths.
+Chains only (each new token sees the ones before it): a prefill, or a verify of a chain draft. Trees and CPUs
+without the instruction keep their own paths.
+
+A token's result depends on its own query and keys only, so --deterministic computes every prompt through it: each
+score is one row's fixed instruction sequence over head_dim (bf16_dot.py's guarantee), the softmax runs over
+exactly the keys the token sees, and the weighted sum walks key pairs (0, 1), (2, 3), ... from position 0 in order,
+where the block's later keys add exact zeros. Not the block, the chunking, a prefix hit or the other rows.
 """
 
 from __future__ import annotations
