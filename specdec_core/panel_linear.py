@@ -84,7 +84,20 @@ def _kernel_lines(name: str, load: str) -> list[str]:
         lines += [f"                s{i}_{j} += x{i} * w{j}" for j in range(PANEL)]
     for i in range(ROWS):
         lines += [f"            out[m + {i}, p * {PANEL} + {j}] = s{i}_{j}" for j in range(PANEL)]
-    lines.append("        for m in range(held, last):")  # the rows left over: the same sums, one row at a time
+    # the rows left over: two at a time, then one (the same sums; one at a time, 1-3 passes over the panel with
+    # half the accumulator chains, latency-bound)
+    lines.append("        pairs = held + (last - held) // 2 * 2")
+    lines.append("        for m in range(held, pairs, 2):")
+    for i in range(2):
+        lines.append("            " + ", ".join(f"u{i}_{j}" for j in range(PANEL)) + f" = {zeros}")
+    lines.append("            for k in range(depth):")
+    lines += [f"                w{j} = " + load.format(j=j) for j in range(PANEL)]
+    for i in range(2):
+        lines.append(f"                x{i} = x[m + {i}, k]")
+        lines += [f"                u{i}_{j} += x{i} * w{j}" for j in range(PANEL)]
+    for i in range(2):
+        lines += [f"            out[m + {i}, p * {PANEL} + {j}] = u{i}_{j}" for j in range(PANEL)]
+    lines.append("        for m in range(pairs, last):")
     lines.append("            " + ", ".join(f"t{j}" for j in range(PANEL)) + f" = {zeros}")
     lines.append("            for k in range(depth):")
     lines.append("                xm = x[m, k]")
