@@ -7,6 +7,7 @@ from numba import njit, prange
 from .bf16_attention import QUERY_BLOCK
 from .bf16_dot import PANEL, ROWS, WIDTH
 from .bf16_dot_kernel import held_rows, rest_rows
+from .bf16_bits import f32_to_bf16
 from .fast_exp import exp_shifted, peak
 
 
@@ -53,16 +54,14 @@ def value_panels(values, n, panels):  # pragma: no cover - compiled
 
 
 @njit(fastmath=True, cache=True)
-def softmax_to_bf16(scores, seen, width, scale, powers, weights):  # pragma: no cover - compiled
+def softmax_to_bf16(scores, seen, width, scale, weights):  # pragma: no cover - compiled
     """scores [>= seen] raw q.k of one query -> weights [width] uint16: exp(scale x score - max) rounded to bf16
     (nearest even) for the first `seen`, zeros after; -> their fp32 sum before rounding."""
     for j in range(seen):
         scores[j] = scores[j] * scale
-    total = exp_shifted(scores, seen, peak(scores, seen), powers)
-    bits = scores.view(np.uint32)
+    total = exp_shifted(scores, seen, peak(scores, seen))
     for j in range(seen):
-        word = bits[j]
-        weights[j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        weights[j] = f32_to_bf16(scores[j])
     for j in range(seen, width):
         weights[j] = 0
     return total
@@ -117,10 +116,9 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
         weights = np.empty((rows, width // 2), dtype=np.uint32)
         halves = weights.view(np.uint16)
         totals = np.empty(rows, dtype=np.float32)
-        powers = np.empty(width, dtype=np.float32)
         for row in range(rows):
             seen = length + first + row % count + 1
-            totals[row] = softmax_to_bf16(scores[row], seen, width, scale, powers, halves[row])
+            totals[row] = softmax_to_bf16(scores[row], seen, width, scale, halves[row])
         sums = np.empty((rows, columns * PANEL), dtype=np.float32)
         product(weights, value_pack[r, h], sums, rows, columns)
         for g in range(group):

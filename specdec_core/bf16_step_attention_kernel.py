@@ -16,6 +16,7 @@ from numba.extending import intrinsic
 from .bf16_dot import INTRINSIC, PANEL
 from .bf16_dot_kernel import _bfloat
 from .bf16_step_attention import PASS_ROWS
+from .bf16_bits import f32_to_bf16
 from .fast_exp import exp_shifted, peak
 
 I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -184,6 +185,15 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
             weighted_sum_128(values, n, weights[i:], sums[i:])
 
 
+@njit(cache=True)
+def _normalise(sums, totals, rows, num_new, real, out):  # pragma: no cover - compiled
+    """out [Q, d] = each real query row's weighted sum / its softmax total; padding rows and tokens get zeros."""
+    for i in range(out.shape[0]):
+        inverse = np.float32(1.0) / totals[i] if i < rows and i % num_new < real else np.float32(0.0)
+        for x in range(out.shape[1]):
+            out[i, x] = sums[i, x] * inverse
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
     """q uint32 [b, KV, Q, d / 2]: the bf16 pairs of each key/value head's query rows g x T + t (Q padded to a
@@ -202,7 +212,6 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
         weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)  # zero: padding rows, the odd last value
         halves = weights.view(np.uint16)
         totals = np.ones(query_rows, dtype=np.float32)
-        powers = np.empty(n, dtype=np.float32)
         for g in range(group):
             for t in range(real):
                 i = g * num_new + t
@@ -210,24 +219,17 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
                 for j in range(real):  # the new tokens this one may not see (later ones, a tree's other branches)
                     if visible[r, t, j] == 0:
                         row[length + j] = np.float32(-1e30)
-                total = exp_shifted(row, n, peak(row, n), powers)
+                total = exp_shifted(row, n, peak(row, n))
                 for j in range(real):
                     if visible[r, t, j] == 0:
                         total -= row[length + j]
                         row[length + j] = np.float32(0.0)
                 totals[i] = total
-                bits = row.view(np.uint32)
-                for j in range(n):  # round to bf16, nearest even
-                    word = bits[j]
-                    halves[i, j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
-                                             >> np.uint32(16))
+                for j in range(n):
+                    halves[i, j] = f32_to_bf16(row[j])  # nearest even
         sums = np.empty((query_rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, n, weights, sums)
-        for i in range(query_rows):
-            t = i % num_new
-            inverse = np.float32(1.0) / totals[i] if i < group * num_new and t < real else np.float32(0.0)
-            for x in range(2 * half):
-                out[r, h, i, x] = sums[i, x] * inverse
+        _normalise(sums, totals, group * num_new, num_new, real, out[r, h])
 
 
 @njit(cache=True)
@@ -259,7 +261,6 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
         weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)
         halves = weights.view(np.uint16)
         totals = np.ones(query_rows, dtype=np.float32)
-        powers = np.empty(n, dtype=np.float32)
         for g in range(group):
             for t in range(real):
                 i = g * num_new + t
@@ -269,12 +270,9 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
                     if visible[r, t, j] != 0:
                         row[count] = row[length + j]
                         count += 1
-                totals[i] = exp_shifted(row, count, peak(row, count), powers)
-                bits = row.view(np.uint32)
+                totals[i] = exp_shifted(row, count, peak(row, count))
                 for j in range(count):
-                    word = bits[j]
-                    halves[i, j] = np.uint16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
-                                             >> np.uint32(16))
+                    halves[i, j] = f32_to_bf16(row[j])  # nearest even
         shared = length // 2 * 2  # the pairs of cached values every query starts with
         sums = np.zeros((query_rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, shared, weights, sums)
@@ -291,8 +289,4 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
                         tail[used, :] = values[length + j]
                         used += 1
                 _carry_sum(tail, used, weights[i, shared // 2:], sums[i:i + 1])
-        for i in range(query_rows):
-            t = i % num_new
-            inverse = np.float32(1.0) / totals[i] if i < group * num_new and t < real else np.float32(0.0)
-            for x in range(2 * half):
-                out[r, h, i, x] = sums[i, x] * inverse
+        _normalise(sums, totals, group * num_new, num_new, real, out[r, h])

@@ -8,34 +8,10 @@ from numba import njit
 from .bf16_bits import f32_from_bits
 
 
-@njit(fastmath=True, cache=True)
-def exp_shifted(scores, n, peak, powers):  # pragma: no cover - compiled
-    """scores[j] = exp(scores[j] - peak) for j < n (peak >= every score, so each is <= 1) -> their fp32 sum, added
-    in index order. powers [>= n] scratch. exp(z) = 2^k x exp(r), |r| <= ln 2 / 2 (Cephes' expf polynomial); below
-    z = -87 the value is 0 to fp32 precision of the sum."""
-    bits = powers.view(np.uint32)
-    for j in range(n):
-        z = max(scores[j] - peak, np.float32(-87.0))
-        k = np.floor(z * np.float32(1.44269504) + np.float32(0.5))
-        r = z - k * np.float32(0.693359375)
-        r = r - k * np.float32(-2.12194440e-4)
-        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        scores[j] = p * (r * r) + r + np.float32(1.0)
-        bits[j] = np.uint32(np.int32(k) + 127) << np.uint32(23)  # 2^k, k in -126..0
-    total = np.float32(0.0)
-    for j in range(n):
-        scores[j] = scores[j] * powers[j]
-        total += scores[j]
-    return total
-
-
 @njit(fastmath=True, cache=True, inline="always")
 def exp_nonpositive(z):  # pragma: no cover - compiled
-    """exp(z) for one fp32 z <= 0 (0 below -87), the same polynomial as exp_shifted, for elementwise kernels."""
+    """exp(z) for one fp32 z <= 0: 2^k x exp(r), |r| <= ln 2 / 2 (Cephes' expf polynomial); below z = -87 the value
+    is 0 to fp32 precision of any sum it enters."""
     z = max(z, np.float32(-87.0))
     k = np.floor(z * np.float32(1.44269504) + np.float32(0.5))
     r = z - k * np.float32(0.693359375)
@@ -46,6 +22,18 @@ def exp_nonpositive(z):  # pragma: no cover - compiled
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     return (p * (r * r) + r + np.float32(1.0)) * f32_from_bits(np.uint32(np.int32(k) + 127) << np.uint32(23))
+
+
+@njit(fastmath=True, cache=True)
+def exp_shifted(scores, n, peak):  # pragma: no cover - compiled
+    """scores[j] = exp(scores[j] - peak) for j < n (peak >= every score, so each is <= 1) -> their fp32 sum, added
+    in index order."""
+    for j in range(n):
+        scores[j] = exp_nonpositive(scores[j] - peak)
+    total = np.float32(0.0)
+    for j in range(n):
+        total += scores[j]
+    return total
 
 
 @njit(fastmath=True, cache=True)

@@ -12,9 +12,9 @@ from .invariant_attention import QUERY_BLOCK
 
 
 @njit(fastmath=True, cache=True)
-def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # pragma: no cover - compiled
+def one_query(query, keys, values, seen, n, scale, scores, out):  # pragma: no cover - compiled
     """query [d]; keys, values [U, d] fp32; seen [n]: the rows of keys this query sees, in position order;
-    scores, powers [>= n] scratch -> out [d]. The only arithmetic of the kernel: the same code for every query,
+    scores [>= n] scratch -> out [d]. The only arithmetic of the kernel: the same code for every query,
     whatever else the task holds."""
     dim = query.shape[0]
     for j in range(n):
@@ -23,7 +23,7 @@ def one_query(query, keys, values, seen, n, scale, scores, powers, out):  # prag
         for x in range(dim):
             dot += query[x] * key[x]
         scores[j] = dot * scale
-    total = exp_shifted(scores, n, peak(scores, n), powers)  # the max is the same in any order
+    total = exp_shifted(scores, n, peak(scores, n))  # the max is the same in any order
     out[:] = 0.0
     for j in range(n):
         value = values[seen[j]]
@@ -97,7 +97,6 @@ def attend(q, k, v, slots, lengths, visible, scale, out):  # pragma: no cover - 
         gather(v, slot, h, positions, count, values)
         seen = np.empty(count, dtype=np.int64)
         scores = np.empty(count, dtype=np.float32)
-        powers = np.empty(count, dtype=np.float32)
         for t in range(first, last):
             if visible[r, t, t] == 0:
                 for g in range(group):
@@ -112,5 +111,5 @@ def attend(q, k, v, slots, lengths, visible, scale, out):  # pragma: no cover - 
                     seen[n] = where[i]
                     n += 1
             for g in range(group):
-                one_query(q[r, h, g, t], keys, values, seen, n, scale, scores, powers, out[r, h, g, t])
+                one_query(q[r, h, g, t], keys, values, seen, n, scale, scores, out[r, h, g, t])
 
