@@ -200,7 +200,9 @@ class _MethodPass:
         _maybe_fault_on_row_for_test(turn.row)
         item = BatchItem(self.next_key, turn.prompt_ids, self.stage._params(turn.row.get("max_new_tokens")),
                          turn.row.get("context_ids"))
-        self.decoder.submit(self.engine.request(item, self.method, self.stage.config.method_options, self.decoder))
+        request = self.engine.request(item, self.method, self.stage.config.method_options, self.decoder)
+        request.turns_after = len(turn.later)  # the budget's tail rule: this row's chain goes on after it ends
+        self.decoder.submit(request)
         self.turns[self.next_key] = turn
         self.next_key += 1
 

@@ -48,6 +48,7 @@ class DecodeRequest:
     params: DecodeParams
     drafter: Drafter
     context_ids: list[int] | None = None
+    turns_after: int = 0  # a conversation's turns still to come once this one ends (each up to max_new_tokens)
 
 
 @dataclass
@@ -364,7 +365,8 @@ class BatchDecoder:
         pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
-        limits = self.budget.plan(reaches, [r.acceptance for r in rows], context) if drafting else [0] * len(rows)
+        left = None if self.waiting else [_tokens_left(r) for r in rows]
+        limits = self.budget.plan(reaches, [r.acceptance for r in rows], context, left) if drafting else [0] * len(rows)
         for row, fixed, limit, reach in zip(rows, pinned, limits, reaches):
             if limit and not fixed and row.request.drafter.prices_its_length:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
@@ -558,6 +560,12 @@ def _chain_visibility(counts: torch.Tensor, width: int) -> tuple[torch.Tensor, t
     inside = torch.arange(width)[None, :] < counts[:, None]
     visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & inside[:, :, None] & inside[:, None, :]
     return inside, visible
+
+
+def _tokens_left(row: Row) -> int:
+    """The most tokens this row and its conversation's later turns may still emit."""
+    new_tokens = row.request.params.max_new_tokens
+    return new_tokens - row.state.num_generated + row.request.turns_after * new_tokens
 
 
 def _pinned(row: Row) -> bool:

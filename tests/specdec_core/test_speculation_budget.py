@@ -3,7 +3,8 @@
 import pytest
 
 from specdec_core.speculation_budget import (
-    AcceptanceEstimate, DraftPricing, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, expected_tokens,
+    AcceptanceEstimate, DraftPricing, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, critical_rows,
+    expected_tokens,
 )
 
 
@@ -304,3 +305,17 @@ def test_the_clocks_check_counts_drafting_seconds_and_the_target_cost_model_does
         assert (b.payoff.penalty[4] > 1.0) is losing
         x_token, y = 2.0, 0.25  # (12 computed - 4 rows) / 4 rows; 0.5 / 0.4 - 1
         assert b.cost.sums[(4, 256)][3] == pytest.approx(x_token * y)
+
+
+def test_with_nothing_waiting_only_the_rows_that_can_still_set_the_passs_length_draft():
+    # margin = ceil(rate x the most left): rows more than that ahead of the longest row cannot become it
+    assert critical_rows([100, 91, 89, 20], rate=0.1) == [True, True, False, False]
+    assert critical_rows([5, 4, 1], rate=0.0) == [True, True, False]  # at least one token of margin
+    assert critical_rows([], rate=0.5) == []
+    poor = AcceptanceEstimate(accepted=8, rejections=92)  # pooled rate (8 + 1) / (100 + 2): margin 9 of 100
+    b = budget(lambda rows, width: 1.0 + 0.01 * width, pooled=poor)
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 3
+    assert b.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 0]
+    assert b.plan([chain(4)] * 3, high) == [4, 4, 4]  # a queue waits: every accepted token is work done
+    fresh = budget(lambda rows, width: 1.0 + 0.01 * width)  # no evidence yet: prior 0.5, everyone within the margin
+    assert fresh.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 4]
