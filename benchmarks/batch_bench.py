@@ -62,9 +62,9 @@ def parse_method(text: str):
     options = {}
     for part in filter(None, extra.split(",")):
         key, _, value = part.partition("=")
-        if key == "budget":  # read by `speculation_budget_on`, not a method option
+        if key in ("budget", "tail"):  # read by `run_ours`, not method options
             if value not in ("on", "off"):
-                raise ValueError(f"budget={value!r}: use budget=on or budget=off")
+                raise ValueError(f"{key}={value!r}: use {key}=on or {key}=off")
             continue
         if key == "memory":  # read by `run_ours`: the job memory starts with --memory-seed's outputs
             if value != "seed":
@@ -200,6 +200,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
             raise ValueError("memory=seed needs --memory-seed N")
         engine.memory_for(method).seed_sequences(memory_seed)
     decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text), method=method)
+    decoder.budget.tail_rule = "tail=off" not in method_text.split("@")[0]  # SpeculationBudget.tail_rule
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
     synchronize(engine.target.device)
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld", "copyspec:candidates=3",
                                                          "copyspec:adaptive"],
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
-                             "sizes); the option budget=off verifies every draft as proposed (no speculation budget)")
+                             "sizes); the option budget=off verifies every draft as proposed (no speculation budget), "
+                             "tail=off lets every row draft when nothing waits for a slot (SpeculationBudget.tail_rule)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every method this many times, interleaved (round 1: each method once, then round "
                              "2, ...), and print each method's per-round ratio to the same round's ar: on a noisy "

@@ -108,8 +108,8 @@ def main() -> int:
     for text in args.methods + args.cost_methods:
         parse_method(text)  # a bad method option fails before the models load
     torch.set_num_threads(os.cpu_count() or 1)
-    config = EngineConfig(model=args.model, dtype=args.dtype, drafter=args.drafter)
-    engines = {"deterministic": Engine(EngineConfig(**{**vars(config), "deterministic": True})),
+    config = EngineConfig(model=args.model, dtype=args.dtype, drafter=args.drafter, deterministic="off")
+    engines = {"deterministic": Engine(EngineConfig(**{**vars(config), "deterministic": "on"})),
                "plain": Engine(config) if args.rounds > 0 else None}  # the cost rounds time ar at least
     engines = {mode: engine for mode, engine in engines.items() if engine is not None}
     det = engines["deterministic"]

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if reference is not None:
             result["same_as_hf"] = sum(got == want for got, want in zip(result["outputs"], reference))
         results.append(result)
-    print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, {args.workload}: {len(items)} requests, "
+    print(f"# {args.model}, dtype {dtype} (ours deterministic: {engine.target.deterministic}), {hardware('cpu')}, "
+          f"{args.workload}: {len(items)} requests, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}")
     print(table(results))
     if args.json:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
@@ -20,8 +22,9 @@ class DecodeConfig(BaseModel):
     drafter_dtype: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    deterministic: bool = Field(False, description="every token's numbers the same in any batch or step "
-                                                   "(invariant_attention.py): lossless methods equal ar in bf16 too")
+    deterministic: Literal["auto", "on", "off"] = Field(
+        "auto", description="every token's numbers the same in any batch or step: lossless methods equal ar in bf16 "
+                            "too. auto: on where it costs nothing (ModelRunner.determinism_costs_nothing)")
     max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -45,6 +48,11 @@ class DecodeConfig(BaseModel):
     speculation_budget: bool = Field(True, description="draft lengths follow acceptance and measured step cost")
     decode_keys: dict[str, str] = Field(default_factory=dict, description="method -> the run's decode key (the "
                                                                             "output rows' `decode_key`)")
+
+    @field_validator("deterministic", mode="before")
+    @classmethod
+    def _mode_from_bool(cls, value):
+        return ("on" if value else "off") if isinstance(value, bool) else value  # configs written before "auto"
 
     @field_validator("methods")
     @classmethod

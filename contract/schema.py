@@ -56,7 +56,8 @@ GENERATIONS_SCHEMA = pa.schema([
     # The actor's job memory for the method (suffix, auto) at the pass's end, in output tokens; null without one.
     ("pass_memory_tokens", pa.int64()),
     ("batch_size", pa.int64()),
-    # Decoded with --deterministic (every token's numbers independent of its batch and step: invariant_attention.py).
+    # Whether --deterministic was on for this row (auto resolves per machine): every token's numbers independent of
+    # its batch and step, so a lossless method's tokens equal ar's in bf16 too.
     ("deterministic", pa.bool_()),
     # Hash of what determines this row's output besides the request: method, model, drafter, dtype asked for,
     # sampling and decoding parameters, prompt options. --resume skips a pair only when its key is unchanged.

@@ -78,7 +78,7 @@ class DecodeRequests:
             "device": self.engine.target.device, "temperature": cfg.temperature, "seed": cfg.seed,
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
-            "turn": turn, "batch_size": cfg.batch_size, "deterministic": cfg.deterministic,
+            "turn": turn, "batch_size": cfg.batch_size, "deterministic": self.engine.target.deterministic,
             "decode_key": cfg.decode_keys.get(method), "node_id": self.node_id,
         }
 

@@ -36,6 +36,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+DETERMINISTIC_HELP = (
+    "every token computed the same way in any batch and step, so lossless methods give ar's exact tokens in bf16 "
+    "too (CPU, Llama-family models). auto (default): on where it costs nothing, a bf16 CPU with avx512_bf16 and "
+    "no AMX; on (or the bare flag): everywhere it can run, else an error; off. fp32 is exact either way")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .methods import METHODS
     from .model_registry import DEFAULT_MODEL
@@ -71,9 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="every token computed the same way in any batch and step, so lossless methods give ar's "
-                             "exact tokens in bf16 too (CPU, Llama-family models)")
+    parser.add_argument("--deterministic", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                        help=DETERMINISTIC_HELP)
     parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")

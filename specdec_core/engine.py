@@ -28,6 +28,18 @@ from .retrieval_index import check_index_tokenizer
 from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 
 
+DETERMINISM_MODES = ("auto", "on", "off")
+
+
+def determinism_mode(value: str | bool) -> str:
+    """--deterministic's value as one of DETERMINISM_MODES (True / False: on / off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in DETERMINISM_MODES:
+        raise ValueError(f"deterministic must be one of {', '.join(DETERMINISM_MODES)}, not {value!r}")
+    return value
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -35,7 +47,9 @@ class EngineConfig:
     device: str = "auto"
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
     drafter_dtype: str | None = None  # default: default_drafter_dtype (int8 on a bf16 CPU, else the target's)
-    deterministic: bool = False  # the target's tokens independent of batch and step (ModelRunner.deterministic)
+    # The target's tokens independent of batch and step (ModelRunner.deterministic): "on" (an error where it cannot
+    # run), "off", or "auto": on where it costs nothing (ModelRunner.determinism_costs_nothing). True / False = on / off.
+    deterministic: str | bool = "auto"
     memory_tokens: int = DEFAULT_MEMORY_TOKENS  # bound of each method's job memory (job_memory.py); 0 = none
     memory_from: str | None = None  # earlier runs' outputs to seed the job memory with (job_memory.read_outputs)
 
@@ -69,7 +83,8 @@ class Engine:
         if config.dtype == INT8:
             raise ValueError("int8 is for drafters only (--drafter-dtype int8): an int8 target would be another model")
         self.target = target or ModelRunner.load(config.model, config.dtype, config.device)
-        if config.deterministic:
+        mode = determinism_mode(config.deterministic)
+        if mode == "on" or (mode == "auto" and self.target.determinism_costs_nothing()):
             self.target.deterministic = True  # DeterminismUnavailableError where the fast forward does not run
         self.draft_model = draft_model
         if config.drafter and draft_model is None:
@@ -92,10 +107,11 @@ class Engine:
         self._memory_seed: list[list[int]] | None = None
 
     @classmethod
-    def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None) -> "Engine":
+    def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None,
+                     deterministic: str | bool = "auto") -> "Engine":
         """An engine on models already in memory (the tests' tiny random ones, a caller's own)."""
         config = EngineConfig(model=target.name, dtype=target.dtype_name, device=str(target.device),
-                              drafter=draft_model.name if draft_model is not None else None)
+                              drafter=draft_model.name if draft_model is not None else None, deterministic=deterministic)
         return cls(config, target, draft_model)
 
     @property

@@ -84,6 +84,17 @@ class ModelRunner:
                 self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
         self._deterministic = bool(on)
 
+    def determinism_costs_nothing(self) -> bool:
+        """Whether `--deterministic auto` switches it on: a bf16 forward on a CPU whose linears already run the panel
+        kernel (tune_for_cpu: no AMX) and whose attention runs the bf16 kernels (avx512_bf16, head_dim 64 or 128).
+        There the switch only changes which of our kernels attends, at 0.96-1.04x plain (docs/decisions.md). Not in
+        fp32 (lossless methods are exact without it), not with AMX (the linears would leave oneDNN's tiles: not
+        measured), not on a GPU (no fast forward)."""
+        head_dim = self.fast.head_dim if self.fast is not None else 0
+        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+                and not torch.cpu._is_amx_tile_supported() and panel_linear.available(torch.bfloat16)
+                and bf16_attention.usable(head_dim) and bf16_step_attention.usable(head_dim))
+
     def _compiled_short_attention(self, num_new: int) -> bool:
         """Whether a bf16 decode or verify forward on a CPU attends through a compiled kernel without the switch
         (bf16_step_attention.py where it runs, else invariant_attention.py): SDPA's flash kernel, built for long

@@ -336,6 +336,9 @@ class SpeculationBudget:
     ragged: bool = False
     gather_share: float = MAX_REAL_SHARE  # the share of real tokens under which it gathers them (set with `ragged`)
     pricing: DraftPricing = field(default_factory=DraftPricing)  # what a drafted token costs and a token is worth
+    # With nothing waiting for a slot, only rows that can still set the pass's length draft (`plan`'s `left`).
+    # False: every row's tokens count as work done then too (benchmarks compare the two).
+    tail_rule: bool = True
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""
@@ -373,7 +376,7 @@ class SpeculationBudget:
         `left`: the tokens each row has left when no request waits for a slot (None: a queue keeps the slots full).
         Then only the rows that can still set the pass's length draft (`critical_rows`)."""
         rows = len(reaches)
-        if left is not None and self.enabled:
+        if left is not None and self.enabled and self.tail_rule:
             critical = critical_rows(left, self.pooled.rate(prior=0.5))
             reaches = [reach if keep else [] for reach, keep in zip(reaches, critical)]
         lengths = [len(reach) for reach in reaches]

@@ -124,3 +124,15 @@ def test_batch_mode_bad_file_and_bad_batch_size(tmp_path):
     empty.write_text("\n")
     assert_one_line_error(cli("--prompts-file", str(empty)), "no requests")
     assert_one_line_error(cli("--prompt", "hi", "--batch-size", "0"), "--batch-size")
+
+
+def test_deterministic_is_auto_by_default_on_as_a_bare_flag_and_checked():
+    from contract.decode_config import DecodeConfig
+    from specdec_core.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--prompt", "hi"]).deterministic == "auto"
+    assert parse(["--prompt", "hi", "--deterministic"]).deterministic == "on"
+    assert parse(["--prompt", "hi", "--deterministic", "off"]).deterministic == "off"
+    assert_one_line_error(cli("--prompt", "hi", "--deterministic", "maybe"), "--deterministic")
+    assert [DecodeConfig(deterministic=v).deterministic for v in (True, False, "auto")] == ["on", "off", "auto"]

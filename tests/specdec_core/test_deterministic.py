@@ -163,6 +163,37 @@ def test_a_model_the_fast_forward_does_not_cover_is_one_clear_error():
         tiny_gemma3().deterministic = True
 
 
+def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
+    """--deterministic auto (the default): on for a bf16 CPU model the bf16 kernels run (avx512_bf16, no AMX, head_dim
+    64 or 128), off in fp32, for head sizes the bf16 kernels do not take, and with AMX; "on" still errors where it
+    cannot run, "off" stays off."""
+    from specdec_core import bf16_attention, bf16_step_attention
+    from specdec_core.engine import determinism_mode
+
+    assert [determinism_mode(v) for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]
+    with pytest.raises(ValueError, match="auto, on, off"):
+        determinism_mode("yes")
+    kernels = bf16_attention.usable(64) and bf16_step_attention.usable(64)
+    bf16 = runner_in(torch.bfloat16, tiny_llama_64)
+    bf16.deterministic = False
+    assert Engine.from_runners(bf16).target.deterministic == kernels
+    bf16_off = runner_in(torch.bfloat16, tiny_llama_64)
+    bf16_off.deterministic = False
+    assert not Engine.from_runners(bf16_off, deterministic="off").target.deterministic
+    fp32 = runner_in(torch.float32, tiny_llama_64)
+    fp32.deterministic = False
+    assert not Engine.from_runners(fp32).target.deterministic
+    small_heads = runner_in(torch.bfloat16)  # tiny_llama: head_dim 16, the bf16 kernels take 64 and 128
+    small_heads.deterministic = False
+    assert not Engine.from_runners(small_heads).target.deterministic
+    assert Engine.from_runners(small_heads, deterministic=True).target.deterministic  # the fp32 kernel
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert not runner_in(torch.bfloat16, tiny_llama_64).determinism_costs_nothing()
+    with pytest.raises(DeterminismUnavailableError, match="Llama-family"):
+        Engine.from_runners(tiny_gemma3(), deterministic="on")
+    assert not Engine.from_runners(tiny_gemma3()).target.deterministic  # auto: quietly off
+
+
 @pytest.mark.slow
 def test_the_real_model_in_bf16_gives_batch_one_ar_tokens_with_every_lossless_method_batched():
     """SmolLM2 in bf16 with --deterministic: rows of different lengths, each with its own lossless method (copy
