@@ -41,6 +41,8 @@ from .verification import VerifyResult, verify_rows
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
 
+NO_DRAFT = empty_draft()  # the draft of every row whose drafter never proposes (nothing changes an empty draft)
+
 @dataclass
 class DecodeRequest:
     key: object  # the caller's handle, returned with the result
@@ -350,8 +352,9 @@ class BatchDecoder:
         clock: it always drafts and verifies what its drafter proposed, and reproduces whatever shares its batch,
         run after run (the batch pays for its width). -> the draft-model pools asked."""
         for row in self.rows:
-            row.draft = empty_draft()
-        return self._collect(self.rows if drafting else [r for r in self.rows if _pinned(r)])
+            row.draft = empty_draft() if row.request.drafter.proposes else NO_DRAFT
+        proposing = [r for r in self.rows if r.request.drafter.proposes]
+        return self._collect(proposing if drafting else [r for r in proposing if _pinned(r)])
 
     def _plan(self, pools: dict[int, DraftPool], drafting: bool, context: int) -> None:
         """Sets each row's `limit`: how many of its draft tokens this step verifies.
@@ -361,6 +364,10 @@ class BatchDecoder:
         behind it: docs/decisions.md, "The loop and the budget"). While drafting rests only pinned rows drafted:
         the budget is not asked (its rest and exploration counters count that step already)."""
         rows = self.rows
+        if not any(r.request.drafter.proposes for r in rows):  # plain decoding: nothing to plan
+            for row in rows:
+                row.limit = 0
+            return
         pinned = [_pinned(r) for r in rows]
         pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
@@ -481,6 +488,7 @@ class BatchDecoder:
         done = []
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)
+        step_kept = step_accepted = 0
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
@@ -488,6 +496,17 @@ class BatchDecoder:
             draft, state, params = row.draft, row.state, row.request.params
             drafted = len(draft.tokens)
             try:
+                if not drafted and not handing_over:  # a plain row: its one token (the loop's commonest case)
+                    self.cache.set_length(index, self.cache.lengths[index] + 1)
+                    state.metrics.target_forwards += 1
+                    kept = emit(self.target, state, [(result.next_token, TARGET_SOURCE, False)], params)
+                    self.stats.new_tokens += kept
+                    step_kept += kept
+                    if row.request.drafter.proposes:
+                        row.request.drafter.observe(state.tokens, draft, 0)
+                    if state.finished:
+                        done.append(index)
+                    continue
                 length = self.cache.lengths[index]
                 if draft.parents is not None and result.path:
                     # The accepted path's keys sit at their node offsets; move them to where a chain puts them.
@@ -507,6 +526,7 @@ class BatchDecoder:
                 self.stats.verified_tokens += drafted
                 self.stats.accepted_tokens += accepted
                 self.stats.new_tokens += kept
+                step_kept, step_accepted = step_kept + kept, step_accepted + accepted
                 # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
                 offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
                 if offered:  # (an empty draft teaches the acceptance estimates nothing)
@@ -514,11 +534,13 @@ class BatchDecoder:
                 if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
                     picked = [starts[index] + 1 + p for p in draft.probes]
                     row.request.drafter.observe_logits(list(draft.probes), logits[picked])
-                row.request.drafter.observe(state.tokens, draft, result.num_accepted)
+                if row.request.drafter.proposes:
+                    row.request.drafter.observe(state.tokens, draft, result.num_accepted)
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
             if row.error or state.finished:
                 done.append(index)
+        self.budget.emitted(step_kept, step_accepted)
         self._retire(done)
 
     # ----------------------------------------------------------------------------------------------- retire

@@ -21,6 +21,7 @@ numba has no vector types, so the k loop is written as LLVM IR (bf16_dot_kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -54,6 +55,7 @@ def available() -> bool:
     return _cpu_has_it() and kernel() is not None
 
 
+@functools.cache  # asked every forward (bf16_attention.usable); llvmlite's feature query took ~0.3 ms a call
 def _cpu_has_it() -> bool:
     if not torch.cpu._is_avx512_bf16_supported() or os.environ.get("NUMBA_CPU_NAME", "host") != "host":
         return False

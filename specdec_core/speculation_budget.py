@@ -75,9 +75,10 @@ class AcceptanceEstimate:
         return (self.accepted + PRIOR_WEIGHT * prior) / (total + PRIOR_WEIGHT)
 
 
-def critical_rows(left: list[int], rate: float) -> list[bool]:
+def critical_rows(left: list[int], saved_share: float) -> list[bool]:
     """Which rows can still set the pass's length when nothing waits for a slot: those with at least the most tokens
-    left (left[r]) less the share `rate` of it that speculation at this per-token acceptance could still save.
+    left (left[r]) less the share of it that speculation could still save, `saved_share` = the share of the pass's
+    tokens that accepted drafts gave so far.
 
     With a queue, every token a step emits is work done and the budget counts them all. With none, the pass lasts as
     long as its longest row, and a token accepted on a row far ahead of it shortens nothing: its verify only costs
@@ -86,7 +87,7 @@ def critical_rows(left: list[int], rate: float) -> list[bool]:
     if not left:
         return []
     longest = max(left)
-    margin = max(1, math.ceil(rate * longest))
+    margin = max(1, math.ceil(saved_share * longest))
     return [n >= longest - margin for n in left]
 
 
@@ -314,6 +315,9 @@ class SpeculationBudget:
     token_budget: int | None = None  # most B x T tokens per forward (padding included); None = no cap
     enabled: bool = True  # False: verify every draft as proposed (still capped by token_budget)
     pooled: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # Tokens from accepted drafts (`accepted`) against the other tokens emitted (`rejections`): the share of the
+    # pass's tokens that speculation saved a step for (the tail rule's margin, `critical_rows`).
+    saved: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     planning_s: float = 0.0  # time spent choosing widths
     payoff: MeasuredPayoff = field(default_factory=MeasuredPayoff)
     check_payoff: bool = True  # False: trust the model alone (tests with a fixed cost function)
@@ -374,10 +378,11 @@ class SpeculationBudget:
         unit of cost wins; all zeros (a plain step, value B) always competes.
 
         `left`: the tokens each row has left when no request waits for a slot (None: a queue keeps the slots full).
-        Then only the rows that can still set the pass's length draft (`critical_rows`)."""
+        Then only the rows that can still set the pass's length draft (`critical_rows`, with the share of tokens
+        accepted drafts gave so far, `saved`)."""
         rows = len(reaches)
         if left is not None and self.enabled and self.tail_rule:
-            critical = critical_rows(left, self.pooled.rate(prior=0.5))
+            critical = critical_rows(left, self.saved.rate(prior=0.5))
             reaches = [reach if keep else [] for reach, keep in zip(reaches, critical)]
         lengths = [len(reach) for reach in reaches]
         longest = min(max(lengths, default=0), self.most_nodes(rows))
@@ -470,6 +475,11 @@ class SpeculationBudget:
         self.cost.observe(rows, width, seconds, context, computed)
         if self.enabled and self.check_payoff:
             self.payoff.record(rows, width, tokens, seconds + max(0.0, drafting_s))
+
+    def emitted(self, kept: int, accepted: int) -> None:
+        """A row's step kept `kept` tokens, `accepted` of them from its draft (`saved`)."""
+        self.saved.accepted += accepted
+        self.saved.rejections += kept - accepted
 
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:
         estimate.update(drafted, accepted)

@@ -161,6 +161,8 @@ class Drafter(ABC):
 
     #: drafts through a shared pool that the loop flushes once per step (None: propose() drafts at once)
     pool: DraftPool | None = None
+    #: ever proposes a draft: False (plain decoding) lets the loop skip its proposal and its observe() calls
+    proposes: bool = True
     #: reads the target's hidden states of layer `hidden_layer` (set per instance): the loop captures that layer
     #: during its own forwards (prefill and verify) and hands each row the states of the positions it committed,
     #: through observe_hidden(); rows whose drafters do not ask cost nothing
@@ -213,6 +215,8 @@ class Drafter(ABC):
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding: never drafts, so every step is one target forward for one token."""
+
+    proposes = False
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         return empty_draft()

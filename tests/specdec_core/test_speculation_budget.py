@@ -308,12 +308,13 @@ def test_the_clocks_check_counts_drafting_seconds_and_the_target_cost_model_does
 
 
 def test_with_nothing_waiting_only_the_rows_that_can_still_set_the_passs_length_draft():
-    # margin = ceil(rate x the most left): rows more than that ahead of the longest row cannot become it
-    assert critical_rows([100, 91, 89, 20], rate=0.1) == [True, True, False, False]
-    assert critical_rows([5, 4, 1], rate=0.0) == [True, True, False]  # at least one token of margin
-    assert critical_rows([], rate=0.5) == []
-    poor = AcceptanceEstimate(accepted=8, rejections=92)  # pooled rate (8 + 1) / (100 + 2): margin 9 of 100
-    b = budget(lambda rows, width: 1.0 + 0.01 * width, pooled=poor)
+    # margin = ceil(share x the most left): rows further ahead of the longest row than speculation saved so far
+    assert critical_rows([100, 91, 89, 20], saved_share=0.1) == [True, True, False, False]
+    assert critical_rows([5, 4, 1], saved_share=0.0) == [True, True, False]  # at least one token of margin
+    assert critical_rows([], saved_share=0.5) == []
+    b = budget(lambda rows, width: 1.0 + 0.01 * width)
+    b.emitted(kept=92, accepted=0)
+    b.emitted(kept=8, accepted=8)  # 8 of 100 tokens from drafts: share (8 + 1) / (100 + 2), a margin of 9 of 100
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 3
     assert b.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 0]
     assert b.plan([chain(4)] * 3, high) == [4, 4, 4]  # a queue waits: every accepted token is work done
