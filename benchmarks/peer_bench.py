@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec_core.model_registry import resolve_model_path
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
-    dtype = engine.target.dtype_name
+    dtype, deterministic = engine.target.dtype_name, engine.target.deterministic
     items = workload_items(engine, args.workload, args.requests, args.max_new_tokens, args.batch_size)
     prompts = [item.prompt_ids for item in items]
     results, reference = [], None
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         if reference is not None:
             result["same_as_hf"] = sum(got == want for got, want in zip(result["outputs"], reference))
         results.append(result)
-    print(f"# {args.model}, dtype {dtype} (ours deterministic: {engine.target.deterministic}), {hardware('cpu')}, "
+    print(f"# {args.model}, dtype {dtype} (ours deterministic: {deterministic}), {hardware('cpu')}, "
           f"{args.workload}: {len(items)} requests, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}")
     print(table(results))
