@@ -163,6 +163,23 @@ def test_a_model_the_fast_forward_does_not_cover_is_one_clear_error():
         tiny_gemma3().deterministic = True
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_tokens_logits_do_not_depend_on_the_thread_count(dtype):
+    """The linears, attention and norms split their work over threads by whole rows, panels or heads, never inside
+    one sum: a forward on 1 thread and on 2 gives the same bits (the issue asks this of the matmuls on each CPU)."""
+    runner = runner_in(dtype, tiny_llama_64)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got.append(feed(runner, [3, 5, 2, 8, 6, 16], others=[11, 37]))
+            got.append(feed(runner, [24, 16], prefill=True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])
+
+
 def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
     """--deterministic auto (the default): on for a bf16 CPU model the bf16 kernels run (avx512_bf16, no AMX, head_dim
     64 or 128), off in fp32, for head sizes the bf16 kernels do not take, and with AMX; "on" still errors where it
