@@ -44,6 +44,8 @@ class SuffixDrafter(Drafter):
         self._sync(tokens, matched=True)
 
     def _sync(self, tokens: Sequence[int], matched: bool = False) -> None:
+        if len(tokens) == self.seen:  # propose() after observe() already took this step's tokens
+            return
         new = tokens[self.seen:]
         self.own.extend(self.own_cursor, new)
         if self.memory is not None:
