@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
+from specdec_core.defaults import (
+    DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL,
+    determinism_mode,
+)
 from specdec_core.methods import METHODS, MethodOptions, check_method_names
 
 
@@ -22,9 +23,10 @@ class DecodeConfig(BaseModel):
     drafter_dtype: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    deterministic: Literal["auto", "on", "off"] = Field(
-        "auto", description="every token's numbers the same in any batch or step: lossless methods equal ar in bf16 "
-                            "too. auto: on where it costs nothing (ModelRunner.determinism_costs_nothing)")
+    deterministic: str = Field(
+        DEFAULT_DETERMINISTIC, description="auto, on or off: every token's numbers the same in any batch or step, "
+                                           "so lossless methods equal ar in bf16 too. auto: on where it costs nothing "
+                                           "(ModelRunner.determinism_costs_nothing)")
     max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -51,8 +53,8 @@ class DecodeConfig(BaseModel):
 
     @field_validator("deterministic", mode="before")
     @classmethod
-    def _mode_from_bool(cls, value):
-        return ("on" if value else "off") if isinstance(value, bool) else value  # configs written before "auto"
+    def _known_mode(cls, value) -> str:
+        return determinism_mode(value)
 
     @field_validator("methods")
     @classmethod

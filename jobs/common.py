@@ -22,7 +22,7 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int | None = None):
     from pipelines.config import GenerationConfig
-    from specdec_core.cli import DETERMINISTIC_HELP, OneLineParser, add_batch_options
+    from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option
     from specdec_core.methods import METHODS
 
     def default(name: str):
@@ -51,8 +51,7 @@ def build_parser(prog: str, description: str, default_input: str | None, default
     parser.add_argument("--seed", type=int, default=None, help="a sampling run's seed: the same tokens run after run")
     parser.add_argument("--dtype", default=default("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=default("device"))
-    parser.add_argument("--deterministic", nargs="?", const="on", default=default("deterministic"), choices=["auto", "on", "off"],
-                        help=DETERMINISTIC_HELP)
+    add_deterministic_option(parser)
     add_batch_options(parser, default("batch_size"), "sequences decoded at once per actor (continuous batching)")
     parser.add_argument("--memory-tokens", type=int, default=default("memory_tokens"),
                         help="suffix/auto: output tokens each decode actor remembers per method to draft from "

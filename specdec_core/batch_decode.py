@@ -40,8 +40,8 @@ from .verification import VerifyResult, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
-
 NO_DRAFT = empty_draft()  # the draft of every row whose drafter never proposes (nothing changes an empty draft)
+
 
 @dataclass
 class DecodeRequest:

@@ -36,10 +36,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-DETERMINISTIC_HELP = (
-    "every token computed the same way in any batch and step, so lossless methods give ar's exact tokens in bf16 "
-    "too (CPU, Llama-family models). auto (default): on where it costs nothing, a bf16 CPU with avx512_bf16 and "
-    "no AMX; on (or the bare flag): everywhere it can run, else an error; off. fp32 is exact either way")
+def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
+    """--deterministic [auto|on|off], for the CLI and the jobs alike."""
+    from .defaults import DEFAULT_DETERMINISTIC, DETERMINISM_MODES
+
+    parser.add_argument(
+        "--deterministic", nargs="?", const="on", default=DEFAULT_DETERMINISTIC, choices=DETERMINISM_MODES,
+        help="every token computed the same way in any batch and step, so lossless methods give ar's exact tokens in "
+             "bf16 too (CPU, Llama-family models). auto (default): on where it costs nothing, a bf16 CPU with "
+             "avx512_bf16 and no AMX; on (or the bare flag): everywhere it can run, else an error; off. fp32 is exact "
+             "either way")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    parser.add_argument("--deterministic", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
-                        help=DETERMINISTIC_HELP)
+    add_deterministic_option(parser)
     parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
     parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")

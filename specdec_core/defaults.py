@@ -13,3 +13,17 @@ DEFAULT_BATCH_SIZE = 16
 # Output tokens a decode actor's job memory holds per method (suffix, auto): its suffix tree takes ~2 KB per token at
 # depth 24 (measured, docs/decisions.md), so ~200 MB.
 DEFAULT_MEMORY_TOKENS = 100_000
+
+# --deterministic: "auto" turns it on where it costs nothing (ModelRunner.determinism_costs_nothing).
+DETERMINISM_MODES = ("auto", "on", "off")
+DEFAULT_DETERMINISTIC = "auto"
+
+
+def determinism_mode(value: str | bool) -> str:
+    """--deterministic's value as one of DETERMINISM_MODES (True / False, as configs before "auto" held it: on /
+    off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in DETERMINISM_MODES:
+        raise ValueError(f"deterministic must be one of {', '.join(DETERMINISM_MODES)}, not {value!r}")
+    return value

@@ -17,7 +17,7 @@ from .decode import DecodeParams, DecodeResult
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
-from .defaults import DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL
+from .defaults import DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
 from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
 from .hardware import INT8
@@ -28,18 +28,6 @@ from .retrieval_index import check_index_tokenizer
 from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 
 
-DETERMINISM_MODES = ("auto", "on", "off")
-
-
-def determinism_mode(value: str | bool) -> str:
-    """--deterministic's value as one of DETERMINISM_MODES (True / False: on / off)."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value not in DETERMINISM_MODES:
-        raise ValueError(f"deterministic must be one of {', '.join(DETERMINISM_MODES)}, not {value!r}")
-    return value
-
-
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -48,8 +36,9 @@ class EngineConfig:
     drafter: str | None = None  # draft model for `draft` / `copyspec+draft`
     drafter_dtype: str | None = None  # default: default_drafter_dtype (int8 on a bf16 CPU, else the target's)
     # The target's tokens independent of batch and step (ModelRunner.deterministic): "on" (an error where it cannot
-    # run), "off", or "auto": on where it costs nothing (ModelRunner.determinism_costs_nothing). True / False = on / off.
-    deterministic: str | bool = "auto"
+    # run), "off", or "auto": on where it costs nothing (ModelRunner.determinism_costs_nothing); True / False: on /
+    # off.
+    deterministic: str | bool = DEFAULT_DETERMINISTIC
     memory_tokens: int = DEFAULT_MEMORY_TOKENS  # bound of each method's job memory (job_memory.py); 0 = none
     memory_from: str | None = None  # earlier runs' outputs to seed the job memory with (job_memory.read_outputs)
 
@@ -108,10 +97,11 @@ class Engine:
 
     @classmethod
     def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None,
-                     deterministic: str | bool = "auto") -> "Engine":
+                     deterministic: str | bool = DEFAULT_DETERMINISTIC) -> "Engine":
         """An engine on models already in memory (the tests' tiny random ones, a caller's own)."""
         config = EngineConfig(model=target.name, dtype=target.dtype_name, device=str(target.device),
-                              drafter=draft_model.name if draft_model is not None else None, deterministic=deterministic)
+                              drafter=draft_model.name if draft_model is not None else None,
+                              deterministic=deterministic)
         return cls(config, target, draft_model)
 
     @property

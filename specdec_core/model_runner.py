@@ -92,8 +92,8 @@ class ModelRunner:
         measured), not on a GPU (no fast forward)."""
         head_dim = self.fast.head_dim if self.fast is not None else 0
         return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
-                and not torch.cpu._is_amx_tile_supported() and panel_linear.available(torch.bfloat16)
-                and bf16_attention.usable(head_dim) and bf16_step_attention.usable(head_dim))
+                and bf16_linears_on_panels() and bf16_attention.usable(head_dim)
+                and bf16_step_attention.usable(head_dim))
 
     def _compiled_short_attention(self, num_new: int) -> bool:
         """Whether a bf16 decode or verify forward on a CPU attends through a compiled kernel without the switch
@@ -374,6 +374,12 @@ class ModelRunner:
         return getattr(self.model, self.model.base_model_prefix)
 
 
+def bf16_linears_on_panels() -> bool:
+    """Whether tune_for_cpu puts bf16 linears on the panel kernel by default: where the CPU's bf16 dot product runs
+    them (bf16_dot.py), unless it has AMX, whose tiles were not measured against it."""
+    return not torch.cpu._is_amx_tile_supported() and bf16_dot.available()
+
+
 def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds.
     The linear layers of `dtypes` go to the panel kernel (oneDNN's packed layout for fp32 without it); returns how
@@ -381,8 +387,7 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     than oneDNN at every row count on an AMD avx512_bf16 CPU) unless it has AMX, where oneDNN's tiles were not
     measured against it."""
     if dtypes is None:
-        bf16 = not torch.cpu._is_amx_tile_supported() and bf16_dot.available()
-        dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+        dtypes = (torch.float32, torch.bfloat16) if bf16_linears_on_panels() else (torch.float32,)
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")

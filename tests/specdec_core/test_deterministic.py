@@ -185,7 +185,7 @@ def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
     64 or 128), off in fp32, for head sizes the bf16 kernels do not take, and with AMX; "on" still errors where it
     cannot run, "off" stays off."""
     from specdec_core import bf16_attention, bf16_step_attention
-    from specdec_core.engine import determinism_mode
+    from specdec_core.defaults import determinism_mode
 
     assert [determinism_mode(v) for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]
     with pytest.raises(ValueError, match="auto, on, off"):
