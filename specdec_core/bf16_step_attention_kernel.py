@@ -32,17 +32,51 @@ def _pairs():
     return ir.VectorType(_bfloat(), 2 * PANEL)
 
 
+# The lane sums of a key's dot products, always added in one tree: lane i + lane i + 8, then + 4, + 2, + 1. A block
+# of 16 keys reduces its 16 vectors together (a transpose-reduce: each level adds the halves of two vectors' lanes),
+# which computes every key's tree with ~3 vector instructions a key instead of ~8 for one key's reduction; a key past
+# the last whole block reduces alone through the same tree. So a key's score is the same bits in a block or alone,
+# whatever the row's key count (attend_exact relies on it).
+_LEVELS = [  # (low lanes, high lanes) of a pair of vectors at each level of the transpose-reduce
+    ([i for i in range(32) if i % 16 < 8], [i for i in range(32) if i % 16 >= 8]),
+    ([i for i in range(32) if i % 8 < 4], [i for i in range(32) if i % 8 >= 4]),
+    ([i for i in range(32) if i % 4 < 2], [i for i in range(32) if i % 4 >= 2]),
+    ([i for i in range(32) if i % 2 == 0], [i for i in range(32) if i % 2 == 1]),
+]
+
+
+def _transpose_reduce(builder, totals, levels=_LEVELS):
+    """16 vectors of lane sums (one a key) -> one vector whose lane k is key k's sum, added in the tree above (or
+    the given levels of it: 4 vectors through the first two, then 4 such results through the last two)."""
+    for low, high in levels:
+        totals = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(WORDS, low)),
+                               builder.shuffle_vector(a, b, ir.Constant(WORDS, high)))
+                  for a, b in zip(totals[0::2], totals[1::2])]
+    return totals[0]
+
+
+def _reduce_one(builder, total):
+    """One key's vector of lane sums -> its sum, added in the same tree as _transpose_reduce."""
+    width = PANEL
+    while width > 1:
+        width //= 2
+        halves = [builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(I32, width),
+                                                                   list(range(start, start + width))))
+                  for start in (0, width)]
+        total = builder.fadd(*halves)
+    return builder.extract_element(total, ir.Constant(I32, 0))
+
+
 def _scores_kernel(rows: int, vectors: int):
     """scores[i, j] = scale x q[i] . k[j] for i < rows, j < n: k uint32 [>= n, 16 x vectors] (one key's bf16 pairs
-    a row), q uint32 [>= rows, 16 x vectors], scores float32 [>= rows, >= n]."""
+    a row), q uint32 [>= rows, 16 x vectors], scores float32 [>= rows, >= n]. Keys in blocks of 16 (one transpose-
+    reduce a block and query row), then the last n % 16 one at a time."""
 
     def codegen(context, builder, signature, args):
         keys, queries, out = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3))
         n, scale = args[1], args[4]
         dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS, _pairs(), _pairs()]),
                                              INTRINSIC)
-        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(F32, [F32, FLOATS]),
-                                                "llvm.vector.reduce.fadd.v16f32")
         depth = builder.extract_value(keys.strides, 0)  # bytes between keys
         columns = builder.extract_value(out.strides, 0)
         q_depth = builder.extract_value(queries.strides, 0)
@@ -53,26 +87,56 @@ def _scores_kernel(rows: int, vectors: int):
         def vector_at(address):
             return builder.bitcast(builder.load(builder.inttoptr(address, WORDS.as_pointer()), align=4), _pairs())
 
-        q = [[vector_at(builder.add(q_base, builder.add(builder.mul(_constant(r), q_depth), _constant(64 * v))))
-              for v in range(vectors)] for r in range(rows)]
-        entry, loop, done = builder.block, builder.append_basic_block("key"), builder.append_basic_block("done")
-        builder.cbranch(builder.icmp_signed(">", n, _constant(0)), loop, done)
-        builder.position_at_end(loop)
-        j = builder.phi(I64)
-        j.add_incoming(_constant(0), entry)
-        row = builder.add(base, builder.mul(j, depth))
-        key = [vector_at(builder.add(row, _constant(64 * v))) for v in range(vectors)]
-        for r in range(rows):
+        def key_at(j):
+            row = builder.add(base, builder.mul(j, depth))
+            return [vector_at(builder.add(row, _constant(64 * v))) for v in range(vectors)]
+
+        def lane_sums(key, r):  # [16] fp32: a key's dot products with query row r, lane by lane
             total = ir.Constant(FLOATS, None)
             for v in range(vectors):
                 total = builder.call(dot, [total, key[v], q[r][v]])
-            value = builder.fmul(builder.call(reduce, [ir.Constant(F32, -0.0), total], fastmath=("reassoc",)), scale)
-            place = builder.add(out_base, builder.add(builder.mul(_constant(r), columns), builder.mul(j, _constant(4))))
-            builder.store(value, builder.inttoptr(place, F32.as_pointer()), align=4)
-        following = builder.add(j, _constant(1))
-        j.add_incoming(following, builder.block)
-        builder.cbranch(builder.icmp_signed("<", following, n), loop, done)
-        builder.position_at_end(done)
+            return total
+
+        def place(r, j):
+            return builder.add(out_base, builder.add(builder.mul(_constant(r), columns), builder.mul(j, _constant(4))))
+
+        def counted_loop(name, first, last, body):  # for j in range(first, last, step): body(j) -> the step
+            before, loop, after = builder.block, builder.append_basic_block(name), builder.append_basic_block(name + "_done")
+            builder.cbranch(builder.icmp_signed("<", first, last), loop, after)
+            builder.position_at_end(loop)
+            j = builder.phi(I64)
+            j.add_incoming(first, before)
+            following = builder.add(j, _constant(body(j)))
+            j.add_incoming(following, builder.block)
+            builder.cbranch(builder.icmp_signed("<", following, last), loop, after)
+            builder.position_at_end(after)
+
+        q = [[vector_at(builder.add(q_base, builder.add(builder.mul(_constant(r), q_depth), _constant(64 * v))))
+              for v in range(vectors)] for r in range(rows)]
+        whole = builder.mul(builder.sdiv(n, _constant(PANEL)), _constant(PANEL))
+        scales = builder.shuffle_vector(builder.insert_element(ir.Constant(FLOATS, None), scale, ir.Constant(I32, 0)),
+                                        ir.Constant(FLOATS, None), ir.Constant(WORDS, [0] * PANEL))
+
+        def block(j):  # 4 keys at a time, each read once for every query row, their sums half reduced
+            partial = [[] for _ in range(rows)]
+            for quarter in range(4):
+                four = [key_at(builder.add(j, _constant(4 * quarter + k))) for k in range(4)]
+                for r in range(rows):
+                    partial[r].append(_transpose_reduce(builder, [lane_sums(key, r) for key in four], _LEVELS[:2]))
+            for r in range(rows):
+                sums = _transpose_reduce(builder, partial[r], _LEVELS[2:])
+                builder.store(builder.fmul(sums, scales), builder.inttoptr(place(r, j), FLOATS.as_pointer()), align=4)
+            return PANEL
+
+        def single(j):
+            key = key_at(j)
+            for r in range(rows):
+                value = builder.fmul(_reduce_one(builder, lane_sums(key, r)), scale)
+                builder.store(value, builder.inttoptr(place(r, j), F32.as_pointer()), align=4)
+            return 1
+
+        counted_loop("block", _constant(0), whole, block)
+        counted_loop("key", whole, n, single)
         return context.get_dummy_value()
 
     @intrinsic

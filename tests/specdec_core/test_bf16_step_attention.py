@@ -120,3 +120,26 @@ def test_the_exact_kernel_gives_a_verified_or_tree_token_the_numbers_of_the_toke
                                                    torch.tensor([0]), torch.tensor([length + len(path) - 1]),
                                                    torch.ones(1, 1, 1, dtype=torch.bool), dim ** -0.5, exact=True)
                 assert torch.equal(together[row, node], alone[0, 0]), (length, row, node)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_keys_score_has_the_same_bits_in_a_block_of_sixteen_or_alone(dim):
+    """The scores kernel reduces 16 keys together and the keys after the last whole block one at a time, through the
+    same tree of lane additions: a key's score must not depend on which path took it (attend_exact relies on it)."""
+    import numpy as np
+    from specdec_core import bf16_step_attention_kernel as kernel
+    from specdec_core.bf16_step_attention import PASS_ROWS, _words
+
+    torch.manual_seed(3)
+    keys = _words((torch.randn(40, dim) * 3).bfloat16())
+    queries = _words((torch.randn(PASS_ROWS, dim) * 3).bfloat16())
+    scores = {}
+    for n in (40, 33, 32, 17, 5):  # keys 0-31 in blocks at n >= 32; key 16 alone at n = 17, keys 0-4 alone at 5
+        scores[n] = np.full((PASS_ROWS, 40), np.nan, dtype=np.float32)
+        kernel._scores(keys, n, queries, scores[n], np.float32(0.125))
+        assert not np.isnan(scores[n][:, :n]).any() and np.isnan(scores[n][:, n:]).all(), n
+    for n in (33, 32, 17, 5):
+        assert np.array_equal(scores[n][:, :n], scores[40][:, :n]), n
+    want = torch.from_numpy(queries.view(np.uint16).astype(np.int32) << 16).view(torch.float32) @ \
+        torch.from_numpy(keys.view(np.uint16).astype(np.int32) << 16).view(torch.float32).T * 0.125
+    assert np.allclose(scores[40], want.numpy(), rtol=1e-4, atol=1e-3)
