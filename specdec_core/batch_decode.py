@@ -485,63 +485,73 @@ class BatchDecoder:
                 step_ids: torch.Tensor | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
                               [r.state.generator for r in rows], step_ids)
-        done = []
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)
-        step_kept = step_accepted = 0
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
+        done, step_kept, step_accepted = [], 0, 0
         for index, (row, result) in enumerate(zip(rows, results)):
-            draft, state, params = row.draft, row.state, row.request.params
-            drafted = len(draft.tokens)
             try:
-                if not drafted and not handing_over:  # a plain row: its one token (the loop's commonest case)
-                    self.cache.set_length(index, self.cache.lengths[index] + 1)
-                    state.metrics.target_forwards += 1
-                    kept = emit(self.target, state, [(result.next_token, TARGET_SOURCE, False)], params)
-                    self.stats.new_tokens += kept
-                    step_kept += kept
-                    if row.request.drafter.proposes:
-                        row.request.drafter.observe(state.tokens, draft, 0)
-                    if state.finished:
-                        done.append(index)
-                    continue
-                length = self.cache.lengths[index]
-                if draft.parents is not None and result.path:
-                    # The accepted path's keys sit at their node offsets; move them to where a chain puts them.
-                    nodes = [i + 1 for i in result.path]
-                    self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
-                self.cache.set_length(index, length + 1 + result.num_accepted)
-                if handing_over:
-                    # The nodes now in the cache: the pending token (node 0) and the accepted path.
-                    nodes = [0] + [i + 1 for i in result.accepted_indices()]
-                    hand_over(self.target, signals, row.request.drafter, self.cache, index, index, nodes)
-                state.metrics.target_forwards += 1
-                state.metrics.drafted_tokens += drafted
-                kept = emit(self.target, state, _sourced(draft, result) if drafted
-                            else [(result.next_token, TARGET_SOURCE, False)], params)
-                accepted = min(kept, result.num_accepted)
-                state.metrics.accepted_tokens += accepted
-                self.stats.verified_tokens += drafted
-                self.stats.accepted_tokens += accepted
-                self.stats.new_tokens += kept
+                if not row.draft.tokens and not handing_over:  # the loop's commonest case
+                    kept, accepted = self._commit_plain(index, row, result), 0
+                else:
+                    kept, accepted = self._commit_verified(index, row, result, logits[starts[index]:],
+                                                           signals if handing_over else None)
                 step_kept, step_accepted = step_kept + kept, step_accepted + accepted
-                # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
-                offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
-                if offered:  # (an empty draft teaches the acceptance estimates nothing)
-                    self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
-                if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
-                    picked = [starts[index] + 1 + p for p in draft.probes]
-                    row.request.drafter.observe_logits(list(draft.probes), logits[picked])
-                if row.request.drafter.proposes:
-                    row.request.drafter.observe(state.tokens, draft, result.num_accepted)
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
-            if row.error or state.finished:
+            if row.error or row.state.finished:
                 done.append(index)
         self.budget.emitted(step_kept, step_accepted)
         self._retire(done)
+
+    def _commit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
+        """A row that verified nothing: its one target token -> tokens kept."""
+        state = row.state
+        self.cache.set_length(index, self.cache.lengths[index] + 1)
+        state.metrics.target_forwards += 1
+        kept = emit(self.target, state, [(result.next_token, TARGET_SOURCE, False)], row.request.params)
+        self.stats.new_tokens += kept
+        if row.request.drafter.proposes:
+            row.request.drafter.observe(state.tokens, row.draft, 0)
+        return kept
+
+    def _commit_verified(self, index: int, row: Row, result: VerifyResult, logits: torch.Tensor, signals: Signals | None
+                         ) -> tuple[int, int]:
+        """A row that verified a draft (or hands the target's signals to its drafter): move an accepted tree path
+        into chain order, emit, and let the budget and the drafter learn. logits [>= 1 + drafted, vocab] starts at
+        the row's pending token -> (tokens kept, draft tokens accepted)."""
+        draft, state = row.draft, row.state
+        drafted = len(draft.tokens)
+        length = self.cache.lengths[index]
+        if draft.parents is not None and result.path:
+            # The accepted path's keys sit at their node offsets; move them to where a chain puts them.
+            nodes = [i + 1 for i in result.path]
+            self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
+        self.cache.set_length(index, length + 1 + result.num_accepted)
+        if signals is not None:
+            # The nodes now in the cache: the pending token (node 0) and the accepted path.
+            nodes = [0] + [i + 1 for i in result.accepted_indices()]
+            hand_over(self.target, signals, row.request.drafter, self.cache, index, index, nodes)
+        state.metrics.target_forwards += 1
+        state.metrics.drafted_tokens += drafted
+        kept = emit(self.target, state, _sourced(draft, result) if drafted
+                    else [(result.next_token, TARGET_SOURCE, False)], row.request.params)
+        accepted = min(kept, result.num_accepted)
+        state.metrics.accepted_tokens += accepted
+        self.stats.verified_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        self.stats.new_tokens += kept
+        # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
+        offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
+        if offered:  # (an empty draft teaches the acceptance estimates nothing)
+            self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
+        if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
+            row.request.drafter.observe_logits(list(draft.probes), logits[[1 + p for p in draft.probes]])
+        if row.request.drafter.proposes:
+            row.request.drafter.observe(state.tokens, draft, result.num_accepted)
+        return kept, accepted
 
     # ----------------------------------------------------------------------------------------------- retire
     def _retire(self, indices: list[int]) -> None:
