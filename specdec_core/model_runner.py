@@ -251,7 +251,26 @@ class ModelRunner:
         for layer in captured or ():
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
-        # --deterministic: every token attends over exactly the keys it sees (invariant_attention.py), no mask
+        chain, step, invariant, mask = self._attention_for(cache, lengths, positions, visible, prefill)
+        with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
+            if self.fast is not None:
+                hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
+                                       mask["full_attention"] if isinstance(mask, dict) else mask,
+                                       real if RaggedTokens.worth_it(real, self.gather_share) else None,
+                                       logit_index, captured, query_heads, queries, invariant, chain, step)
+            else:
+                hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
+                                         queries)
+        return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+
+    def _attention_for(self, cache: SlotKVCache, lengths: torch.Tensor, positions: torch.Tensor,
+                       visible: torch.Tensor, prefill: bool) -> tuple:
+        """Which attention a forward_slots call runs, and what it needs: (chain, step, invariant, mask), at most one
+        of the first three set. chain: (lengths, news) for bf16_attention.py (prompt chains in bf16); step: a
+        bf16_step_attention.Step (bf16 decode and verify steps); invariant: (visible, lengths) for
+        invariant_attention.py (--deterministic elsewhere, and short fp32 steps); else SDPA, with the padded mask
+        unless the forward is one plain prompt from position 0."""
+        num_new = visible.shape[1]
         news = bf16_attention.chain_news(visible) if self._bf16_chain_attention(num_new, prefill) else None
         chain = (lengths, news) if news is not None else None
         short = chain is None and self._compiled_short_attention(num_new)
@@ -267,16 +286,7 @@ class ModelRunner:
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
         mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
                                self.dtype) if masked else None
-        with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
-            if self.fast is not None:
-                hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
-                                       mask["full_attention"] if isinstance(mask, dict) else mask,
-                                       real if RaggedTokens.worth_it(real, self.gather_share) else None,
-                                       logit_index, captured, query_heads, queries, invariant, chain, step)
-            else:
-                hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
-                                         queries)
-        return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+        return chain, step, invariant, mask
 
     def _hf_hidden(self, cache, input_ids, positions, mask, real, logit_index, captured, query_heads, queries):
         """forward_slots through the model's own modules (architectures the fast forward does not cover): the
