@@ -28,7 +28,7 @@ from .decode import (
     DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
-from .drafters.base import Draft, Drafter, DraftPool, RequestContext, empty_draft
+from .drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
@@ -255,7 +255,7 @@ class BatchDecoder:
         A drafter that reads the target's signals over the prompt (PLD+) needs them at every position, so its
         row computes the whole prompt (and still stores it for others)."""
         drafter = request.drafter
-        if drafter.needs_hidden_states or drafter.needs_attention:
+        if drafter.reads & PROMPT_SIGNALS:
             return 0
         blocks = self.prefix_cache.lookup(request.prompt_ids)
         if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens,
@@ -294,7 +294,7 @@ class BatchDecoder:
             drafter = entry.row.request.drafter
             try:
                 if b not in finishing:
-                    if drafter.needs_hidden_states:  # handed over with the last chunk, after the drafter starts
+                    if HIDDEN_STATES in drafter.reads:  # handed over with the last chunk, after the drafter starts
                         entry.hidden.append(signals.hidden[drafter.hidden_layer][b, :chunk].clone())
                     continue
                 self._start_row(entry, finishing[b], signals, b, index, chunk)

@@ -40,10 +40,7 @@ class ReplayResult:
 
 def check_replayable(drafter: Drafter) -> None:
     """A drafter that reads the target (or a draft model) cannot be replayed from tokens alone."""
-    reads = [name for name, on in (("hidden states", drafter.needs_hidden_states),
-                                   ("attention", drafter.needs_attention),
-                                   ("draft logits", drafter.reads_draft_logits),
-                                   ("a draft-model pool", drafter.pool is not None)) if on]
+    reads = sorted(drafter.reads) + (["a draft-model pool"] if drafter.pool is not None else [])
     if reads:
         raise ValueError(f"{type(drafter).__name__} reads {', '.join(reads)}: only token-only drafters replay")
 

@@ -1,6 +1,6 @@
 """What drafters may read of the target's own forwards: one layer's hidden states (PLD+ (h)) and the attention
 weights of chosen heads (PLD+ (a)). The loop collects them during the forwards it runs anyway (prefill and verify),
-only when a live row's drafter declares the need (`needs_hidden_states`, `needs_attention`), and hands each such row
+only when a live row's drafter declares the need (HIDDEN_STATES, ATTENTION in `Drafter.reads`), and hands each such row
 the part that belongs to the positions it just committed. Rows that do not ask cost nothing.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention_probe import head_attention
-from .drafters.base import Drafter
+from .drafters.base import ATTENTION, HIDDEN_STATES, Drafter
 
 
 @dataclass
@@ -29,9 +29,9 @@ class Signals:
 def wanted(drafters: list[Drafter]) -> Signals:
     signals = Signals()
     for drafter in drafters:
-        if drafter.needs_hidden_states:
+        if HIDDEN_STATES in drafter.reads:
             signals.hidden[drafter.hidden_layer] = None
-        if drafter.needs_attention:
+        if ATTENTION in drafter.reads:
             for layer, heads in drafter.attention_heads.items():
                 signals.heads[layer] = sorted(set(signals.heads.get(layer, [])) | set(heads))
     return signals
@@ -41,9 +41,9 @@ def hand_over(target, signals: Signals, drafter: Drafter, cache, cache_row: int,
               nodes: list[int]) -> None:
     """Give `drafter` what it asked for about the step's input nodes that are now committed, in order: node t of
     batch row `batch_row`; the cache row (`cache_row`) holds them, its length already advanced past them."""
-    if drafter.needs_hidden_states:
+    if HIDDEN_STATES in drafter.reads:
         drafter.observe_hidden(signals.hidden[drafter.hidden_layer][batch_row, nodes])  # [len(nodes), hidden]
-    if drafter.needs_attention:
+    if ATTENTION in drafter.reads:
         length = cache.lengths[cache_row]
         last = nodes[-1]  # the query of the newest committed token: it produced the pending token
         queries = {layer: signals.queries[layer][batch_row, [signals.heads[layer].index(h) for h in heads], last]

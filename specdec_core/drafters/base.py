@@ -34,7 +34,7 @@ class Draft:
     # Per-token source when one draft mixes sources (history and context branches of one tree); else `source`.
     token_sources: list[str] | None = None
     rule: object = None  # verification.ConditionalRule: verify this draft by CASD's lossy rule (None: exactly)
-    # Draft indices whose next-token logits the drafter reads (Drafter.reads_draft_logits): nodes it adds to learn
+    # Draft indices whose next-token logits the drafter reads (DRAFT_LOGITS in Drafter.reads): nodes it adds to learn
     # from the target's forward (SPECTRA's pool rows), verified like any other node.
     probes: list[int] | None = None
 
@@ -92,6 +92,15 @@ class Draft:
 
 
 EMPTY_SOURCE = "none"
+
+# What a drafter may read of the target's forwards (Drafter.reads):
+HIDDEN_STATES = "hidden states"  # layer `hidden_layer` at each position the row commits (prefill and verify), through
+#                                  observe_hidden()
+ATTENTION = "attention"  # the weights of `attention_heads` from the newest committed token's query over every
+#                          committed position, through observe_attention()
+DRAFT_LOGITS = "draft logits"  # the target's next-token logits after the nodes a draft names in Draft.probes, from
+#                                the verify forward itself, through observe_logits() (before observe())
+PROMPT_SIGNALS = frozenset({HIDDEN_STATES, ATTENTION})  # read over the prompt too: its row computes the whole prompt
 CONTEXT_SOURCE = "context"  # copied from the request's separate `context` document (RequestContext.context_ids)
 
 
@@ -163,18 +172,11 @@ class Drafter(ABC):
     pool: DraftPool | None = None
     #: ever proposes a draft: False (plain decoding) lets the loop skip its proposal and its observe() calls
     proposes: bool = True
-    #: reads the target's hidden states of layer `hidden_layer` (set per instance): the loop captures that layer
-    #: during its own forwards (prefill and verify) and hands each row the states of the positions it committed,
-    #: through observe_hidden(); rows whose drafters do not ask cost nothing
-    needs_hidden_states: bool = False
-    hidden_layer: int | None = None
-    #: reads the attention weights of chosen target heads (`attention_heads`, {layer: [heads]}, set per instance)
-    #: from the query of the newest committed token over every committed position, through observe_attention()
-    needs_attention: bool = False
-    attention_heads: dict[int, list[int]] | None = None
-    #: reads the target's next-token logits after the draft nodes it names in Draft.probes, from the verify forward
-    #: itself, through observe_logits() (before observe())
-    reads_draft_logits: bool = False
+    #: what it reads of the target's own forwards besides tokens, a set of HIDDEN_STATES, ATTENTION and
+    #: DRAFT_LOGITS (below); the loop captures only what a live row's drafter reads, so the others cost nothing
+    reads: frozenset[str] = frozenset()
+    hidden_layer: int | None = None  # HIDDEN_STATES: which layer (set per instance, by prepare())
+    attention_heads: dict[int, list[int]] | None = None  # ATTENTION: {layer: [heads]} (set per instance)
     #: ends its drafts where one more token costs more than it returns (DraftPricing, set per instance): the step's
     #: plan then decides only whether the row drafts, not how far (its geometric acceptance model knows less)
     prices_its_length: bool = False
@@ -195,18 +197,18 @@ class Drafter(ABC):
         """`tokens` now ends with the accepted draft tokens + one target token. Default: nothing to learn."""
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
-        """needs_hidden_states only: [m, hidden] float32, layer `hidden_layer` at the m positions that just entered
+        """HIDDEN_STATES readers only: [m, hidden] float32, layer `hidden_layer` at the m positions that just entered
         the target's cache (the prompt after prefill; the pending token + the accepted draft path after a step), in
         order. So after each step the drafter holds one state per token of `tokens` but the last (the pending one,
         which the target has not read yet), and a rejected draft's states are never handed over."""
 
     def observe_attention(self, weights: torch.Tensor) -> None:
-        """needs_attention only: [length] the max over `attention_heads` of their attention weights from the query at
+        """ATTENTION readers only: [length] the max over `attention_heads` of their attention weights from the query at
         position length - 1 (the token that produced the pending one) over positions 0..length-1; after prefill
         and after every step."""
 
     def observe_logits(self, probes: list[int], logits: torch.Tensor) -> None:
-        """reads_draft_logits only: [len(probes), vocab] the target's logits after each draft node in `probes` (the
+        """DRAFT_LOGITS readers only: [len(probes), vocab] the target's logits after each draft node in `probes` (the
         last draft's Draft.probes that the step verified, in order)."""
 
     def finish(self) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..induction_heads import load_or_discover, top_heads
-from .base import Draft, Drafter, empty_draft
+from .base import ATTENTION, HIDDEN_STATES, Draft, Drafter, empty_draft
 from .draft_length import DraftLength
 
 HIDDEN_LOOKUP_SOURCE = "lookup"
@@ -115,7 +115,7 @@ class RankedLookupDrafter(Drafter):
 class HiddenStateLookupDrafter(RankedLookupDrafter):
     """PLD+ (h): lossless (it only chooses what to draft); greedy and sampling both verify as usual."""
 
-    needs_hidden_states = True
+    reads = frozenset({HIDDEN_STATES})
 
     def __init__(self, hidden_layer: int | None = None, num_tokens: int = 10, threshold: float | None = 0.0,
                  adaptive: bool = False):
@@ -168,7 +168,7 @@ class AttentionLookupDrafter(RankedLookupDrafter):
     """PLD+ (a): the engine supplies the attention of the target's top induction heads (discovered once per model,
     induction_heads.py) and this drafter copies after the occurrence they attend to most. Lossless."""
 
-    needs_attention = True
+    reads = frozenset({ATTENTION})
 
     def __init__(self, num_tokens: int = 10, top_heads: int = 50, adaptive: bool = False):
         if top_heads < 1:

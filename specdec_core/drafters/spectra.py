@@ -7,7 +7,7 @@ One step, for one row of the batch:
   2. Draft = a tree: the guesses merged into a trie, then the W pool rows, each a chain c_0..c_{N-2} from the
      pending token (so a pool token sees the prefix, the pending token and the row's earlier tokens, as §3.1's mask;
      guesses and pool rows never see each other). Draft.probes names each pool row's last node: the loop hands
-     this drafter the target's logits there (`reads_draft_logits`), from the same forward that verifies the tree.
+     this drafter the target's logits there (DRAFT_LOGITS), from the same forward that verifies the tree.
   3. Verification is the engine's tree verification: greedy = the longest guess prefix equal to the target's
      argmax + one target token (Algorithm 3); sampling = multi-draft speculative sampling of one-hot branches
      (Algorithm 4). A pool branch may be accepted too (any branch equal to the target's choices is exact).
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from ..draft_tree import build_trie_with_origins
-from .base import Draft, Drafter, RequestContext, empty_draft
+from .base import DRAFT_LOGITS, Draft, Drafter, RequestContext, empty_draft
 from .retrieval import RETRIEVAL_SOURCE
 
 SPECTRA_SOURCE = "spectra"
@@ -78,7 +78,7 @@ class NgramDictionaries:
 
 
 class SpectraDrafter(Drafter):
-    reads_draft_logits = True
+    reads = frozenset({DRAFT_LOGITS})
 
     def __init__(self, n: int = 5, pool_rows: int = 15, max_guesses: int = 15, tau: float = 0.1,
                  force_unseen_probability: float | None = None, seed: int = 0, retriever=None):

@@ -7,7 +7,7 @@ import torch
 
 from specdec_core.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
-from specdec_core.drafters.base import Draft, Drafter
+from specdec_core.drafters.base import ATTENTION, HIDDEN_STATES, Draft, Drafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter, default_hidden_layer, rank_by_hidden_state
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
 from specdec_core.speculation_budget import SpeculationBudget
@@ -53,7 +53,7 @@ def test_drafter_accumulates_committed_states_and_drafts_after_the_best_occurren
 class Recording(Drafter):
     """Wraps a drafter and keeps the hidden states it was handed (finish() would free them)."""
 
-    needs_hidden_states = True
+    reads = frozenset({HIDDEN_STATES})
 
     def __init__(self, inner: HiddenStateLookupDrafter):
         self.inner, self.hidden_layer, self.seen = inner, inner.hidden_layer, []
@@ -76,7 +76,7 @@ class Recording(Drafter):
 class TreeOfWrongAndRight(Drafter):
     """Drafts a tree whose first branch is wrong and second right (for the states of a moved tree path)."""
 
-    needs_hidden_states = True
+    reads = frozenset({HIDDEN_STATES})
 
     def __init__(self, layer, runner):
         self.hidden_layer, self.runner, self.seen, self.drafted = layer, runner, [], []
@@ -193,7 +193,7 @@ class RecordingAttention(AttentionLookupDrafter):
 
 
 class TreeWithAttention(TreeOfWrongAndRight):
-    needs_attention = True
+    reads = frozenset({HIDDEN_STATES, ATTENTION})
 
     def __init__(self, heads, runner):
         super().__init__(1, runner)
