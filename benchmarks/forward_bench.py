@@ -6,7 +6,7 @@ reordered weights (packed_linear.py), as before the panel kernel; and the fast f
   python benchmarks/forward_bench.py                          # SmolLM2, batch 16, contexts of ~170 and ~600 tokens
   python benchmarks/forward_bench.py --model qwen2.5-coder-0.5b --batch-size 8 --context 300
 
-Cases: a plain decode step (T = 1), a verify step where every row feeds 5 tokens, a ragged verify step (a quarter
+Cases: a plain decode step (T = 1), verify steps where every row feeds 3 or 5 tokens, a ragged verify step (a quarter
 of the rows feed 5 tokens, the rest 1) and a shared prefill of 4 prompts x 256 tokens. Each prints ms per forward
 for each, the ratios to the first, and the largest logit difference from it.
 """
@@ -106,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
     runner = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
-    os.environ[panel_linear.DISABLE_ENV] = "0"
-    onednn = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
+    os.environ[panel_linear.DISABLE_ENV] = "0"  # for this load only: --deterministic reads it too
+    try:
+        onednn = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
+    finally:
+        del os.environ[panel_linear.DISABLE_ENV]
     if runner.fast is None or onednn.fast is None:
         print(f"{args.model}: the fast forward does not cover this model")
         return 1
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.context or [170, 600]:
         cache = filled(runner, b, context)
         quarter = [5 if r % 4 == 0 else 1 for r in range(b)]
-        for name, counts in (("decode T=1", [1] * b), ("verify T=5, all rows", [5] * b),
+        for name, counts in (("decode T=1", [1] * b), ("verify T=3, all rows", [3] * b),
+                             ("verify T=5, all rows", [5] * b),
                              ("verify, 1/4 of rows T=5", quarter)):
             compare(variants, f"ctx {context}, {name}", cache, step_inputs(cache, counts), args.repeats, args.rounds)
     cache, inputs = prefill_inputs(runner, 4, 256)

@@ -5,14 +5,18 @@ CopySpec's copy (the request's history and its `context` document), and a draft 
 Each row keeps, per candidate, a moving average of the tokens the target accepted when that candidate's draft was
 verified: the row's expected accepted length. The copy drafters cost microseconds, so both propose every step and
 the better expected one is drafted; the draft model costs forwards, so it is asked only when its expectation beats
-the copies' (its draft is filled by the pool's flush). Only the chosen candidate's expectation learns: a candidate
-that is never chosen keeps its prior, which is set so that each is tried before the row settles.
+the copies' (its draft is filled by the pool's flush). The chosen candidate learns what the target accepted; a copy
+candidate that was not chosen learns what its own draft would have had accepted, read off the tokens the step
+committed: its draft's longest path along them, at most their count (beyond that the step does not tell). So a
+candidate that would have beaten the chosen one is seen to, and a row does not stay with a stale choice. A draft
+model that was not asked keeps its expectation; the priors are set so that each is tried before the row settles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..draft_tree import depths
 from .base import Draft, Drafter, RequestContext, empty_draft
 
 PRIOR_ACCEPTED = 2.0  # tokens: above what a poor drafter earns, so a first try of each candidate is cheap to make
@@ -31,6 +35,7 @@ class CascadeDrafter(Drafter):
         self.pool = pooled[0].pool if pooled else None
         self.expected = [PRIOR_ACCEPTED] * len(candidates)  # per candidate: accepted tokens per verified draft
         self.chosen: int | None = None  # the candidate whose draft was proposed last
+        self.proposed: list[Draft | None] = [None] * len(candidates)  # each copy candidate's last draft
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -40,12 +45,13 @@ class CascadeDrafter(Drafter):
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         best, best_value, self.chosen = empty_draft(), 0.0, None
+        self.proposed = [None] * len(self.candidates)
         for index, drafter in enumerate(self.candidates):
             if drafter.pool is not None:
                 if self.expected[index] > best_value:  # worth its forwards: ask the pool (filled at its flush)
                     best, self.chosen = drafter.propose(tokens, max_tokens), index
                 break
-            draft = drafter.propose(tokens, max_tokens)
+            draft = self.proposed[index] = drafter.propose(tokens, max_tokens)
             value = min(self.expected[index], draft.max_depth)  # a draft cannot give more than its depth
             if draft.tokens and value > best_value:
                 best, best_value, self.chosen = draft, value, index
@@ -53,11 +59,35 @@ class CascadeDrafter(Drafter):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if self.chosen is not None and draft.tokens:
-            previous = self.expected[self.chosen]
-            self.expected[self.chosen] = (1 - SMOOTHING) * previous + SMOOTHING * num_accepted
+            self._learn(self.chosen, num_accepted)
+            committed = tokens[len(tokens) - num_accepted - 1:]  # the accepted draft tokens + the target's token
+            for index, other in enumerate(self.proposed):
+                if index != self.chosen and other is not None and other.tokens:
+                    self._learn(index, accepted_along(other, committed))
         for drafter in self.candidates:
             drafter.observe(tokens, draft, num_accepted)
+
+    def _learn(self, index: int, accepted: int) -> None:
+        self.expected[index] = (1 - SMOOTHING) * self.expected[index] + SMOOTHING * accepted
 
     def finish(self) -> None:
         for drafter in self.candidates:
             drafter.finish()
+
+
+def accepted_along(draft: Draft, committed: Sequence[int]) -> int:
+    """How many of `draft`'s tokens greedy verification would have accepted, given the tokens the target committed
+    in their place: the longest root path of the draft (a chain's prefix) equal to them, at most len(committed)."""
+    if draft.parents is None:
+        count = 0
+        while count < min(len(draft.tokens), len(committed)) and draft.tokens[count] == committed[count]:
+            count += 1
+        return count
+    node_depths = depths(draft.parents)  # node i sits at depth node_depths[i] (1 = a child of the root)
+    on_path, best = set(), 0
+    for node, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):  # parents come before children
+        depth = node_depths[node]
+        if depth <= len(committed) and token == committed[depth - 1] and (parent == -1 or parent in on_path):
+            on_path.add(node)
+            best = max(best, depth)
+    return best
