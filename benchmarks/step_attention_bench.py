@@ -1,5 +1,6 @@
 """The bf16 step attention (bf16_step_attention.py) alone: one layer's decode and verify attention for a batch of
-rows, each over its own cached keys, at 1, 3, 5 and 9 tokens a row, both kernels (`attend`, and `attend_exact` of
+rows, each over its own cached keys, at 1, 3, 5 and 9 tokens a row and a ragged step (9 tokens on a quarter of
+the rows, 1 on the others), both kernels (`attend`, and `attend_exact` of
 --deterministic). Random keys in distinct buffers per layer, so the cache is read from memory as in a real step.
 
   python benchmarks/step_attention_bench.py                        # 16 rows of 1,100-1,700 keys, head_dim 64
@@ -50,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{hardware('cpu')}; bf16; {args.rows} rows of {args.keys[0]}-{args.keys[1]} keys, head_dim "
           f"{args.head_dim}, {args.heads} heads over {args.kv_heads} kv heads; ms per layer, best of {args.rounds}")
     base = {}
-    for num_new in (1, 3, 5, 9):
+    for name, num_new, ragged in (("T = 1", 1, False), ("T = 3", 3, False), ("T = 5", 5, False), ("T = 9", 9, False),
+                                  ("T = 9 on 1/4 of rows, 1 on the rest", 9, True)):
         visible = torch.ones(args.rows, num_new, num_new, dtype=torch.bool).tril()
+        if ragged:  # a verify step's width is its longest draft's: the other rows feed their pending token only
+            visible[[r for r in range(args.rows) if r % 4], 1:] = False
         query = torch.randn(args.rows, args.heads, num_new, args.head_dim).bfloat16()
-        line = [f"T = {num_new}:"]
+        line = [f"{name}:"]
         for exact in (False, True):
             step = bf16_step_attention.Step(visible, lengths, slots, exact=exact)
             step.attend(query, keys[0], values[0], args.head_dim ** -0.5)  # compiles on first use

@@ -75,15 +75,17 @@ class Step:
         group = heads // kv_heads
         rows = group * num_new
         padded = -(-rows // PASS_ROWS) * PASS_ROWS
-        q = query.reshape(b, kv_heads, rows, dim)  # [b, KV, G x T, d]: query head h x G + g is row g x T + t
+        # [b, KV, T x G, d], token-major: query head h x G + g of token t is row t x G + g, so a row's real tokens
+        # are its first rows and the kernel skips the rest (a verify step's width is its longest draft's)
+        q = query.view(b, kv_heads, group, num_new, dim).transpose(2, 3).reshape(b, kv_heads, rows, dim)
         if padded != rows:
             q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
         out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
         use_torch_threads()
         kernel()[1 if self.exact else 0](_words(q.contiguous()), _words(keys), _words(values), *self.rows, group,
                                          np.float32(scale), out.numpy())
-        out = out[:, :, :rows].reshape(b, kv_heads, group, num_new, dim)  # [b, KV, G, T, d]
-        return out.permute(0, 3, 1, 2, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
+        out = out[:, :, :rows].reshape(b, kv_heads, num_new, group, dim)  # [b, KV, T, G, d]
+        return out.permute(0, 2, 1, 3, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

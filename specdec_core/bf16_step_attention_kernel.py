@@ -250,35 +250,47 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _normalise(sums, totals, rows, num_new, real, out):  # pragma: no cover - compiled
-    """out [Q, d] = each real query row's weighted sum / its softmax total; padding rows and tokens get zeros."""
+def _normalise(sums, totals, rows, out):  # pragma: no cover - compiled
+    """out [Q, d]: the first `rows` query rows (the real tokens') their weighted sum / their softmax total; the
+    padding tokens' rows zeros."""
     for i in range(out.shape[0]):
-        inverse = np.float32(1.0) / totals[i] if i < rows and i % num_new < real else np.float32(0.0)
-        for x in range(out.shape[1]):
-            out[i, x] = sums[i, x] * inverse
+        if i < rows:
+            inverse = np.float32(1.0) / totals[i]
+            for x in range(out.shape[1]):
+                out[i, x] = sums[i, x] * inverse
+        else:
+            for x in range(out.shape[1]):
+                out[i, x] = np.float32(0.0)
+
+
+@njit(cache=True)
+def _computed_rows(real, group):  # pragma: no cover - compiled
+    """Query rows a row's passes compute: its real tokens' (the first real x group, token-major), in whole passes."""
+    return -(-(real * group) // PASS_ROWS) * PASS_ROWS
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
-    """q uint32 [b, KV, Q, d / 2]: the bf16 pairs of each key/value head's query rows g x T + t (Q padded to a
-    multiple of PASS_ROWS with zeros); k, v uint32 [slots, KV, capacity, d / 2]; slots, lengths, news int64 [b]: each
+    """q uint32 [b, KV, Q, d / 2]: the bf16 pairs of each key/value head's query rows t x G + g, token-major, so a
+    row's real tokens come first and its padding tokens are never computed (Q padded to a multiple of PASS_ROWS with
+    zeros); k, v uint32 [slots, KV, capacity, d / 2]; slots, lengths, news int64 [b]: each
     row's cache row, cached keys and real new tokens (the first news[r]); visible uint8 [b, T, T];
     out float32 [b, KV, Q, d] (padding tokens get zeros)."""
-    b, kv_heads, query_rows, half = q.shape
-    num_new = visible.shape[1]
+    b, kv_heads, _, half = q.shape
     for task in prange(b * kv_heads):
         r, h = task // kv_heads, task % kv_heads
         length, real = lengths[r], news[r]
         n = length + real  # the cached keys and this forward's real tokens
         keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
-        scores = np.empty((query_rows, n), dtype=np.float32)
-        _scores(keys, n, q[r, h], scores, scale)
-        weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)  # zero: padding rows, the odd last value
+        rows = _computed_rows(real, group)
+        scores = np.empty((rows, n), dtype=np.float32)
+        _scores(keys, n, q[r, h, :rows], scores, scale)
+        weights = np.zeros((rows, (n + 1) // 2), dtype=np.uint32)  # zero: padding rows, the odd last value
         halves = weights.view(np.uint16)
-        totals = np.ones(query_rows, dtype=np.float32)
+        totals = np.ones(rows, dtype=np.float32)
         for g in range(group):
             for t in range(real):
-                i = g * num_new + t
+                i = t * group + g
                 row = scores[i]
                 for j in range(real):  # the new tokens this one may not see (later ones, a tree's other branches)
                     if visible[r, t, j] == 0:
@@ -291,9 +303,9 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
                 totals[i] = total
                 for j in range(n):
                     halves[i, j] = f32_to_bf16(row[j])  # nearest even
-        sums = np.empty((query_rows, 2 * half), dtype=np.float32)
+        sums = np.empty((rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, n, weights, sums)
-        _normalise(sums, totals, group * num_new, num_new, real, out[r, h])
+        _normalise(sums, totals, real * group, out[r, h])
 
 
 @njit(cache=True)
@@ -313,21 +325,21 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
     the cached pairs for every query in one pass, then the query's own pairs from the first even position it does
     not share, read through a small gathered list and carried on from the first pass's sums. So a token's numbers are
     those of the same token fed alone, whatever the step's width, tree, batch or neighbours. Same arguments."""
-    b, kv_heads, query_rows, half = q.shape
-    num_new = visible.shape[1]
+    b, kv_heads, _, half = q.shape
     for task in prange(b * kv_heads):
         r, h = task // kv_heads, task % kv_heads
         length, real = lengths[r], news[r]
         n = length + real
         keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
-        scores = np.empty((query_rows, n), dtype=np.float32)
-        _scores(keys, n, q[r, h], scores, scale)
-        weights = np.zeros((query_rows, (n + 1) // 2), dtype=np.uint32)
+        rows = _computed_rows(real, group)
+        scores = np.empty((rows, n), dtype=np.float32)
+        _scores(keys, n, q[r, h, :rows], scores, scale)
+        weights = np.zeros((rows, (n + 1) // 2), dtype=np.uint32)
         halves = weights.view(np.uint16)
-        totals = np.ones(query_rows, dtype=np.float32)
+        totals = np.ones(rows, dtype=np.float32)
         for g in range(group):
             for t in range(real):
-                i = g * num_new + t
+                i = t * group + g
                 row = scores[i]
                 count = length
                 for j in range(real):  # the new tokens it sees, in slot (= depth) order, moved next to the cache
@@ -338,12 +350,12 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
                 for j in range(count):
                     halves[i, j] = f32_to_bf16(row[j])  # nearest even
         shared = length // 2 * 2  # the pairs of cached values every query starts with
-        sums = np.zeros((query_rows, 2 * half), dtype=np.float32)
+        sums = np.zeros((rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, shared, weights, sums)
         tail = np.empty((2 + real, half), dtype=np.uint32)  # a query's values from position `shared` on
         for g in range(group):
             for t in range(real):
-                i = g * num_new + t
+                i = t * group + g
                 used = 0
                 if shared < length:  # the odd last cached value opens the first pair of the tail
                     tail[0, :] = values[length - 1]
@@ -353,4 +365,4 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
                         tail[used, :] = values[length + j]
                         used += 1
                 _carry_sum(tail, used, weights[i, shared // 2:], sums[i:i + 1])
-        _normalise(sums, totals, group * num_new, num_new, real, out[r, h])
+        _normalise(sums, totals, real * group, out[r, h])
