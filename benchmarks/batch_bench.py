@@ -12,7 +12,8 @@ Workloads: summarization, code_edit, humaneval, open_questions (MT-Bench first t
 the prompt holds the first 6,000 characters of the paper, copy drafters also see the whole paper as `context`) and
 multi_turn, which times the second turn only (MT-Redundant: revise your first answer), its history holding one
 shared first answer decoded beforehand with batched `ar` (untimed), so every system gets identical prompts.
-MAL = mean accepted length (new tokens / target forwards, prefill included); prefill share = the pass's seconds spent
+MAL = mean accepted length (new tokens / target forwards, prefill included); decode x ar = tokens per second of the
+pass less its prefill against `ar`'s (what speculation changes, without the prefill's noise); prefill share = the pass's seconds spent
 prefilling prompts (what no speculation can shorten: on a CPU, prefill is compute-bound); quality = the mean of the task's metric
 against the references (ROUGE-L for summaries, exact match for code edits, token F1 for RAG; analysis/quality.py).
 """
@@ -228,10 +229,11 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
 def table(results: list[dict]) -> str:
     hf = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "hf_generate"}
     ar = {r["batch_size"]: r["tokens_per_s"] for r in results if r["system"] == "ar"}  # plain "ar" only
+    ar_decode = {r["batch_size"]: _decode_speed(r) for r in results if r["system"] == "ar"}
     best_hf = max(hf.values(), default=None)
-    lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | accepted/"
-             "verified | from memory | MAL | occupancy | prefill share | = HF | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | decode x ar | "
+             "accepted/verified | from memory | MAL | occupancy | prefill share | = HF | quality |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
     for r in results:
         tps = r["tokens_per_s"]
@@ -240,13 +242,22 @@ def table(results: list[dict]) -> str:
         mal = f"{r['mean_accepted_length']:.2f}" if r.get("mean_accepted_length") else ""
         quality = f"{r['quality']:.3f}" if r.get("quality") is not None else ""
         prefill = f"{r['prefill_s'] / r['wall_s']:.2f}" if r.get("prefill_s") else ""
+        decode = _decode_speed(r)
         lines.append(f"| {r['system']} | {r['batch_size']} | {r['new_tokens']} | {tps:.1f} | "
                      f"{ratio(tps, hf.get(r['batch_size']))} | {ratio(tps, best_hf)} | "
-                     f"{ratio(tps, ar.get(r['batch_size']))} | {acc} | {r.get('from_memory') or ''} | {mal} | "
+                     f"{ratio(tps, ar.get(r['batch_size']))} | "
+                     f"{ratio(decode, ar_decode.get(r['batch_size'])) if decode else ''} | {acc} | {r.get('from_memory') or ''} | {mal} | "
                      f"{occ} | {prefill} | "
                      f"{r.get('same_as_hf', '')} | "
                      f"{quality} |")
     return "\n".join(lines)
+
+
+def _decode_speed(result: dict) -> float | None:
+    """New tokens per second of the pass less its prefill: what speculation can change."""
+    if not result.get("prefill_s") or result["wall_s"] <= result["prefill_s"]:
+        return None
+    return result["new_tokens"] / (result["wall_s"] - result["prefill_s"])
 
 
 def rounds_table(results: list[dict]) -> str:
