@@ -7,8 +7,10 @@ verified: the row's expected accepted length. The copy drafters cost microsecond
 the better expected one is drafted; the draft model costs forwards, so it is asked only when its expectation beats
 the copies' (its draft is filled by the pool's flush). The chosen candidate learns what the target accepted; a copy
 candidate that was not chosen learns what its own draft would have had accepted, read off the tokens the step
-committed: its draft's longest path along them, at most their count (beyond that the step does not tell). So a
-candidate that would have beaten the chosen one is seen to, and a row does not stay with a stale choice. A draft
+committed: its draft's longest path along them. Where that path reaches the end of what is known (every committed
+token, or its whole draft) the true count may be higher, so it only raises the expectation, never lowers it; where
+the draft parts from the committed tokens the count is exact. So a candidate that would have beaten the chosen one
+is seen to, and a row does not stay with a stale choice. A draft
 model that was not asked keeps its expectation; the priors are set so that each is tried before the row settles.
 """
 
@@ -63,7 +65,9 @@ class CascadeDrafter(Drafter):
             committed = tokens[len(tokens) - num_accepted - 1:]  # the accepted draft tokens + the target's token
             for index, other in enumerate(self.proposed):
                 if index != self.chosen and other is not None and other.tokens:
-                    self._learn(index, accepted_along(other, committed))
+                    would = accepted_along(other, committed)
+                    if would < min(other.max_depth, len(committed)) or would > self.expected[index]:
+                        self._learn(index, would)
         for drafter in self.candidates:
             drafter.observe(tokens, draft, num_accepted)
 

@@ -62,3 +62,16 @@ def test_a_draft_that_proposes_nothing_teaches_nothing():
     prior = cascade.expected[0]
     cascade.observe([0, 4, 5], draft, 1)
     assert cascade.expected[0] == prior
+
+
+def test_a_count_the_step_cannot_see_past_only_raises_an_expectation():
+    """The chosen draft is rejected at its first token, so the step commits one token; the other candidate's draft
+    matches it and goes on: it would have had at least 1 accepted, maybe more, so its expectation of 2 stays. A
+    candidate whose draft parts from the committed tokens learns its exact count."""
+    cascade = CascadeDrafter([Fixed([7, 7]), Fixed([1, 2, 3]), Fixed([9])])
+    cascade.start([0], RequestContext(prompt_len=1))
+    cascade.expected = [3.0, 2.0, 2.0]
+    draft = cascade.propose([0], 8)
+    assert cascade.chosen == 0
+    cascade.observe([0, 1], draft, 0)
+    assert cascade.expected == [(1 - SMOOTHING) * 3.0, 2.0, (1 - SMOOTHING) * 2.0]

@@ -53,8 +53,12 @@ def test_suffix_and_auto_equal_ar_with_the_right_answers_in_memory(fresh_memory,
     results = decode(engine, MIXED, "suffix", batch_size=8)
     check(results, reference)
     for name in FROM_MEMORY_ONLY:
-        assert results[name]["accepted_by_source"].get("memory", 0) >= LOSSLESS_MAX_NEW[name] // 3, results[name]
+        # suffix drafts from the memory; auto may also ask the session engine's draft model (a noisy target copy)
+        sources = ("memory",) if results[name]["method"] == "suffix" else ("memory", "draft_model")
+        drafted = sum(results[name]["accepted_by_source"].get(source, 0) for source in sources)
+        assert drafted >= LOSSLESS_MAX_NEW[name] // 3, results[name]
         assert results[name]["target_forwards"] <= LOSSLESS_MAX_NEW[name] // 3, results[name]  # ar: one per token
+    assert sum(row["accepted_by_source"].get("memory", 0) for row in results.values() if row["method"] == "auto") > 0
     # Each alone (batch size 1): one that copies its prompt, and the two that only the memory helps.
     alone = decode(engine, MIXED, "suffix", batch_size=1, rows=(4, 6, 7))
     check(alone, reference)
