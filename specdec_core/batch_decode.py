@@ -103,9 +103,7 @@ class BatchDecoder:
             raise ValueError(f"row timeout must be > 0 seconds, got {row_timeout_s}")
         self.target = target
         self.max_batch = max_batch
-        self.budget = budget or SpeculationBudget()
-        self.budget.ragged = target.ragged is not None  # its forwards skip padding: drafts cost per row
-        self.budget.gather_share = target.gather_share
+        self.budget = budget or SpeculationBudget.for_target(target)
         self.cache_budget_bytes = cache_budget_bytes
         self.cache = target.new_slot_cache()
         self.rows: list[Row] = []  # rows[i] lives in cache row i

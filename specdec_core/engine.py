@@ -123,8 +123,8 @@ class Engine:
         if method is not None:
             learned = dict(zip(("pooled", "payoff", "pricing"), self.learned.setdefault(
                 method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))))
-        budget = SpeculationBudget(cost=self.step_costs, token_budget=token_budget, enabled=speculation_budget,
-                                   **learned)
+        budget = SpeculationBudget.for_target(self.target, cost=self.step_costs, token_budget=token_budget,
+                                              enabled=speculation_budget, **learned)
         memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
         return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
                             prefix_cache=self.prefix_cache, draft_pool=self._draft_pool(budget.pricing),

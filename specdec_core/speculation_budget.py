@@ -336,13 +336,18 @@ class SpeculationBudget:
     # (docs/decisions.md).
     min_advantage: float = 1.04
     # Whether the target's forwards compute real tokens only (ragged_tokens.py): then a row's drafts cost what it
-    # verifies, not the padded width times every row (set by the decoder from its target).
+    # verifies, not the padded width times every row (`for_target` reads it from the target).
     ragged: bool = False
     gather_share: float = MAX_REAL_SHARE  # the share of real tokens under which it gathers them (set with `ragged`)
     pricing: DraftPricing = field(default_factory=DraftPricing)  # what a drafted token costs and a token is worth
     # With nothing waiting for a slot, only rows that can still set the pass's length draft (`plan`'s `left`).
     # False: every row's tokens count as work done then too (benchmarks compare the two).
     tail_rule: bool = True
+
+    @classmethod
+    def for_target(cls, target, **settings) -> "SpeculationBudget":
+        """A budget that prices the forwards of `target` (a ModelRunner): padded or ragged, and its gather share."""
+        return cls(ragged=target.ragged is not None, gather_share=target.gather_share, **settings)
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""

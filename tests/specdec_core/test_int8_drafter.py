@@ -122,8 +122,8 @@ def test_a_drafter_that_prices_its_length_drafts_past_the_plans_cut_and_keeps_it
     target = tiny_llama(0)
     prompt, params = [5, 9, 14, 3, 7], DecodeParams(max_new_tokens=20)
     cost = StepCostModel(fixed=lambda rows, width: 1.0 if width == 1 else 1.05 if width == 2 else 10.0)
-    decoder = BatchDecoder(target, max_batch=1, budget=SpeculationBudget(cost=cost, check_payoff=False,
-                                                                           min_advantage=1.0))
+    budget = SpeculationBudget.for_target(target, cost=cost, check_payoff=False, min_advantage=1.0)
+    decoder = BatchDecoder(target, max_batch=1, budget=budget)
     drafter = _StopsAfterThree(DraftModelPool(tiny_llama(0)), num_tokens=6, adaptive=True)
     drafter.prices_its_length = priced
     [(_, result)] = list(decoder.run([DecodeRequest(0, prompt, params, drafter)]))

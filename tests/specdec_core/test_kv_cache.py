@@ -166,8 +166,8 @@ def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_i
     sampled = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=11))
     outputs = []
     for cost, neighbours in ((lambda rows, width: float(width), 0), (lambda rows, width: 1.0, 2)):
-        decoder = BatchDecoder(llama, max_batch=3, budget=SpeculationBudget(cost=StepCostModel(fixed=cost),
-                                                                            token_budget=15))
+        budget = SpeculationBudget.for_target(llama, cost=StepCostModel(fixed=cost), token_budget=15)
+        decoder = BatchDecoder(llama, max_batch=3, budget=budget)
         decoder.submit(DecodeRequest("seeded", prompt, sampled, EchoDrafter()))
         for key in range(neighbours):
             decoder.submit(DecodeRequest(key, repetitive_prompt(key, 17), DecodeParams(max_new_tokens=24),

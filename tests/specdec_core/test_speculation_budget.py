@@ -320,3 +320,13 @@ def test_with_nothing_waiting_only_the_rows_that_can_still_set_the_passs_length_
     assert b.plan([chain(4)] * 3, high) == [4, 4, 4]  # a queue waits: every accepted token is work done
     fresh = budget(lambda rows, width: 1.0 + 0.01 * width)  # no evidence yet: prior 0.5, everyone within the margin
     assert fresh.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 4]
+
+
+def test_a_budget_for_a_target_prices_its_forwards_as_they_run():
+    class Target:
+        ragged, gather_share = object(), 0.4
+
+    budget = SpeculationBudget.for_target(Target(), token_budget=32)
+    assert budget.ragged and budget.gather_share == 0.4 and budget.token_budget == 32
+    Target.ragged = None
+    assert not SpeculationBudget.for_target(Target()).ragged
