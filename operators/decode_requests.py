@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -197,7 +196,6 @@ class _MethodPass:
     def submit(self, turn: _Turn) -> None:
         from specdec_core.engine import BatchItem
 
-        _maybe_fault_on_row_for_test(turn.row)
         item = BatchItem(self.next_key, turn.prompt_ids, self.stage._params(turn.row.get("max_new_tokens")),
                          turn.row.get("context_ids"))
         request = self.engine.request(item, self.method, self.stage.config.method_options, self.decoder)
@@ -278,22 +276,6 @@ CONTRACT_RESULT_KEYS = (
 
 def _contract_fields(result: dict) -> dict:
     return {key: result[key] for key in CONTRACT_RESULT_KEYS}
-
-
-POISON_ENV = "SPECBATCH_TEST_CRASH_ON_ROW"
-HANG_ENV = "SPECBATCH_TEST_HANG_ON_ROW"
-
-
-def _maybe_fault_on_row_for_test(row: dict) -> None:
-    """Fault-injection hooks for the cluster test (set through the job's runtime environment, the only way into its
-    actors): the row whose id POISON_ENV names kills its worker process every time it is decoded (as a native crash
-    or an out-of-memory kill would); the row HANG_ENV names never returns (as a deadlocked forward would)."""
-    row_id = str(row.get("id"))
-    if os.environ.get(POISON_ENV) == row_id:
-        os._exit(1)
-    if os.environ.get(HANG_ENV) == row_id:
-        while True:
-            time.sleep(60)
 
 
 def _ray_ids() -> tuple[str, str | None]:

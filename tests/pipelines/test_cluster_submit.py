@@ -146,7 +146,7 @@ def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from operators.decode_requests import HANG_ENV, POISON_ENV
+    from tests.pipelines.fault_hooks import HANG_ENV, POISON_ENV, SETUP_HOOK
 
     source = tmp_path / "in"
     source.mkdir()
@@ -157,7 +157,8 @@ def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and
     out = tmp_path / "out"
     proc = subprocess.run(
         [RAY, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
-         "--runtime-env-json", json.dumps({"env_vars": {POISON_ENV: "r2", HANG_ENV: "r3"}}), "--",
+         "--runtime-env-json", json.dumps({"env_vars": {POISON_ENV: "r2", HANG_ENV: "r3"},
+                                           "worker_process_setup_hook": SETUP_HOOK}), "--",
          sys.executable, "jobs/summarize.py", "--input", str(source), "--output", str(out), "--method", "copyspec",
          "--max-new-tokens", "6", "--dtype", "float32", "--rows-per-call", "2", "--max-error-fraction", "0.5",
          "--hang-timeout-s", "15", "--num-actors", "2", "--cpus-per-actor", "1"],
