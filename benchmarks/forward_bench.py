@@ -106,11 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args(argv)
     runner = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
+    before = os.environ.get(panel_linear.DISABLE_ENV)
     os.environ[panel_linear.DISABLE_ENV] = "0"  # for this load only: --deterministic reads it too
     try:
         onednn = ModelRunner.load(args.model, dtype=args.dtype, device="cpu")
     finally:
-        del os.environ[panel_linear.DISABLE_ENV]
+        if before is None:
+            del os.environ[panel_linear.DISABLE_ENV]
+        else:
+            os.environ[panel_linear.DISABLE_ENV] = before
     if runner.fast is None or onednn.fast is None:
         print(f"{args.model}: the fast forward does not cover this model")
         return 1

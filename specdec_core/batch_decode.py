@@ -492,11 +492,11 @@ class BatchDecoder:
         for index, (row, result) in enumerate(zip(rows, results)):
             try:
                 if not row.draft.tokens and not handing_over:  # the loop's commonest case
-                    kept, accepted = self._commit_plain(index, row, result), 0
+                    kept, accepted = self._emit_plain(index, row, result), 0
                 else:
-                    kept, accepted = self._commit_verified(index, row, result, logits[starts[index]:],
-                                                           signals if handing_over else None)
+                    kept, accepted = self._emit_verified(index, row, result, signals if handing_over else None)
                 step_kept, step_accepted = step_kept + kept, step_accepted + accepted
+                self._learn(row, result, logits[starts[index]:])
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
             if row.error or row.state.finished:
@@ -504,22 +504,17 @@ class BatchDecoder:
         self.budget.emitted(step_kept, step_accepted)
         self._retire(done)
 
-    def _commit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
+    def _emit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
         """A row that verified nothing: its one target token -> tokens kept."""
-        state = row.state
         self.cache.set_length(index, self.cache.lengths[index] + 1)
-        state.metrics.target_forwards += 1
-        kept = emit(self.target, state, [(result.next_token, TARGET_SOURCE, False)], row.request.params)
+        row.state.metrics.target_forwards += 1
+        kept = emit(self.target, row.state, [(result.next_token, TARGET_SOURCE, False)], row.request.params)
         self.stats.new_tokens += kept
-        if row.request.drafter.proposes:
-            row.request.drafter.observe(state.tokens, row.draft, 0)
         return kept
 
-    def _commit_verified(self, index: int, row: Row, result: VerifyResult, logits: torch.Tensor, signals: Signals | None
-                         ) -> tuple[int, int]:
+    def _emit_verified(self, index: int, row: Row, result: VerifyResult, signals: Signals | None) -> tuple[int, int]:
         """A row that verified a draft (or hands the target's signals to its drafter): move an accepted tree path
-        into chain order, emit, and let the budget and the drafter learn. logits [>= 1 + drafted, vocab] starts at
-        the row's pending token -> (tokens kept, draft tokens accepted)."""
+        into chain order, hand the signals over, emit -> (tokens kept, draft tokens accepted)."""
         draft, state = row.draft, row.state
         drafted = len(draft.tokens)
         length = self.cache.lengths[index]
@@ -541,15 +536,21 @@ class BatchDecoder:
         self.stats.verified_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.new_tokens += kept
-        # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
-        offered = _reach(draft)[-1] if draft.probes and drafted else draft.max_depth
-        if offered:  # (an empty draft teaches the acceptance estimates nothing)
-            self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
+        return kept, accepted
+
+    def _learn(self, row: Row, result: VerifyResult, logits: torch.Tensor) -> None:
+        """The budget's acceptance estimate and the drafter learn from the step. logits [>= 1 + drafted, vocab]
+        start at the row's pending token."""
+        draft = row.draft
+        if draft.tokens:
+            # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
+            offered = _reach(draft)[-1] if draft.probes else draft.max_depth
+            if offered:  # (an empty draft teaches the acceptance estimates nothing)
+                self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
         if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
             row.request.drafter.observe_logits(list(draft.probes), logits[[1 + p for p in draft.probes]])
         if row.request.drafter.proposes:
-            row.request.drafter.observe(state.tokens, draft, result.num_accepted)
-        return kept, accepted
+            row.request.drafter.observe(row.state.tokens, draft, result.num_accepted)
 
     # ----------------------------------------------------------------------------------------------- retire
     def _retire(self, indices: list[int]) -> None:

@@ -173,7 +173,7 @@ class Drafter(ABC):
     #: ever proposes a draft: False (plain decoding) lets the loop skip its proposal and its observe() calls
     proposes: bool = True
     #: what it reads of the target's own forwards besides tokens, a set of HIDDEN_STATES, ATTENTION and
-    #: DRAFT_LOGITS (below); the loop captures only what a live row's drafter reads, so the others cost nothing
+    #: DRAFT_LOGITS (above); the loop captures only what a live row's drafter reads, so the others cost nothing
     reads: frozenset[str] = frozenset()
     hidden_layer: int | None = None  # HIDDEN_STATES: which layer (set per instance, by prepare())
     attention_heads: dict[int, list[int]] | None = None  # ATTENTION: {layer: [heads]} (set per instance)

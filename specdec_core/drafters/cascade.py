@@ -8,8 +8,9 @@ the better expected one is drafted; the draft model costs forwards, so it is ask
 the copies' (its draft is filled by the pool's flush). The chosen candidate learns what the target accepted; a copy
 candidate that was not chosen learns what its own draft would have had accepted, read off the tokens the step
 committed: its draft's longest path along them. Where that path reaches the end of what is known (every committed
-token, or its whole draft) the true count may be higher, so it only raises the expectation, never lowers it; where
-the draft parts from the committed tokens the count is exact. So a candidate that would have beaten the chosen one
+token, or its whole draft) the candidate might have done better, so the count only raises its expectation, never
+lowers it; where the draft parts from the committed tokens the count is exact. The chosen candidate's count is
+treated alike: a draft accepted whole (the plan may have cut it) only raises. So a candidate that would have beaten the chosen one
 is seen to, and a row does not stay with a stale choice. A draft
 model that was not asked keeps its expectation; the priors are set so that each is tried before the row settles.
 """
@@ -61,7 +62,8 @@ class CascadeDrafter(Drafter):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if self.chosen is not None and draft.tokens:
-            self._learn(self.chosen, num_accepted)
+            if num_accepted < draft.max_depth or num_accepted > self.expected[self.chosen]:
+                self._learn(self.chosen, num_accepted)
             committed = tokens[len(tokens) - num_accepted - 1:]  # the accepted draft tokens + the target's token
             for index, other in enumerate(self.proposed):
                 if index != self.chosen and other is not None and other.tokens:
