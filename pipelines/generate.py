@@ -280,8 +280,8 @@ def run_generation(config: GenerationConfig) -> dict:
         finally:
             ray.kill(journal)
         drop_duplicate_pairs(config.output, config.run_id)
-        wall = time.perf_counter() - started
         summary = _run_row(config, started_at, rows_in)
+        wall = time.perf_counter() - started
         write_run_row(config.output, summary)
         mark_finished(config.output, config.run_id)
     summary["wall_s"] = wall
