@@ -21,71 +21,89 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int | None = None):
-    from pipelines.config import GenerationConfig
-    from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option
-    from specdec_core.methods import METHODS
-
-    def default(name: str):
-        """The run config's own default: argparse shows it, and never keeps a second copy."""
-        return GenerationConfig.model_fields[name].default
+    """Every job's options, in three groups of --help: what to read and write, how to decode, how to run."""
+    from specdec_core.cli import OneLineParser
 
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--input", default=default_input, required=default_input is None,
-                        help="JSONL, Parquet file/dir, hf:DIR (datasets.save_to_disk) or workload:NAME "
-                             "(sample, summarization, rag, code_edit, humaneval, multi_turn, open_questions)")
-    parser.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
-    parser.add_argument("--method", action="append", dest="methods",
-                        help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
-    parser.add_argument("--model", default=default("model"), help="registry name, local HF directory or hub id")
-    parser.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
-    parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
-                             "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
-                             "cheaper and changes only what it proposes")
-    parser.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens or default("max_new_tokens"),
-                        help="most new tokens per request (a row's own max_new_tokens is capped by it)")
-    parser.add_argument("--temperature", type=float, default=default("temperature"), help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=default("top_p"), help="nucleus sampling's probability mass")
-    parser.add_argument("--top-k", type=int, default=default("top_k"), help="sample among the k likeliest (0: all)")
-    parser.add_argument("--seed", type=int, default=None, help="a sampling run's seed: the same tokens run after run")
-    parser.add_argument("--dtype", default=default("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=default("device"))
-    add_deterministic_option(parser)
-    add_batch_options(parser, default("batch_size"), "sequences decoded at once per actor (continuous batching)")
-    parser.add_argument("--memory-tokens", type=int, default=default("memory_tokens"),
-                        help="suffix/auto: output tokens each decode actor remembers per method to draft from "
-                             "(~2 KB each), oldest evicted first; 0 = no job memory")
-    parser.add_argument("--memory-from", default=None, metavar="OUTPUT",
-                        help="suffix/auto: seed the job memory with earlier runs' outputs in this output directory "
-                             "(e.g. last night's --output; same tokenizer); it changes speed, never outputs")
-    parser.add_argument("--num-actors", type=int, default=default("num_actors"), help="decode actors (each loads the model once)")
-    parser.add_argument("--cpus-per-actor", type=float, default=None)
-    parser.add_argument("--num-gpus-per-actor", type=float, default=default("num_gpus_per_actor"))
-    parser.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
-    parser.add_argument("--rows-per-call", type=int, default=None,
-                        help="rows handed to a decode actor per call, also the rows a crash can lose (default: 4 x "
-                             "--batch-size, at least 32)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run: --run-id's, or the latest run in --output without "
-                             "_SUCCESS; pairs it already wrote with the same model, dtype, sampling and decoding "
-                             "options are skipped")
-    parser.add_argument("--row-timeout-s", type=float, default=None,
-                        help="a row decoding longer than this gets an error row and frees its slot (default: none)")
-    parser.add_argument("--hang-timeout-s", type=float, default=None,
-                        help="a decode actor whose forward has made no progress for this long ends its process and "
-                             "the job goes on without it (its rows are retried; a row that hangs every time gets an "
-                             "error row); default: 20x the slowest forward seen, at least 300 s")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="a longer prompt is an error row (default: the model's context)")
-    parser.add_argument("--max-context-tokens", type=int, default=default("max_context_tokens"),
-                        help="a longer `context` (the copy drafters' extra source) is an error row")
-    parser.add_argument("--max-error-fraction", type=float, default=default("max_error_fraction"),
-                        help=f"past this share of error rows the job exits with status {EXIT_TOO_MANY_ERRORS}, "
-                             "after writing every row")
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
-    parser.add_argument("--run-id", default=None, help="letters, digits, '.', '_', '-' (default: time + random)")
+    _input_output_options(parser.add_argument_group("input and output"), default_input)
+    _decoding_options(parser.add_argument_group("model and decoding"), default_methods, default_max_new_tokens)
+    _running_options(parser.add_argument_group("actors, limits and errors"))
     return parser
+
+
+def _default(name: str):
+    """The run config's own default: argparse shows it, and never keeps a second copy."""
+    from pipelines.config import GenerationConfig
+
+    return GenerationConfig.model_fields[name].default
+
+
+def _input_output_options(group, default_input: str | None) -> None:
+    group.add_argument("--input", default=default_input, required=default_input is None,
+                       help="JSONL, Parquet file/dir, hf:DIR (datasets.save_to_disk) or workload:NAME "
+                            "(sample, summarization, rag, code_edit, humaneval, multi_turn, open_questions)")
+    group.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
+    group.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
+    group.add_argument("--resume", action="store_true",
+                       help="continue an interrupted run: --run-id's, or the latest run in --output without "
+                            "_SUCCESS; pairs it already wrote with the same model, dtype, sampling and decoding "
+                            "options are skipped")
+    group.add_argument("--run-id", default=None, help="letters, digits, '.', '_', '-' (default: time + random)")
+
+
+def _decoding_options(group, default_methods: list[str], default_max_new_tokens: int | None) -> None:
+    from specdec_core.cli import add_batch_options, add_deterministic_option
+    from specdec_core.methods import METHODS
+
+    group.add_argument("--method", action="append", dest="methods",
+                       help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
+    group.add_argument("--model", default=_default("model"), help="registry name, local HF directory or hub id")
+    group.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
+    group.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                       help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
+                            "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
+                            "cheaper and changes only what it proposes")
+    group.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens or _default("max_new_tokens"),
+                       help="most new tokens per request (a row's own max_new_tokens is capped by it)")
+    group.add_argument("--temperature", type=float, default=_default("temperature"), help="0: greedy")
+    group.add_argument("--top-p", type=float, default=_default("top_p"), help="nucleus sampling's probability mass")
+    group.add_argument("--top-k", type=int, default=_default("top_k"), help="sample among the k likeliest (0: all)")
+    group.add_argument("--seed", type=int, default=None, help="a sampling run's seed: the same tokens run after run")
+    group.add_argument("--dtype", default=_default("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=_default("device"))
+    add_deterministic_option(group)
+    add_batch_options(group, _default("batch_size"), "sequences decoded at once per actor (continuous batching)")
+    group.add_argument("--memory-tokens", type=int, default=_default("memory_tokens"),
+                       help="suffix/auto: output tokens each decode actor remembers per method to draft from "
+                            "(~2 KB each), oldest evicted first; 0 = no job memory")
+    group.add_argument("--memory-from", default=None, metavar="OUTPUT",
+                       help="suffix/auto: seed the job memory with earlier runs' outputs in this output directory "
+                            "(e.g. last night's --output; same tokenizer); it changes speed, never outputs")
+
+
+def _running_options(group) -> None:
+    group.add_argument("--num-actors", type=int, default=_default("num_actors"),
+                       help="decode actors (each loads the model once)")
+    group.add_argument("--cpus-per-actor", type=float, default=None)
+    group.add_argument("--num-gpus-per-actor", type=float, default=_default("num_gpus_per_actor"))
+    group.add_argument("--rows-per-call", type=int, default=None,
+                       help="rows handed to a decode actor per call, also the rows a crash can lose (default: 4 x "
+                            "--batch-size, at least 32)")
+    group.add_argument("--row-timeout-s", type=float, default=None,
+                       help="a row decoding longer than this gets an error row and frees its slot (default: none)")
+    group.add_argument("--hang-timeout-s", type=float, default=None,
+                       help="a decode actor whose forward has made no progress for this long ends its process and "
+                            "the job goes on without it (its rows are retried; a row that hangs every time gets an "
+                            "error row); default: 20x the slowest forward seen, at least 300 s")
+    group.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="a longer prompt is an error row (default: the model's context)")
+    group.add_argument("--max-context-tokens", type=int, default=_default("max_context_tokens"),
+                       help="a longer `context` (the copy drafters' extra source) is an error row")
+    group.add_argument("--max-error-fraction", type=float, default=_default("max_error_fraction"),
+                       help=f"past this share of error rows the job exits with status {EXIT_TOO_MANY_ERRORS}, "
+                            "after writing every row")
+    group.add_argument("--address", default=None, help="Ray cluster address (default: embedded local Ray)")
 
 
 def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None,

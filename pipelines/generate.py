@@ -152,16 +152,14 @@ def use_private_token() -> None:
 def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(), journal=None):
     """-> a lazy ray.data.Dataset of output rows (contract schema); `done` ("request_id\tmethod") pairs are
     dropped right after reading (--resume); `journal` (a CrashJournal actor) isolates rows that crash workers."""
-    import ray
-    import ray.data
+    return _decode_stage(_prompt_stages(config, done), config, journal)
 
+
+def _prompt_stages(config: GenerationConfig, done: frozenset[str]):
+    """Read the requests, compress their context when asked, build the prompts -> a lazy Dataset of prompt rows."""
     from operators.build_prompts import BuildPrompts, SeenIds
-    from operators.crash_journal import max_task_retries
-    from operators.decode_requests import DecodeRequests
     from operators.read_requests import read_requests
 
-    cluster_cpus = float(ray.cluster_resources().get("CPU", 1))
-    actor_cpus = config.actor_cpus(cluster_cpus)
     # Blocks of one decode call's rows: a block flows through the stages as one unit (Ray Data merges a task's
     # outputs into one block), so its rows are written when that call finishes and a crash loses at most the calls
     # in flight. A whole JSONL file or Parquet row group in one block would be decoded and written all or nothing.
@@ -175,11 +173,22 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
         requests = one_light_actor(requests, CompressContext, config, {
             "model": config.compression_model or config.model, "ratio": config.compress_context,
             "max_context_chars": config.max_context_chars, "dtype": config.dtype})
-    prompts = one_light_actor(requests, BuildPrompts, config, {
+    return one_light_actor(requests, BuildPrompts, config, {
         "model": config.model, "task_template": config.task_template, "max_prompt_tokens": config.max_prompt_tokens,
         "max_context_tokens": config.max_context_tokens, "instruction": config.instruction,
         "max_context_chars": config.max_context_chars, "default_task": config.default_task, "done": done,
         "methods": config.methods, "seen_ids": driver_actor(SeenIds)})
+
+
+def _decode_stage(prompts, config: GenerationConfig, journal):
+    """The decode actors over the prompt rows -> a lazy Dataset of output rows."""
+    import ray
+    import ray.data
+
+    from operators.crash_journal import max_task_retries
+    from operators.decode_requests import DecodeRequests
+
+    actor_cpus = config.actor_cpus(float(ray.cluster_resources().get("CPU", 1)))
     return prompts.map_batches(
         DecodeRequests,
         fn_constructor_kwargs={
@@ -271,26 +280,31 @@ def run_generation(config: GenerationConfig) -> dict:
         finally:
             ray.kill(journal)
         drop_duplicate_pairs(config.output, config.run_id)
-        rows_out, errors = count_rows(config.output, config.run_id)
+        summary = _run_row(config, started_at, rows_in)
         wall = time.perf_counter() - started
-        summary = {
-            "run_id": config.run_id,
-            "job": config.job,
-            "config": config.model_dump(),
-            "versions": _versions(),
-            "hardware": _hardware(),
-            "started_at": started_at,
-            "ended_at": datetime.now(timezone.utc),
-            "rows_in": rows_in,
-            "rows_out": rows_out,
-            "errors": errors,
-            "method_stats": method_stats(config.output, config.run_id),
-        }
         write_run_row(config.output, summary)
         mark_finished(config.output, config.run_id)
     summary["wall_s"] = wall
     summary["skipped_pairs"] = len(done)
     return summary
+
+
+def _run_row(config: GenerationConfig, started_at: datetime, rows_in: int) -> dict:
+    """The finished run's row of OUTPUT/runs/: its config, versions, hardware, times, row counts and methods' stats."""
+    rows_out, errors = count_rows(config.output, config.run_id)
+    return {
+        "run_id": config.run_id,
+        "job": config.job,
+        "config": config.model_dump(),
+        "versions": _versions(),
+        "hardware": _hardware(),
+        "started_at": started_at,
+        "ended_at": datetime.now(timezone.utc),
+        "rows_in": rows_in,
+        "rows_out": rows_out,
+        "errors": errors,
+        "method_stats": method_stats(config.output, config.run_id),
+    }
 
 
 def _count_input(config: GenerationConfig) -> int:

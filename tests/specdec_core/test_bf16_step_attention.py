@@ -91,12 +91,12 @@ def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypat
     assert torch.allclose(ours, theirs, atol=0.1), (ours - theirs).abs().max()
 
 
-def test_the_exact_kernel_gives_a_verified_or_tree_token_the_numbers_of_the_token_fed_alone():
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 4, 2)])
+def test_the_exact_kernel_gives_a_verified_or_tree_token_the_numbers_of_the_token_fed_alone(dim, heads, kv_heads):
     """attend_exact (--deterministic): each token of a 5-token chain and of a tree (root; a, b under it; a2 under a)
     over 37 cached keys equals, bit for bit, the same query fed alone after its own path (cached keys, then its
     ancestors in depth order); odd and even cached lengths; a neighbour row of another width beside it."""
     torch.manual_seed(7)
-    heads, kv_heads, dim = 9, 3, 64
     for length in (37, 38):
         keys = (torch.randn(8, kv_heads, 64, dim) * 2).bfloat16()
         values = torch.randn(8, kv_heads, 64, dim).bfloat16()
