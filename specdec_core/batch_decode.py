@@ -496,7 +496,7 @@ class BatchDecoder:
                 else:
                     kept, accepted = self._emit_verified(index, row, result, signals if handing_over else None)
                 step_kept, step_accepted = step_kept + kept, step_accepted + accepted
-                self._learn(row, result, logits[starts[index]:])
+                self._learn(row, result, logits, starts[index])
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
             if row.error or row.state.finished:
@@ -538,9 +538,9 @@ class BatchDecoder:
         self.stats.new_tokens += kept
         return kept, accepted
 
-    def _learn(self, row: Row, result: VerifyResult, logits: torch.Tensor) -> None:
-        """The budget's acceptance estimate and the drafter learn from the step. logits [>= 1 + drafted, vocab]
-        start at the row's pending token."""
+    def _learn(self, row: Row, result: VerifyResult, logits: torch.Tensor, start: int) -> None:
+        """The budget's acceptance estimate and the drafter learn from the step. logits [N, vocab]: the step's, the
+        row's from `start` (its pending token)."""
         draft = row.draft
         if draft.tokens:
             # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
@@ -548,7 +548,7 @@ class BatchDecoder:
             if offered:  # (an empty draft teaches the acceptance estimates nothing)
                 self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
         if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
-            row.request.drafter.observe_logits(list(draft.probes), logits[[1 + p for p in draft.probes]])
+            row.request.drafter.observe_logits(list(draft.probes), logits[[start + 1 + p for p in draft.probes]])
         if row.request.drafter.proposes:
             row.request.drafter.observe(row.state.tokens, draft, result.num_accepted)
 
