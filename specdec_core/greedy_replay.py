@@ -14,11 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from .draft_tree import depths
 from .drafters.base import Drafter, RequestContext
-from .verification import accept_greedy, verify_tree_greedy
-
-NO_TOKEN = -1  # past the output's end: no draft token equals it, so the walk stops there
+from .verification import greedy_accepted
 
 
 @dataclass
@@ -63,14 +60,7 @@ def replay_greedy(drafter: Drafter, prompt_ids: Sequence[int], output_ids: Seque
             # draft_budget(): no draft may pass max_new_tokens (the step's own token included)
             limit = max(0, min(max_draft, max_new_tokens - done - 1))
             draft = drafter.propose(tokens, limit).truncated(limit)
-            wanted = lambda depth: output[done + depth] if done + depth < len(output) else NO_TOKEN  # noqa: E731
-            if not len(draft):
-                accepted = 0
-            elif draft.is_tree:
-                accepted = verify_tree_greedy(draft.parents, draft.tokens,
-                                              [wanted(0)] + [wanted(d) for d in depths(draft.parents)]).num_accepted
-            else:
-                accepted, _ = accept_greedy(draft.tokens, [wanted(d) for d in range(len(draft) + 1)])
+            accepted = greedy_accepted(draft, output[done: done + len(draft) + 1])  # the output's end stops it
             if len(draft):
                 result.drafted += len(draft)
                 result.steps_with_draft += 1

@@ -16,11 +16,12 @@ probabilities (copying, lookup) are one-hot q: the target's own draw at each pos
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .draft_tree import children_of
+from .draft_tree import children_of, depths
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -56,6 +57,22 @@ def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[in
             break
         num_accepted += 1
     return num_accepted, target_argmax[num_accepted]
+
+
+NO_TOKEN = -1  # past the known tokens: no draft token equals it, so greedy acceptance stops there
+
+
+def greedy_accepted(draft, known: Sequence[int]) -> int:
+    """How many of a Draft's tokens greedy verification accepts when the target's tokens after the pending one are
+    known in advance (a greedy output being replayed, or what a step committed): known[d] follows depth d of the
+    path; nothing past them is accepted."""
+    if not draft.tokens:
+        return 0
+    wanted = [*known[:draft.max_depth + 1], *[NO_TOKEN] * (draft.max_depth + 1 - len(known))]  # [depth + 1]
+    if draft.parents is not None:
+        return verify_tree_greedy(draft.parents, draft.tokens,
+                                  [wanted[0]] + [wanted[d] for d in depths(draft.parents)]).num_accepted
+    return accept_greedy(draft.tokens, wanted)[0]
 
 
 def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> VerifyResult:

@@ -10,16 +10,16 @@ candidate that was not chosen learns what its own draft would have had accepted,
 committed: its draft's longest path along them. Where that path reaches the end of what is known (every committed
 token, or its whole draft) the candidate might have done better, so the count only raises its expectation, never
 lowers it; where the draft parts from the committed tokens the count is exact. The chosen candidate's count is
-treated alike: a draft accepted whole (the plan may have cut it) only raises. So a candidate that would have beaten the chosen one
-is seen to, and a row does not stay with a stale choice. A draft
-model that was not asked keeps its expectation; the priors are set so that each is tried before the row settles.
+treated alike: a draft accepted whole (the plan may have cut it) only raises. So a candidate that would have beaten
+the chosen one is seen to, and a row does not stay with a stale choice. A draft model that was not asked keeps its
+expectation; the priors are set so that each is tried before the row settles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..draft_tree import depths
+from ..verification import greedy_accepted
 from .base import Draft, Drafter, RequestContext, empty_draft
 
 PRIOR_ACCEPTED = 2.0  # tokens: above what a poor drafter earns, so a first try of each candidate is cheap to make
@@ -67,7 +67,7 @@ class CascadeDrafter(Drafter):
             committed = tokens[len(tokens) - num_accepted - 1:]  # the accepted draft tokens + the target's token
             for index, other in enumerate(self.proposed):
                 if index != self.chosen and other is not None and other.tokens:
-                    would = accepted_along(other, committed)
+                    would = greedy_accepted(other, committed)
                     if would < min(other.max_depth, len(committed)) or would > self.expected[index]:
                         self._learn(index, would)
         for drafter in self.candidates:
@@ -80,20 +80,3 @@ class CascadeDrafter(Drafter):
         for drafter in self.candidates:
             drafter.finish()
 
-
-def accepted_along(draft: Draft, committed: Sequence[int]) -> int:
-    """How many of `draft`'s tokens greedy verification would have accepted, given the tokens the target committed
-    in their place: the longest root path of the draft (a chain's prefix) equal to them, at most len(committed)."""
-    if draft.parents is None:
-        count = 0
-        while count < min(len(draft.tokens), len(committed)) and draft.tokens[count] == committed[count]:
-            count += 1
-        return count
-    node_depths = depths(draft.parents)  # node i sits at depth node_depths[i] (1 = a child of the root)
-    on_path, best = set(), 0
-    for node, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):  # parents come before children
-        depth = node_depths[node]
-        if depth <= len(committed) and token == committed[depth - 1] and (parent == -1 or parent in on_path):
-            on_path.add(node)
-            best = max(best, depth)
-    return best
