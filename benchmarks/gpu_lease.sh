@@ -4,6 +4,7 @@
 #            (ar vs HF generate, bf16, batch 64); keeps the first half of SmolLM2's GGUF for stage 2
 #   stage 2: SmolLM2-135M (real weights, bf16): batch_bench on code edits, HF vs ar / pld / copyspec
 #   stage 3: the two shaped models of stage 1 alone
+#   stage ff: device_check and the shaped models with our forward through HF's modules and fast_forward.py side by side
 #   stage recv (once per piece), then stage qwen15 N: Qwen2.5-Coder-1.5B's GGUF carried in N pieces (.q/cNN, split
 #            here), then issue 29's batch_bench, CASD on RAG (issue 9) and SPECTRA on MT-Bench turn 1 (issue 10)
 # Here, before the calls: pip download transformers, gguf and pydantic wheels into .whl/ (the image lacks them or
@@ -22,6 +23,15 @@ if [ "$stage" = 1 ]; then
         --batch-size 64 --profile 2>&1 | tee $OUT/host_smollm2_shape.log
     python3 benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400 \
         --batch-size 64 2>&1 | tee $OUT/host_qwen15_shape.log
+elif [ "$stage" = ff ]; then  # fast_forward.py on the GPU against HF's modules (--fast-forward both), no weights
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+    timeout 100 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
+    b="python3 benchmarks/host_overhead_bench.py --device cuda --batch-size 64 --fast-forward both"
+    timeout 150 $b --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400 --rounds 2 2>&1 | tee $OUT/host_qwen15_shape.log
+    timeout 150 $b --dtype bfloat16 --shape smollm2-135m --prompt-tokens 1000 --rounds 2 --profile 2>&1 \
+        | tee $OUT/host_smollm2_shape.log
+    timeout 60 $b 2>&1 | tee $OUT/host_tiny.log
 elif [ "$stage" = recv ]; then  # one piece of Qwen2.5-Coder-1.5B's GGUF (1.1 GB; a call carries 64 MiB): .q/cNN
     mkdir -p $keep && mv .q/c*/c* $keep/ && ls $keep | wc -l && du -sh $keep
     if [ -d .whl ] && [ ! -d /tmp/site/transformers ]; then

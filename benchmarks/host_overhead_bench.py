@@ -9,6 +9,7 @@ that model's forward costs, e.g. Qwen2.5-Coder-1.5B on a lent GPU. Random weight
   python benchmarks/host_overhead_bench.py                     # batch 64, 128 new tokens, 3 rounds
   python benchmarks/host_overhead_bench.py --batch-size 16 --profile
   python benchmarks/host_overhead_bench.py --device cuda --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400
+  python benchmarks/host_overhead_bench.py --device cuda --fast-forward both   # HF's modules vs fast_forward.py
 """
 
 from __future__ import annotations
@@ -41,22 +42,35 @@ SHAPES = {
 }
 
 
-def shaped_runner(shape: str, device: str, dtype: torch.dtype):
+def shaped_model(shape: str, device: str, dtype: torch.dtype):
     """A random-weight model with `shape`'s architecture on `device` (no EOS: every row runs to its length)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdec_core.model_runner import ModelRunner
-
     if shape == "tiny":
-        runner = tiny_llama()
-        return runner if device == "cpu" and dtype == torch.float32 else ModelRunner(
-            runner.model.to(device, dtype), runner.tokenizer, runner.name, device, dtype)
+        return tiny_llama().model.to(device, dtype)
     model_type, values = SHAPES[shape]
     config = AutoConfig.for_model(model_type, bos_token_id=None, eos_token_id=None, pad_token_id=0, **values)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    return ModelRunner(model, DigitsTokenizer(), f"random {shape}", device, dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def shaped_runners(shape: str, device: str, dtype: torch.dtype, fast_forward: str) -> dict:
+    """{label: ModelRunner} over one random model: the device's default forward, or (fast_forward "both") HF's
+    modules and fast_forward.py side by side."""
+    from specdec_core.model_runner import ModelRunner
+
+    if shape == "tiny" and device == "cpu" and dtype == torch.float32 and fast_forward == "default":
+        return {"ours ar": tiny_llama()}
+    model = shaped_model(shape, device, dtype)
+    choices = {"default": {"ours ar": None}, "on": {"ours ar": True}, "off": {"ours ar": False},
+               "both": {"ours ar, HF modules": False, "ours ar, fast forward": True}}[fast_forward]
+    runners = {label: ModelRunner(model, DigitsTokenizer(), f"random {shape}", device, dtype, fast_forward=choice)
+               for label, choice in choices.items()}
+    for label, runner in runners.items():
+        if choices[label] and runner.fast is None:
+            raise SystemExit(f"{label}: the fast forward does not cover this model")
+    return runners
 
 
 def ours(runner, prompts: list[list[int]], new_tokens: int, batch_size: int) -> tuple[float, float, list[list[int]]]:
@@ -107,44 +121,57 @@ def main(argv: list[str] | None = None) -> int:
                         help="the random model's architecture (default: a 2-layer Llama, hidden 64)")
     parser.add_argument("--prompt-tokens", type=int, default=32,
                         help="mean prompt length; lengths spread over [n/2, 3n/2) (default 32)")
+    parser.add_argument("--fast-forward", default="default", choices=["default", "on", "off", "both"],
+                        help="our forward: the device's default, fast_forward.py, HF's modules, or both side by side")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    runner = shaped_runner(args.shape, args.device, dtype)
+    runners = shaped_runners(args.shape, args.device, dtype, args.fast_forward)
+    runner = next(iter(runners.values()))
     n = args.prompt_tokens
     prompts = [repetitive_prompt(seed, n // 2 + (seed * 37) % max(1, n)) for seed in range(args.batch_size)]
-    *_, tokens = ours(runner, prompts[:4], 8, 4)
-    same = sum(a == b for a, b in zip(tokens, [hf(runner, [p], 8)[1][0] for p in prompts[:4]]))
-    if dtype == torch.float32:
-        assert same == 4, "ar must equal HF greedy in fp32"
-    ours_s, ours_pass, hf_s, agree = [], [], [], 0
+    alone = [hf(runner, [p], 8)[1][0] for p in prompts[:4]]
+    same = {}
+    for label, each in runners.items():
+        *_, tokens = ours(each, prompts[:4], 8, 4)
+        same[label] = sum(a == b for a, b in zip(tokens, alone))
+        if dtype == torch.float32:
+            assert same[label] == 4, f"{label} must equal HF greedy in fp32"
+    ours_s = {label: [] for label in runners}
+    ours_pass = {label: [] for label in runners}
+    agree, hf_s = {}, []
     for _ in range(args.rounds):
-        seconds, whole, ours_tokens = ours(runner, prompts, args.new_tokens, args.batch_size)
-        ours_s.append(seconds)
-        ours_pass.append(whole)
+        outputs = {}
+        for label, each in runners.items():
+            seconds, whole, outputs[label] = ours(each, prompts, args.new_tokens, args.batch_size)
+            ours_s[label].append(seconds)
+            ours_pass[label].append(whole)
         seconds, hf_tokens = hf(runner, prompts, args.new_tokens)
         hf_s.append(seconds)
-        agree = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
+        agree = {label: sum(a == b for a, b in zip(tokens, hf_tokens)) for label, tokens in outputs.items()}
     print(f"{hardware(args.device)}, dtype {args.dtype}, random {args.shape} "
           f"({runner.model.config.num_hidden_layers} layers, hidden {runner.model.config.hidden_size}), "
           f"batch {args.batch_size}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.new_tokens} new tokens, best of {args.rounds}")
-    print(f"rows equal to HF greedy alone (first 4, 8 tokens): {same}/4; rows equal to HF's padded batch: "
-          f"{agree}/{len(prompts)}" + ("" if dtype == torch.float32 else " (bf16/fp16: near-ties may flip)"))
-    print(f"ours ar:      {min(ours_s) * 1e3:.2f} ms/step  (rounds: {', '.join(f'{s * 1e3:.2f}' for s in ours_s)})")
-    print(f"HF generate:  {min(hf_s) * 1e3:.2f} ms/step  (rounds: {', '.join(f'{s * 1e3:.2f}' for s in hf_s)})")
-    print(f"ours / HF speed: {min(hf_s) / min(ours_s):.2f}x  (HF's time holds its prefill, ours does not)")
-    paired = sorted(h / o for h, o in zip(hf_s, ours_s))
-    print(f"ours / HF per round (each round runs both back to back): median {statistics.median(paired):.2f}x, "
-          f"range {paired[0]:.2f}-{paired[-1]:.2f}x")
-    print(f"whole pass, prefill included, per new token: ours {min(ours_pass) * 1e3:.2f} ms, HF {min(hf_s) * 1e3:.2f} ms: "
-          f"{min(hf_s) / min(ours_pass):.2f}x")
+    rounds = lambda times: ", ".join(f"{s * 1e3:.2f}" for s in times)  # noqa: E731
+    print(f"HF generate:  {min(hf_s) * 1e3:.2f} ms/step  (rounds: {rounds(hf_s)})")
+    for label, times in ours_s.items():
+        paired = sorted(h / o for h, o in zip(hf_s, times))
+        print(f"{label}: {min(times) * 1e3:.2f} ms/step  (rounds: {rounds(times)}); rows equal to HF greedy alone "
+              f"(first 4, 8 tokens) {same[label]}/4, to HF's padded batch {agree[label]}/{len(prompts)}"
+              + ("" if dtype == torch.float32 else " (bf16/fp16: near-ties may flip)"))
+        print(f"  / HF speed: {min(hf_s) / min(times):.2f}x (HF's time holds its prefill, ours does not); per round "
+              f"(back to back) median {statistics.median(paired):.2f}x, range {paired[0]:.2f}-{paired[-1]:.2f}x; "
+              f"whole pass, prefill included, per new token: {min(ours_pass[label]) * 1e3:.2f} ms, "
+              f"{min(hf_s) / min(ours_pass[label]):.2f}x HF")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-        with profile(activities=activities) as prof:
-            ours(runner, prompts, 16, args.batch_size)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        for label, each in runners.items():
+            with profile(activities=activities) as prof:
+                ours(each, prompts, 16, args.batch_size)
+            print(label)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     return 0
 
 

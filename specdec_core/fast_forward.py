@@ -59,6 +59,9 @@ class _Layer:
 
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
+        self.on_gpu = _on_gpu(attn.q_proj)  # no compiled CPU passes there, and every copy is a kernel launch
+        dense = self.on_gpu and all(type(getattr(module, n)) is torch.nn.Linear for module, n in (
+            (attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (mlp, "gate_proj"), (mlp, "up_proj")))
         self.attn = attn  # handed to SDPA for long queries (it reads num_key_value_groups and is_causal)
         self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm2 = layer.post_attention_layernorm.weight.detach()
@@ -67,14 +70,40 @@ class _Layer:
         self.gate, self.up, self.down = (_Projection(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         # gate and up in one call, then silu(gate) * up in one pass (residual_norm.py), where both are on panels
         both = (panel_linear.stack(mlp.gate_proj, mlp.up_proj)
-                if type(mlp.gate_proj) is PanelLinear and type(mlp.up_proj) is PanelLinear else None)
+                if type(mlp.gate_proj) is PanelLinear and type(mlp.up_proj) is PanelLinear
+                else _stack_dense(mlp.gate_proj, mlp.up_proj) if dense else None)
         self.gate_up = None if both is None else _Projection(both)
         # q, k and v in one call: at batch 16 a decode step made ~180 kernel calls of ~10 us host work each
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv = panel_linear.stack(*projections) if all(type(p) is PanelLinear for p in projections) else None
+        qkv = (panel_linear.stack(*projections) if all(type(p) is PanelLinear for p in projections)
+               else _stack_dense(*projections) if dense else None)
         self.qkv = None if qkv is None else _Projection(qkv)
         self.qkv_widths = [p.out_features for p in projections]
         self.scaling = attn.scaling
+
+
+def _on_gpu(module) -> bool:
+    return module.weight.device.type != "cpu"
+
+
+def _stack_dense(*modules: torch.nn.Linear) -> torch.nn.Linear:
+    """One nn.Linear computing `modules` side by side (on a GPU: one matmul launch instead of several). The modules'
+    weights become views of the stacked weight, so nothing is stored twice and HF's modules still compute with them."""
+    weight = torch.cat([m.weight.detach() for m in modules])  # [sum of out, in]
+    with_bias = any(m.bias is not None for m in modules)
+    bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+                      for m in modules]) if with_bias else None  # [sum of out]
+    stacked = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=with_bias, device="meta")
+    stacked.weight = torch.nn.Parameter(weight, requires_grad=False)
+    stacked.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for m in modules:
+        end = start + m.out_features
+        m.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return stacked
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,7 +182,8 @@ class FastForward:
         step       a bf16_step_attention.Step for a bf16 decode or verify step: attend through it (mask unused)
         -> [N, hidden] final-normed hidden states of the logit positions."""
         b, num_new = input_ids.shape
-        flat = None if real is None else real.reshape(-1).nonzero().squeeze(1)  # [M] of b x T
+        device = input_ids.device
+        flat = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(device)  # [M] of b x T
         ids = input_ids.reshape(-1) if flat is None else input_ids.reshape(-1)[flat]  # [M]
         x = self.embed(ids)  # [M, hidden]
         cos, sin = self.rotary(x, positions)  # [b, T, d] each
@@ -172,10 +202,10 @@ class FastForward:
             if captured is not None and index + 1 in captured:
                 x, delta = x + delta, None
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
-        wanted = logit_index[:, 0] * num_new + logit_index[:, 1]  # [N] of b x T
+        wanted = (logit_index[:, 0] * num_new + logit_index[:, 1]).to(device)  # [N] of b x T
         if flat is not None:
-            where = torch.full((b * num_new,), -1, dtype=torch.long)
-            where[flat] = torch.arange(flat.numel())
+            where = torch.full((b * num_new,), -1, dtype=torch.long, device=device)
+            where[flat] = torch.arange(flat.numel(), device=device)
             wanted = where[wanted]
         last = x[wanted] if delta is None else x[wanted] + delta[wanted]  # [N, hidden]
         return _rms_norm(last, self.final_norm, self.final_eps)  # [N, hidden]
@@ -186,7 +216,9 @@ class FastForward:
         -> (x, the MLP's output still to be added)."""
         tokens = x.shape[0]  # M
         x, normed = _add_rms_norm(x, delta, layer.norm1, layer.eps1)  # [M, hidden] each
-        if layer.qkv is not None:
+        if layer.qkv is not None and layer.on_gpu:  # views: each split dimension stays a view, no copy launches
+            q, k, v = layer.qkv(normed).split(layer.qkv_widths, dim=1)
+        elif layer.qkv is not None:
             q, k, v = (part.contiguous() for part in layer.qkv(normed).split(layer.qkv_widths, dim=1))
         else:
             q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
@@ -221,6 +253,8 @@ class FastForward:
         x, normed = _add_rms_norm(x, layer.o(attended), layer.norm2, layer.eps2)
         if layer.gate_up is not None and residual_norm.usable(normed):
             return x, layer.down(residual_norm.silu_mul(layer.gate_up(normed)))
+        if layer.gate_up is not None and layer.on_gpu:
+            return x, layer.down(_silu_mul(*layer.gate_up(normed).chunk(2, dim=1)))
         return x, layer.down(_silu_mul(layer.gate(normed), layer.up(normed)))
 
     @staticmethod

@@ -130,9 +130,10 @@ class SlotKVCache(Cache):
         self._contiguous = rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
         self._num_new = num_new
         self._row_index = torch.tensor(rows, device=self.device)  # [b]
-        lengths = torch.tensor([self.lengths[r] for r in rows], device=self.device)  # [b]
-        self._write_pos = lengths[:, None] + torch.arange(num_new, device=self.device)  # [b, T]
-        self._kv_len = int(lengths.max()) + num_new if rows else num_new
+        lengths = [self.lengths[r] for r in rows]
+        self._write_pos = (torch.tensor(lengths, device=self.device)[:, None]
+                           + torch.arange(num_new, device=self.device))  # [b, T]
+        self._kv_len = max(lengths, default=0) + num_new  # from the list: no device sync on a GPU
         if self._kv_len > self.capacity:
             raise RuntimeError(f"KV cache too small: need {self._kv_len} positions, have {self.capacity}")
 

@@ -26,6 +26,14 @@ from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 
+# On a GPU the fast forward is off unless this is "1": not yet measured faster there (benchmarks/host_overhead_bench.py
+# --fast-forward both times it against HF's modules side by side).
+GPU_FAST_FORWARD_ENV = "SPECBATCH_GPU_FAST_FORWARD"
+
+
+def gpu_fast_forward() -> bool:
+    return os.environ.get(GPU_FAST_FORWARD_ENV, "0") == "1"
+
 
 @dataclass
 class ForwardOutput:
@@ -36,7 +44,8 @@ class ForwardOutput:
 class ModelRunner:
     """One loaded model. Caches are separate objects, so one runner serves many sequences."""
 
-    def __init__(self, model, tokenizer, name: str, device: str, dtype: torch.dtype, quantized: bool = False):
+    def __init__(self, model, tokenizer, name: str, device: str, dtype: torch.dtype, quantized: bool = False,
+                 fast_forward: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -54,8 +63,9 @@ class ModelRunner:
         ragged = RaggedTokens(layers) if on_cpu and layers is not None else None
         self.ragged = ragged if ragged is not None and ragged.hooked else None
         self.grouped_attention = on_cpu and _sdpa_family(config)
-        # CPU only for now: measured there (fast_forward.py); a GPU keeps HF's forward until measured on one.
-        self.fast = FastForward.build(model) if on_cpu and self.grouped_attention else None
+        # fast_forward None: the device's default (on a CPU always; on a GPU see GPU_FAST_FORWARD)
+        wanted = (self.grouped_attention if on_cpu else gpu_fast_forward()) if fast_forward is None else fast_forward
+        self.fast = FastForward.build(model) if wanted and (on_cpu or _sdpa_family(config)) else None
         self._deterministic = False
 
     @property
@@ -69,7 +79,7 @@ class ModelRunner:
         if on and self.fast is not None and invariant_attention.kernel() is None:
             raise DeterminismUnavailableError(
                 f"--deterministic needs numba's compiled attention: {invariant_attention.kernel.unavailable}")
-        if on and (self.fast is None or self.dtype not in panel_linear.DTYPES):
+        if on and (self.fast is None or self.dtype not in panel_linear.DTYPES or self.device != "cpu"):
             raise DeterminismUnavailableError(
                 f"--deterministic runs on a CPU with Llama-family models ({', '.join(MODEL_TYPES)}) in fp32 or bf16; "
                 f"{self.name} ({self.model.config.model_type}, {self.device}, {self.dtype_name}) is not covered")
@@ -100,8 +110,8 @@ class ModelRunner:
         (bf16_step_attention.py where it runs, else invariant_attention.py): SDPA's flash kernel, built for long
         queries, took 77 ms of an 83 ms batch-16 decode step of SmolLM2 on an avx512_bf16 CPU (~400 cached keys),
         invariant_attention.py 20 ms. fp32 has its own (cpu_attention.py)."""
-        return (self.fast is not None and self.dtype == torch.bfloat16 and num_new <= grouped_attention.MAX_QUERIES
-                and invariant_attention.kernel() is not None)
+        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+                and num_new <= grouped_attention.MAX_QUERIES and invariant_attention.kernel() is not None)
 
     def _bf16_steps(self, visible: torch.Tensor) -> bool:
         """Whether a bf16 decode or verify step attends through bf16_step_attention.py (without --deterministic):
@@ -254,8 +264,9 @@ class ModelRunner:
         chain, step, invariant, mask = self._attention_for(cache, lengths, positions, visible, prefill)
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
             if self.fast is not None:
+                mask = mask["full_attention"] if isinstance(mask, dict) else mask
                 hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
-                                       mask["full_attention"] if isinstance(mask, dict) else mask,
+                                       None if mask is None else mask.to(self.device),
                                        real if RaggedTokens.worth_it(real, self.gather_share) else None,
                                        logit_index, captured, query_heads, queries, invariant, chain, step)
             else:

@@ -29,12 +29,12 @@ TINY_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num
                     pad_token_id=0)
 
 
-def tiny_llama(seed: int = 0) -> ModelRunner:
+def tiny_llama(seed: int = 0, **options) -> ModelRunner:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**TINY_DECODER)).eval()
-    return ModelRunner(model, DigitsTokenizer(), "tiny-llama", "cpu", torch.float32)
+    return ModelRunner(model, DigitsTokenizer(), "tiny-llama", "cpu", torch.float32, **options)
 
 
 def tiny_llama_64(seed: int = 0) -> ModelRunner:
@@ -60,7 +60,7 @@ def tiny_gemma3(seed: int = 0, window: int = 8) -> ModelRunner:
     return ModelRunner(model, DigitsTokenizer(), "tiny-gemma3", "cpu", torch.float32)
 
 
-def tiny_qwen2(seed: int = 0) -> ModelRunner:
+def tiny_qwen2(seed: int = 0, **options) -> ModelRunner:
     """Qwen2's architecture: biases on the q/k/v projections (qwen2.5-coder's family)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -70,7 +70,7 @@ def tiny_qwen2(seed: int = 0) -> ModelRunner:
         for layer in model.model.layers:
             for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 projection.bias.normal_(0.0, 0.5)
-    return ModelRunner(model, DigitsTokenizer(), "tiny-qwen2", "cpu", torch.float32)
+    return ModelRunner(model, DigitsTokenizer(), "tiny-qwen2", "cpu", torch.float32, **options)
 
 
 def noisy_llama(scale: float = 0.3, seed: int = 0) -> ModelRunner:

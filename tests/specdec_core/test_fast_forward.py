@@ -8,6 +8,7 @@ import torch
 from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
+from specdec_core import fast_forward, residual_norm, rope_store
 from specdec_core.fast_forward import unsupported
 from specdec_core.int8_linear import quantize_int8
 from specdec_core.model_runner import ModelRunner
@@ -81,6 +82,35 @@ def test_the_loop_on_the_fast_forward_equals_hf_greedy(make):
         results = dict(engine.decode_batch(items, method, batch_size=3))
         for key, prompt in enumerate(prompts):
             assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, 24), (method, key)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2-biases"])
+def test_the_gpu_layout_computes_what_hf_computes(make, monkeypatch):
+    """On a GPU the fast forward stacks the plain q/k/v and gate/up linears into one matmul each (the modules' weights
+    become views of the stack) and runs none of the compiled CPU passes. Laid out so on a CPU: its logits equal HF's
+    forward, HF's own forward over the shared weights is unchanged, and the loop's tokens equal HF greedy."""
+    monkeypatch.setattr(fast_forward, "_on_gpu", lambda module: True)
+    monkeypatch.setattr(rope_store, "prepare", lambda *args: None)
+    monkeypatch.setattr(residual_norm, "usable", lambda x: False)
+    plain_logits, _ = step(make(fast_forward=False), tree=False)
+    runner = make()
+    layer = runner.fast.layers[0]
+    assert layer.qkv is not None and layer.gate_up is not None and layer.on_gpu
+    stacked = layer.qkv.module.weight
+    attn = runner.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == stacked[attn.q_proj.out_features:].data_ptr()  # a view, not a copy
+    fast_logits, _ = step(runner, tree=True)
+    runner.fast, fast = None, runner.fast
+    hf_logits, _ = step(runner, tree=True)
+    assert torch.allclose(fast_logits, hf_logits, atol=1e-5), (fast_logits - hf_logits).abs().max()
+    assert torch.equal(step(runner, tree=False)[0], plain_logits)
+    runner.fast = fast
+    engine = Engine.from_runners(runner)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([6, 41, 13, 24])]
+    items = [BatchItem(key, prompt, DecodeParams(max_new_tokens=16)) for key, prompt in enumerate(prompts)]
+    results = dict(engine.decode_batch(items, "copyspec", batch_size=3))
+    for key, prompt in enumerate(prompts):
+        assert results[key]["output_token_ids"] == hf_greedy(runner, prompt, 16), key
 
 
 def test_models_it_does_not_cover_keep_the_hf_forward():
