@@ -28,8 +28,8 @@ elif [ "$stage" = ff ]; then  # fast_forward.py on the GPU against HF's modules 
     nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
     timeout 100 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
     b="python3 benchmarks/host_overhead_bench.py --device cuda --batch-size 64 --fast-forward both"
-    timeout 150 $b --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400 --rounds 2 2>&1 | tee $OUT/host_qwen15_shape.log
-    timeout 150 $b --dtype bfloat16 --shape smollm2-135m --prompt-tokens 1000 --rounds 2 --profile 2>&1 \
+    timeout 150 $b --dtype bfloat16 --shape qwen2.5-1.5b --prompt-tokens 400 --rounds 3 2>&1 | tee $OUT/host_qwen15_shape.log
+    timeout 150 $b --dtype bfloat16 --shape smollm2-135m --prompt-tokens 1000 --rounds 3 --profile 2>&1 \
         | tee $OUT/host_smollm2_shape.log
     timeout 60 $b 2>&1 | tee $OUT/host_tiny.log
 elif [ "$stage" = recv ]; then  # one piece of Qwen2.5-Coder-1.5B's GGUF (1.1 GB; a call carries 64 MiB): .q/cNN

@@ -16,7 +16,8 @@ def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: tor
     query position - key position < window, as the model's own masks do.
     """
     b, num_new = positions.shape
-    key = torch.arange(kv_len)[None, :]  # [1, L]
+    device = lengths.device  # built where lengths, positions and visible are (the forward's device)
+    key = torch.arange(kv_len, device=device)[None, :]  # [1, L]
     new_index = key - lengths[:, None]  # [b, L]: which new token a key is, if 0 <= . < T
     is_cached = new_index < 0  # [b, L]
     is_new = (new_index >= 0) & (new_index < num_new)
@@ -24,7 +25,7 @@ def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: tor
     allowed = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [b, T, L]
     minimum = torch.finfo(dtype).min
     layer_types = getattr(config, "layer_types", None)
-    full = torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~allowed[:, None], minimum)
+    full = torch.zeros(b, 1, num_new, kv_len, dtype=dtype, device=device).masked_fill(~allowed[:, None], minimum)
     if not layer_types:
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         return full if not window else _windowed(allowed, lengths, positions, kv_len, window, dtype)
@@ -36,9 +37,10 @@ def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: tor
 
 def _windowed(allowed, lengths, positions, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:
     b, num_new = positions.shape
-    key = torch.arange(kv_len)[None, :]  # [1, L]
+    key = torch.arange(kv_len, device=lengths.device)[None, :]  # [1, L]
     new_index = (key - lengths[:, None]).clamp(0, num_new - 1)  # [b, L]
     key_pos = torch.where(key < lengths[:, None], key, positions.gather(1, new_index))  # [b, L]
     near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [b, T, L]
     ok = allowed & near
-    return torch.zeros(b, 1, num_new, kv_len, dtype=dtype).masked_fill(~ok[:, None], torch.finfo(dtype).min)
+    return torch.zeros(b, 1, num_new, kv_len, dtype=dtype, device=lengths.device).masked_fill(
+        ~ok[:, None], torch.finfo(dtype).min)

@@ -26,13 +26,14 @@ from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 
-# On a GPU the fast forward is off unless this is "1": not yet measured faster there (benchmarks/host_overhead_bench.py
-# --fast-forward both times it against HF's modules side by side).
+# "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 (bf16, batch 64, random weights in
+# SmolLM2's and Qwen2.5-1.5B's shapes) a decode step took 0.60x and 0.50x the time of HF's modules over the same cache
+# (benchmarks/host_overhead_bench.py --fast-forward both; docs/decisions.md).
 GPU_FAST_FORWARD_ENV = "SPECBATCH_GPU_FAST_FORWARD"
 
 
 def gpu_fast_forward() -> bool:
-    return os.environ.get(GPU_FAST_FORWARD_ENV, "0") == "1"
+    return os.environ.get(GPU_FAST_FORWARD_ENV, "1") != "0"
 
 
 @dataclass
@@ -63,7 +64,7 @@ class ModelRunner:
         ragged = RaggedTokens(layers) if on_cpu and layers is not None else None
         self.ragged = ragged if ragged is not None and ragged.hooked else None
         self.grouped_attention = on_cpu and _sdpa_family(config)
-        # fast_forward None: the device's default (on a CPU always; on a GPU see GPU_FAST_FORWARD)
+        # fast_forward None: the device's default (on a CPU always; on a GPU see GPU_FAST_FORWARD_ENV)
         wanted = (self.grouped_attention if on_cpu else gpu_fast_forward()) if fast_forward is None else fast_forward
         self.fast = FastForward.build(model) if wanted and (on_cpu or _sdpa_family(config)) else None
         self._deterministic = False
@@ -295,8 +296,10 @@ class ModelRunner:
         compiled = chain is not None or step is not None
         invariant = (visible.cpu(), lengths) if not compiled and (self.deterministic or short) else None
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
-        mask = attention_masks(self.model.config, lengths, positions.cpu(), visible.cpu(), cache.kv_length(),
-                               self.dtype) if masked else None
+        # built on the forward's device: on a GPU a prefill's [b, T, L] mask took ~0.1 s of CPU ops per admission
+        device = self.device
+        mask = attention_masks(self.model.config, lengths.to(device), positions.to(device), visible.to(device),
+                               cache.kv_length(), self.dtype) if masked else None
         return chain, step, invariant, mask
 
     def _hf_hidden(self, cache, input_ids, positions, mask, real, logit_index, captured, query_heads, queries):
