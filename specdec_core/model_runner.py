@@ -27,8 +27,8 @@ from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 
 # "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 (bf16, batch 64, random weights in
-# SmolLM2's and Qwen2.5-1.5B's shapes) a decode step took 0.60x and 0.50x the time of HF's modules over the same cache
-# (benchmarks/host_overhead_bench.py --fast-forward both; docs/decisions.md).
+# SmolLM2's and Qwen2.5-1.5B's shapes) a decode step took 0.66-0.86x the time of HF's modules over the same cache
+# (benchmarks/host_overhead_bench.py --fast-forward both; benchmarks/results/issue29_gpu/README.md).
 GPU_FAST_FORWARD_ENV = "SPECBATCH_GPU_FAST_FORWARD"
 
 
