@@ -44,7 +44,10 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int], start: int = 0) -> 
 
 
 @dataclass
-class _Pending:
+class DraftRequest:
+    """One row's ask of the pool, and what the flush made of it: the drafter keeps it to learn from its verification
+    (the pool writes nothing onto drafters)."""
+
     drafter: "PooledDrafter"
     tokens: Sequence[int]
     budget: int  # most tokens to draft (the drafter's length; the step's plan may lower it, `cap`)
@@ -52,6 +55,20 @@ class _Pending:
     asked: int = 0  # the drafter's length: what it would have drafted, had neither the plan nor the request's end cut
     extra: int = 0  # drafter tokens drafted past the budget that add no verified token (SLEM's token healing)
     probs: list[torch.Tensor] = field(default_factory=list)  # q of each drafted token, when sampling
+    # The plan or the request's end stopped the drafting (not the drafter's own stop): a fully accepted draft then
+    # says nothing about a longer one.
+    cut_by_plan: bool = False
+    # The drafter's own stop (a confidence rule, slem) ended the draft before its length did: the draft then says
+    # nothing about the length, accepted or not.
+    stopped_itself: bool = False
+
+
+@dataclass
+class _SlotTokens:
+    """What one row's draft-cache slot holds."""
+
+    tokens: list[int] = field(default_factory=list)  # whose keys/values the slot holds
+    synced: int = 0  # tokens[:synced] is known to equal the accepted sequence
 
 
 class DraftModelPool(DraftPool):
@@ -62,8 +79,9 @@ class DraftModelPool(DraftPool):
         self.pricing = pricing  # the decoder's (its budget's): the confidence stop reads it, the pool times into it
         self.cache = runner.new_slot_cache()
         self.owners: list[PooledDrafter] = []  # owners[i] holds cache row i
-        self._pending: list[_Pending] = []
-        self._pending_by_draft: dict[int, _Pending] = {}  # id(draft) -> its request: the loop looks each row's up
+        self.slots: list[_SlotTokens] = []  # slots[i]: what cache row i holds
+        self._pending: list[DraftRequest] = []
+        self._pending_by_draft: dict[int, DraftRequest] = {}  # id(draft) -> its request: the loop looks each row's up
 
     # ------------------------------------------------------------------------------------------- rows
     def attach(self, drafter: "PooledDrafter") -> None:
@@ -71,18 +89,17 @@ class DraftModelPool(DraftPool):
         self.release(drafter)
         self.cache.fit(len(self.owners) + 1, max(self.cache.capacity, 1))
         self.cache.add_row()
-        self.owners.append(drafter)  # cache row i <-> owners[i], both packed the same way
-        drafter.cached = []
-        drafter.synced = 0
+        self.owners.append(drafter)  # cache row i <-> owners[i] <-> slots[i], all packed the same way
+        self.slots.append(_SlotTokens())
 
     def release(self, drafter: "PooledDrafter") -> None:
         if drafter not in self.owners:
             return
         row = self.owners.index(drafter)
         self.cache.remove_row(row)
-        last = self.owners.pop()
+        last, last_slot = self.owners.pop(), self.slots.pop()
         if row < len(self.owners):
-            self.owners[row] = last
+            self.owners[row], self.slots[row] = last, last_slot
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.cache.capacity:
@@ -90,16 +107,16 @@ class DraftModelPool(DraftPool):
 
     # ------------------------------------------------------------------------------------------- drafting
     def request(self, drafter: "PooledDrafter", tokens: Sequence[int], budget: int, extra: int = 0,
-                length: int | None = None) -> Draft:
+                length: int | None = None) -> DraftRequest:
         """Ask for up to `budget` tokens after `tokens` (+ `extra` that add no verified token); `length`: what the
-        drafter would draft uncut (default `budget`)."""
-        draft = Draft(tokens=[], source=SOURCE)
+        drafter would draft uncut (default `budget`). -> the request, whose draft flush() fills in place."""
         asked = budget if length is None else max(budget, length)
-        self._pending.append(_Pending(drafter, tokens, budget, draft, asked=asked, extra=extra))
-        self._pending_by_draft[id(draft)] = self._pending[-1]
+        ask = DraftRequest(drafter, tokens, budget, Draft(tokens=[], source=SOURCE), asked=asked, extra=extra)
+        self._pending.append(ask)
+        self._pending_by_draft[id(ask.draft)] = ask
         if not self.collecting:
             self.flush()
-        return draft
+        return ask
 
     def requested(self, draft: Draft) -> int | None:
         pending = self._pending_by_draft.get(id(draft))
@@ -117,7 +134,7 @@ class DraftModelPool(DraftPool):
         pending, self._pending = [p for p in self._pending if id(p.drafter) in attached], []
         self._pending_by_draft = {}
         for p in pending:
-            p.drafter.cut_by_plan = p.budget < p.asked  # until drafting shows the cap was not reached
+            p.cut_by_plan = p.budget < p.asked  # until drafting shows the cap was not reached
         pending = [p for p in pending if p.budget > 0]
         if not pending:
             return
@@ -148,21 +165,21 @@ class DraftModelPool(DraftPool):
             if self.pricing is not None:
                 self.pricing.record_forward(time.perf_counter() - started)
             for j, i in enumerate(active):
-                pending[i].drafter.cached.append(fed_tokens[j])
+                self.slots[rows[i]].tokens.append(fed_tokens[j])
             logits = torch.zeros(len(pending), step.shape[-1])
             logits[active] = step
         for p in pending:
             if p.probs:
                 p.draft.probs = torch.stack(p.probs)  # [k, vocab] when sampling
             # Cut by the plan only if drafting went on to the cap (the drafter's own stop may have come first).
-            p.drafter.stopped_itself = len(p.draft.tokens) < p.budget + p.extra
-            p.drafter.cut_by_plan = p.drafter.cut_by_plan and not p.drafter.stopped_itself
+            p.stopped_itself = len(p.draft.tokens) < p.budget + p.extra
+            p.cut_by_plan = p.cut_by_plan and not p.stopped_itself
 
-    def head_for(self, pending: list[_Pending]) -> SubsetHead | None:
+    def head_for(self, pending: list[DraftRequest]) -> SubsetHead | None:
         """The LM head this flush's forwards use: the whole vocabulary here (cross_vocab_model.py may restrict it)."""
         return None
 
-    def _catch_up(self, pending: list[_Pending], rows: list[int], head: SubsetHead | None = None) -> torch.Tensor:
+    def _catch_up(self, pending: list[DraftRequest], rows: list[int], head: SubsetHead | None = None) -> torch.Tensor:
         """Roll each row's slot back to what it shares with the accepted tokens and feed the rest (>= 1 token,
         the last accepted one, whose logits give the first draft token). -> [b, vocab]
 
@@ -170,12 +187,11 @@ class DraftModelPool(DraftPool):
         lack one token, they would pad every row to the backlog's length."""
         new_tokens = []
         for p, row in zip(pending, rows):
-            d = p.drafter
-            keep = min(common_prefix_length(d.cached, p.tokens, d.synced), len(p.tokens) - 1)
+            slot = self.slots[row]
+            keep = min(common_prefix_length(slot.tokens, p.tokens, slot.synced), len(p.tokens) - 1)
             self.cache.set_length(row, keep)
             new_tokens.append(list(p.tokens[keep:]))
-            d.cached = list(p.tokens)
-            d.synced = len(p.tokens)
+            slot.tokens, slot.synced = list(p.tokens), len(p.tokens)
         longest_keep = max(self.cache.lengths[r] for r in rows)
         self._ensure_capacity(longest_keep + max(len(t) for t in new_tokens) + CAPACITY_SLACK)
         logits: list[torch.Tensor | None] = [None] * len(rows)
@@ -229,15 +245,8 @@ class PooledDrafter(Drafter):
         self.pool = pool
         self.length = DraftLength(num_tokens, adaptive=adaptive, minimum=1, maximum=min(max_tokens, CAPACITY_SLACK),
                                   growth="step")
-        self._proposed: Draft | None = None  # this step's draft as offered (the loop may verify fewer of its tokens)
-        # Whether the step's plan or the request's end stopped the drafting (the pool sets it when it flushes): a
-        # fully accepted draft then says nothing about a longer one.
-        self.cut_by_plan = False
-        # Whether the drafter's own stop (a confidence rule, slem) ended the draft before its length did: then the
-        # draft says nothing about the length, whether it was accepted or not.
-        self.stopped_itself = False
-        self.cached: list[int] = []  # tokens whose keys/values this row's draft slot holds (kept by the pool)
-        self.synced = 0  # cached[:synced] is known to equal the accepted sequence
+        # this step's request as the pool filled it (the loop may verify fewer of its draft's tokens); None: no draft
+        self._asked: DraftRequest | None = None
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -246,9 +255,8 @@ class PooledDrafter(Drafter):
     def _request(self, tokens: Sequence[int], budget: int, extra: int = 0) -> Draft:
         """Ask the pool for up to `budget` tokens after `tokens` (filled in place when the pool flushes), and
         `extra` more drafter tokens that add no verified token."""
-        self.cut_by_plan = self.stopped_itself = False
-        self._proposed = self.pool.request(self, tokens, budget, extra, self.length.current) if budget > 0 else None
-        return self._proposed if self._proposed is not None else Draft(tokens=[], source=SOURCE)
+        self._asked = self.pool.request(self, tokens, budget, extra, self.length.current) if budget > 0 else None
+        return self._asked.draft if self._asked is not None else Draft(tokens=[], source=SOURCE)
 
     @abstractmethod
     def choose(self, logits: torch.Tensor, probs: list[torch.Tensor]) -> tuple[int | None, bool]:
@@ -256,10 +264,11 @@ class PooledDrafter(Drafter):
         may go on after it); None ends the draft before this position."""
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        if draft.source != SOURCE or self.stopped_itself:
+        asked = self._asked
+        if draft.source != SOURCE or (asked is not None and asked.stopped_itself):
             return
-        proposed = len(self._proposed.tokens) if self._proposed is not None else None
-        if self.cut_by_plan and proposed is not None:
+        proposed = len(asked.draft.tokens) if asked is not None else None
+        if asked is not None and asked.cut_by_plan:
             proposed += 1  # the plan ended the draft: the drafter would have gone on
         self.length.update(len(draft), num_accepted, proposed)
 
