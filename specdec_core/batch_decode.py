@@ -36,7 +36,7 @@ from .prefill_plan import default_budget, next_forward, worth_reusing
 from .prefix_cache import PrefixCache
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
-from .verification import VerifyResult, verify_rows
+from .verification import ConditionalRule, VerifyResult, check_rule, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
@@ -51,6 +51,7 @@ class DecodeRequest:
     drafter: Drafter
     context_ids: list[int] | None = None
     turns_after: int = 0  # a conversation's turns still to come once this one ends (each up to max_new_tokens)
+    rule: ConditionalRule | None = None  # a lossy method's verification rule (its spec's, methods.py); None: exact
 
 
 @dataclass
@@ -171,6 +172,7 @@ class BatchDecoder:
             request = self.waiting[0]
             try:
                 check_prompt(self.target, request.prompt_ids)
+                check_rule(request.rule, request.params.sampling)
             except Exception as exc:
                 self.waiting.popleft()
                 self.finished.append((request, f"{type(exc).__name__}: {exc}"))
@@ -482,7 +484,7 @@ class BatchDecoder:
     def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None,
                 step_ids: torch.Tensor | None = None) -> None:
         results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
-                              [r.state.generator for r in rows], step_ids)
+                              [r.state.generator for r in rows], step_ids, [r.request.rule for r in rows])
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)
         self.stats.steps += 1

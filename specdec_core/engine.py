@@ -8,7 +8,7 @@ continuous-batching loop; `generate_ids` is its one-request case.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -168,7 +168,9 @@ class Engine:
             check_index_tokenizer(options.retrieval_index, self.tokenizer, self.config.model)
             self.checked_indexes.add(options.retrieval_index)
         drafter = spec.build_drafter(options, decoder.draft_pool)
-        return DecodeRequest(item.key, list(item.prompt_ids), item.params, drafter, item.context_ids)
+        rule = None if spec.verification is None else replace(  # p(EOS) is the target's
+            spec.verification(options), eos_ids=tuple(sorted(self.target.eos_token_ids)))
+        return DecodeRequest(item.key, list(item.prompt_ids), item.params, drafter, item.context_ids, rule=rule)
 
     def decode_batch(
         self,

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .drafters.draft_model import DraftModelDrafter, DraftModelPool
     from .drafters.retrieval import RetrievalTreeDrafter
     from .drafters.suffix import SuffixDrafter
+    from .verification import ConditionalRule
 
 
 class MethodOptions(BaseModel):
@@ -81,6 +82,8 @@ DEFAULT_DRAFT_TOKENS = 4  # a draft model's tokens per step when the method has 
 # The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
 # drafter of one decoder shares it, so the draft model steps all their rows in one forward.
 DrafterFactory = Callable[[MethodOptions, "DraftModelPool | None"], "Drafter"]
+# A lossy method's verification rule, from its options (None in MethodSpec: drafts are verified exactly).
+RuleFactory = Callable[[MethodOptions], "ConditionalRule"]
 
 
 @dataclass(frozen=True)
@@ -91,17 +94,19 @@ class MethodSpec:
     needs_draft_model: bool = False
     lossless: bool = True
     uses_job_memory: bool = False  # its decoders get the engine's job memory for the method (job_memory.py)
+    verification: RuleFactory | None = None  # how its drafts are verified: None exactly, else by this lossy rule
 
 
 METHODS: dict[str, MethodSpec] = {}
 
 
 def register(name: str, description: str, needs_draft_model: bool = False, lossless: bool = True,
-             uses_job_memory: bool = False):
+             uses_job_memory: bool = False, verification: RuleFactory | None = None):
     def wrap(factory: DrafterFactory) -> DrafterFactory:
         if name in METHODS:
             raise ValueError(f"method {name!r} registered twice")
-        METHODS[name] = MethodSpec(name, description, factory, needs_draft_model, lossless, uses_job_memory)
+        METHODS[name] = MethodSpec(name, description, factory, needs_draft_model, lossless, uses_job_memory,
+                                   verification)
         return factory
 
     return wrap
@@ -124,9 +129,10 @@ def get_method(name: str) -> MethodSpec:
         raise UnknownMethodError(f"unknown method {name!r}; choose one of: {', '.join(METHODS)}") from None
 
 
-def register_lossy(name: str, description: str):
-    """A lossy method: its rows say lossy = true and reports keep them apart from the exact ones."""
-    return register(name, description, lossless=False)
+def register_lossy(name: str, description: str, verification: RuleFactory):
+    """A lossy method, its drafts verified by `verification`'s rule: its rows say lossy = true and reports keep them
+    apart from the exact ones."""
+    return register(name, description, lossless=False, verification=verification)
 
 
 @register("ar", "plain autoregressive decoding with a KV cache (the baseline)")
@@ -166,25 +172,31 @@ def _pld_plus_a(options: MethodOptions, draft_model: DraftModelPool | None) -> D
 def _casd_strict(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
     from .drafters.casd import ContextTreeDrafter
 
-    return ContextTreeDrafter(None, options.tree_nodes)
+    return ContextTreeDrafter(options.tree_nodes)
+
+
+def _casd_rule(options: MethodOptions) -> ConditionalRule:
+    from .verification import ConditionalRule
+
+    return ConditionalRule(options.casd_delta)
+
+
+def _casd_mixed_rule(options: MethodOptions) -> ConditionalRule:
+    from .verification import ConditionalRule
+
+    return ConditionalRule(options.casd_delta, options.casd_top_k)
 
 
 @register_lossy("casd", "CASD: context draft trees, a node accepted when p(token) > max(delta, p(EOS)) and its "
-                        "parent was (LOSSY: it may differ from ar; greedy only)")
+                        "parent was (LOSSY: it may differ from ar; greedy only)", _casd_rule)
 def _casd(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
-    from .drafters.casd import ContextTreeDrafter
-    from .verification import ConditionalRule
-
-    return ContextTreeDrafter(ConditionalRule(options.casd_delta), options.tree_nodes)
+    return _casd_strict(options, draft_model)
 
 
 @register_lossy("casd_mixed", "CASD (mixed): as casd, and the token must be in the top-k of the target's "
-                              "distribution (LOSSY; greedy only)")
+                              "distribution (LOSSY; greedy only)", _casd_mixed_rule)
 def _casd_mixed(options: MethodOptions, draft_model: DraftModelPool | None) -> Drafter:
-    from .drafters.casd import ContextTreeDrafter
-    from .verification import ConditionalRule
-
-    return ContextTreeDrafter(ConditionalRule(options.casd_delta, options.casd_top_k), options.tree_nodes)
+    return _casd_strict(options, draft_model)
 
 
 @register("spectra", "SPECTRA-CORE: guesses from forward/backward n-gram dictionaries that a pool of W rows, "

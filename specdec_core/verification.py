@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_tree import children_of, depths
+from .errors import BadRequestError
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -36,6 +37,13 @@ class ConditionalRule:
     delta: float = 0.1
     top_k: int | None = None
     eos_ids: tuple[int, ...] = ()
+
+
+def check_rule(rule: ConditionalRule | None, sampling: SamplingParams) -> None:
+    """A request verified by the conditional rule must decode greedily (BadRequestError otherwise)."""
+    if rule is not None and not sampling.greedy:
+        raise BadRequestError("casd and casd_mixed verify by a lossy rule defined for greedy decoding only: use "
+                              "temperature 0, or casd_strict to sample")
 
 
 @dataclass(frozen=True)
@@ -240,12 +248,13 @@ def accept_greedy_chains(step_ids: torch.Tensor, real: torch.Tensor, argmax: tor
 
 
 def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
-                generators: list[torch.Generator], step_ids: torch.Tensor | None = None) -> list[VerifyResult]:
+                generators: list[torch.Generator], step_ids: torch.Tensor | None = None,
+                rules: list[ConditionalRule | None] | None = None) -> list[VerifyResult]:
     """Verify every row of a batched step. logits [N, vocab]: row r's k_r + 1 rows, in row order (chain: after the
     pending token and each draft token; tree: per node). Greedy rows share one argmax over the whole [N, vocab];
     with step_ids ([B, T], the step's input ids before any are replaced) greedy chains are verified as one tensor
     operation, and the step copies one tensor to the host. Sampling rows use their own generator, so a seeded row
-    draws the same numbers whatever shares its batch."""
+    draws the same numbers whatever shares its batch. rules: each row's lossy rule (None: exact; default all)."""
     argmax = torch.argmax(logits, dim=-1)  # [N]
     chains = None
     if step_ids is not None and step_ids.shape[1] == 1:  # no row drafted: a greedy row takes its argmax
@@ -263,8 +272,9 @@ def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParam
     results, offset = [], 0
     for row, (draft, params, generator) in enumerate(zip(drafts, sampling, generators)):
         count = 1 + len(draft.tokens)
-        if draft.rule is not None:  # CASD's lossy conditional verification (greedy-only requests)
-            result = verify_conditional(draft.parents, draft.tokens, logits[offset: offset + count], draft.rule)
+        rule = rules[row] if rules is not None else None
+        if rule is not None:  # CASD's lossy conditional verification (greedy-only requests)
+            result = verify_conditional(draft.parents, draft.tokens, logits[offset: offset + count], rule)
         elif params.greedy:
             if draft.parents is None:
                 result = VerifyResult(*(chains[row] if chains is not None

@@ -33,7 +33,6 @@ class Draft:
     parents: list[int] | None = None  # tree: parent draft index of each token (-1 = the pending token)
     # Per-token source when one draft mixes sources (history and context branches of one tree); else `source`.
     token_sources: list[str] | None = None
-    rule: object = None  # verification.ConditionalRule: verify this draft by CASD's lossy rule (None: exactly)
     # Draft indices whose next-token logits the drafter reads (DRAFT_LOGITS in Drafter.reads): nodes it adds to learn
     # from the target's forward (SPECTRA's pool rows), verified like any other node.
     probes: list[int] | None = None
@@ -73,7 +72,6 @@ class Draft:
                      probs=self.probs[:length] if self.probs is not None else None,
                      parents=self.parents[:length] if self.parents is not None else None,
                      token_sources=self.token_sources[:length] if self.token_sources is not None else None,
-                     rule=self.rule,
                      probes=[p for p in self.probes if p < length] if self.probes is not None else None)
 
     def probe_nodes(self) -> set[int]:

@@ -6,19 +6,17 @@ each of its occurrences (up to `max_occurrences`, spread evenly), and merges the
 most frequent nodes form the draft tree: REST's exact-match retrieval (He et al., 2024), which the paper uses.
 
 The tree is verified either exactly (`casd_strict`: lossless, greedy or sampling, the REST-style context tree) or by
-the paper's conditional rule (`casd` / `casd_mixed`: lossy, greedy only; verification.ConditionalRule).
+the paper's conditional rule (`casd` / `casd_mixed`: lossy, greedy only): the method's spec chooses the rule
+(methods.py, verification.ConditionalRule); the drafter only retrieves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
 from ..draft_tree import frequency_trie
-from ..errors import BadRequestError
-from ..verification import ConditionalRule
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, empty_draft
 from .suffix_array import SuffixArray, shared_suffix_array
 
@@ -27,11 +25,10 @@ PROMPT_POOL_SOURCE = "copy"  # a row without a context retrieves from its own pr
 
 class ContextTreeDrafter(Drafter):
 
-    def __init__(self, rule: ConditionalRule | None = None, node_budget: int = 32, depth: int = 10,
-                 max_match: int = 16, min_match: int = 2, max_occurrences: int = 64):
+    def __init__(self, node_budget: int = 32, depth: int = 10, max_match: int = 16, min_match: int = 2,
+                 max_occurrences: int = 64):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
-        self.rule = rule
         self.node_budget = node_budget
         self.depth = depth
         self.max_match = max_match
@@ -42,11 +39,6 @@ class ContextTreeDrafter(Drafter):
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        if self.rule is not None:
-            if request.sampling is not None and not request.sampling.greedy:
-                raise BadRequestError("casd and casd_mixed verify by a lossy rule defined for greedy decoding only: "
-                                      "use temperature 0, or casd_strict to sample")
-            self.rule = replace(self.rule, eos_ids=tuple(sorted(request.eos_token_ids)))
         if request.context_ids:
             self.index, self.source = shared_suffix_array(request.context_ids), CONTEXT_SOURCE
         else:
@@ -71,7 +63,7 @@ class ContextTreeDrafter(Drafter):
         draft_tokens, parents = frequency_trie(self.retrieve(tokens, self.depth), budget)
         if not draft_tokens:
             return empty_draft()
-        return Draft(tokens=draft_tokens, source=self.source, from_context=True, parents=parents, rule=self.rule)
+        return Draft(tokens=draft_tokens, source=self.source, from_context=True, parents=parents)
 
     def finish(self) -> None:
         self.index = None

@@ -21,7 +21,7 @@ class RetrievalTreeDrafter(ContextTreeDrafter):
 
     def __init__(self, corpus, node_budget: int = 32, depth: int = 10, max_match: int = 16, min_match: int = 2,
                  max_occurrences: int = 64):
-        super().__init__(None, node_budget, depth, max_match, min_match, max_occurrences)
+        super().__init__(node_budget, depth, max_match, min_match, max_occurrences)
         self.corpus = corpus
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:

@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 import torch
 
+from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import frequency_trie
 from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.casd import ContextTreeDrafter
 from specdec_core.drafters.suffix_array import SuffixArray, build_suffix_array
+from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
 from specdec_core.sampling import SamplingParams
 from specdec_core.verification import ConditionalRule, verify_conditional
+from tests.tiny_models import tiny_llama
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -93,7 +96,7 @@ def test_conditional_rule_takes_the_deepest_acceptable_tree_path():
     assert (result.path, result.next_token) == ((2,), 1)
 
 
-def test_drafter_retrieves_a_tree_from_the_context_and_refuses_sampling():
+def test_drafter_retrieves_a_tree_from_the_context():
     context = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 2, 3, 4, 5, 7]
     drafter = ContextTreeDrafter(node_budget=8, depth=3)
     drafter.start([8, 2, 3, 4], RequestContext(prompt_len=3, context_ids=context))
@@ -104,20 +107,36 @@ def test_drafter_retrieves_a_tree_from_the_context_and_refuses_sampling():
     without_context = ContextTreeDrafter()
     without_context.start([1, 2, 3, 1, 2], RequestContext(prompt_len=4))
     assert without_context.propose([1, 2, 3, 1, 2], 10).tokens == [3, 1]  # from the prompt [1, 2, 3, 1]
-    lossy = ContextTreeDrafter(ConditionalRule(0.1))
+
+
+def test_the_lossy_methods_spec_chooses_the_rule_and_it_refuses_sampling():
+    """casd and casd_mixed verify by the conditional rule their spec builds from the options (the drafter only
+    retrieves, as casd_strict's does); the engine gives it the target's EOS ids; a sampling request is refused."""
+    from specdec_core.methods import MethodOptions, get_method
+    from specdec_core.verification import check_rule
+
+    options = MethodOptions(casd_delta=0.2, casd_top_k=3)
+    assert get_method("casd").verification(options) == ConditionalRule(0.2)
+    assert get_method("casd_mixed").verification(options) == ConditionalRule(0.2, top_k=3)
+    assert get_method("casd_strict").verification is None and get_method("pld").verification is None
+    assert type(get_method("casd").build_drafter(options, None)) is ContextTreeDrafter
     with pytest.raises(BadRequestError, match="greedy"):
-        lossy.start([1, 2], RequestContext(prompt_len=1, sampling=SamplingParams(temperature=0.7)))
-    lossy.start([1, 2], RequestContext(prompt_len=1, eos_token_ids=frozenset({2, 0}), context_ids=[1, 2, 5]))
-    assert lossy.rule.eos_ids == (0, 2)
+        check_rule(ConditionalRule(0.1), SamplingParams(temperature=0.7))
+    check_rule(ConditionalRule(0.1), SamplingParams())
+    check_rule(None, SamplingParams(temperature=0.7))
+    target = tiny_llama()
+    target.eos_token_ids = frozenset({2, 0})
+    engine = Engine.from_runners(target)
+    item = BatchItem(0, [1, 2, 3], DecodeParams(max_new_tokens=4))
+    decoder = engine.decoder(batch_size=1)
+    assert engine.request(item, "casd", options, decoder).rule == ConditionalRule(0.2, eos_ids=(0, 2))
+    assert engine.request(item, "casd_strict", options, decoder).rule is None
 
 
 @pytest.mark.slow
 def test_lossy_casd_on_the_real_model_flags_its_rows_and_refuses_sampling(engine):
     """casd copies answers out of the context under its conditional rule: its rows are marked lossy, it accepts
     context tokens, and a sampling request is one clear error row (the batch goes on)."""
-    from specdec_core.decode import DecodeParams
-    from specdec_core.engine import BatchItem
-
     context = ("The Zephyr bridge opened in 1931. It is 1,204 metres long and carries two railway tracks and a road. "
                "Its designer, Ada Brennan, also built the harbour lighthouse in 1925.")
     question = f"Passages:\n{context}\n\nQuestion: Who designed the Zephyr bridge, and what else did she build?"
