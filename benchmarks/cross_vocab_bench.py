@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--drafter", default="smollm2-135m")
@@ -53,83 +53,110 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system once per round, rounds interleaved; ratios are taken within a round "
                              "(single passes on these CPUs vary by 10 %%: interleaved ones share the slow spells)")
+    return parser
+
+
+def main() -> int:
+    parser = _parser()
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     import torch
 
-    from benchmarks.batch_bench import hardware
-    from corpora.code_edit import humaneval_rows
-    from specdec_core.decode import DecodeParams
     from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.sampling import SamplingParams
+    from specdec_core.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter,
                                  drafter_dtype=args.drafter_dtype))
-    target, draft = engine.target, engine.draft_model
-    if args.workload == "humaneval":
-        prompts = [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-                   for row in humaneval_rows(args.requests)]
-    else:
-        from benchmarks.batch_bench import workload_items
-
-        prompts = [item.prompt_ids for item in workload_items(engine, args.workload, args.requests, 1, 1)]
-    overlap = engine.vocab_mapping().overlap() if not engine.same_vocabulary else None
-
-    from specdec_core.engine import BatchItem
-    from specdec_core.methods import MethodOptions
-
-    def ours(method, confidence=0.0):
-        options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive, draft_confidence=confidence)
-        outputs, started, forwards = [], time.perf_counter(), 0
-        for index, ids in enumerate(prompts):  # batch 1, one request after the other
-            params = DecodeParams(max_new_tokens=args.max_new_tokens,
-                                  sampling=SamplingParams(temperature=args.temperature, seed=index))
-            [(_, result)] = list(engine.decode_batch([BatchItem(0, ids, params)], method, options, batch_size=1,
-                                                     speculation_budget=not args.no_budget))
-            outputs.append(result["output_token_ids"])
-            forwards += result["target_forwards"]
-        return outputs, time.perf_counter() - started, forwards
-
-    from specdec_core.model_runner import ModelRunner
-
+    draft = engine.draft_model
     peer_draft = draft if args.peer_drafter_dtype in (None, draft.dtype_name) else \
         ModelRunner.load(args.drafter, args.peer_drafter_dtype, "cpu")
+    prompts = _prompts(engine, args)
+    systems = _systems(engine, peer_draft, prompts, args)
+    _warm_up(engine, prompts[0])
+    chosen = [key for name in args.systems for key in systems if key == name or key.startswith(name + "@")]
+    rounds = _run_rounds(systems, chosen, args.rounds)
+    _report(engine, peer_draft, prompts, chosen, rounds, args)
+    return 0
 
-    def hf(assisted: bool):
-        outputs, started = [], time.perf_counter()
-        extra = {"assistant_model": peer_draft.model, "tokenizer": target.tokenizer,
-                 "assistant_tokenizer": peer_draft.tokenizer} if assisted else {}
-        with torch.inference_mode():
-            for ids in prompts:
-                out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                            do_sample=False, max_new_tokens=args.max_new_tokens,
-                                            min_new_tokens=args.max_new_tokens, pad_token_id=target.tokenizer.pad_token_id
-                                            or 0, **extra)
-                outputs.append(out[0, len(ids):].tolist())
-        return outputs, time.perf_counter() - started, None
 
-    results = {}
-    systems = {"ar": lambda: ours("ar")}
+def _prompts(engine, args) -> list[list[int]]:
+    """HumanEval's raw completion prompts, or a batch_bench workload's chat-templated ones."""
+    if args.workload == "humaneval":
+        from corpora.code_edit import humaneval_rows
+
+        return [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+                for row in humaneval_rows(args.requests)]
+    from benchmarks.batch_bench import workload_items
+
+    return [item.prompt_ids for item in workload_items(engine, args.workload, args.requests, 1, 1)]
+
+
+def _systems(engine, peer_draft, prompts: list[list[int]], args) -> dict:
+    """{name: a callable that decodes every prompt at batch 1 -> (outputs, wall seconds, target forwards or None)}:
+    ours per method (and per draft confidence when several are given), HF greedy and HF's universal assisted
+    generation."""
+    systems = {"ar": lambda: _ours(engine, prompts, args, "ar")}
     for name in ("slem", "tli", "union", "slrs"):
         for value in args.draft_confidence:
             systems[name if len(args.draft_confidence) == 1 else f"{name}@conf{value}"] = \
-                (lambda name=name, value=value: ours(name, value))
-    systems.update(hf_greedy=lambda: hf(False), hf_universal_assisted=lambda: hf(True))
-    # Warm-up, untimed: the first forwards of a process are slow (measured: a cold `ar` ran at 0.70x HF greedy, a
-    # warm one at 0.93x), and the first system timed would pay for it.
-    warm = DecodeParams(max_new_tokens=4)
-    engine.generate_ids(prompts[0], "ar", warm)
-    engine.generate_ids(prompts[0], "slem", warm)
+                (lambda name=name, value=value: _ours(engine, prompts, args, name, value))
+    systems.update(hf_greedy=lambda: _hf(engine.target, None, prompts, args.max_new_tokens),
+                   hf_universal_assisted=lambda: _hf(engine.target, peer_draft, prompts, args.max_new_tokens))
+    return systems
+
+
+def _ours(engine, prompts: list[list[int]], args, method: str, confidence=0.0):
+    from specdec_core.decode import DecodeParams
+    from specdec_core.engine import BatchItem
+    from specdec_core.methods import MethodOptions
+    from specdec_core.sampling import SamplingParams
+
+    options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive, draft_confidence=confidence)
+    outputs, started, forwards = [], time.perf_counter(), 0
+    for index, ids in enumerate(prompts):  # batch 1, one request after the other
+        params = DecodeParams(max_new_tokens=args.max_new_tokens,
+                              sampling=SamplingParams(temperature=args.temperature, seed=index))
+        [(_, result)] = list(engine.decode_batch([BatchItem(0, ids, params)], method, options, batch_size=1,
+                                                 speculation_budget=not args.no_budget))
+        outputs.append(result["output_token_ids"])
+        forwards += result["target_forwards"]
+    return outputs, time.perf_counter() - started, forwards
+
+
+def _hf(target, assistant, prompts: list[list[int]], max_new_tokens: int):
+    """HF greedy `generate` at batch 1, with `assistant` (a ModelRunner) as its universal assisted drafter if given."""
+    import torch
+
+    outputs, started = [], time.perf_counter()
+    extra = {"assistant_model": assistant.model, "tokenizer": target.tokenizer,
+             "assistant_tokenizer": assistant.tokenizer} if assistant is not None else {}
     with torch.inference_mode():
-        target.model.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=4,
-                              attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long),
-                              pad_token_id=target.tokenizer.pad_token_id or 0)
-    chosen = [key for name in args.systems for key in systems if key == name or key.startswith(name + "@")]
-    rounds: list[dict] = []
-    for round_index in range(args.rounds):
+        for ids in prompts:
+            out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                        pad_token_id=target.tokenizer.pad_token_id or 0, **extra)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs, time.perf_counter() - started, None
+
+
+def _warm_up(engine, prompt: list[int]) -> None:
+    """Untimed: the first forwards of a process are slow (a cold `ar` ran at 0.70x HF greedy, a warm one at 0.93x),
+    and the first system timed would pay for it."""
+    from specdec_core.decode import DecodeParams
+
+    warm = DecodeParams(max_new_tokens=4)
+    engine.generate_ids(prompt, "ar", warm)
+    engine.generate_ids(prompt, "slem", warm)
+    _hf(engine.target, None, [prompt], 4)
+
+
+def _run_rounds(systems: dict, chosen: list[str], rounds: int) -> list[dict]:
+    """Every chosen system once per round, rounds interleaved -> [{system: its results}] per round."""
+    results_by_round: list[dict] = []
+    for round_index in range(rounds):
         results = {}
         for name in chosen:
             outputs, wall, forwards = systems[name]()
@@ -139,8 +166,16 @@ def main() -> int:
                              "outputs": outputs}
             print(json.dumps({"round": round_index, "system": name,
                               **{k: v for k, v in results[name].items() if k != "outputs"}}), flush=True)
-        rounds.append(results)
-    print(f"\n# {args.model} <- {args.drafter} ({draft.dtype_name}; the HF peer's {peer_draft.dtype_name}), dtype {target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
+        results_by_round.append(results)
+    return results_by_round
+
+
+def _report(engine, peer_draft, prompts, chosen: list[str], rounds: list[dict], args) -> None:
+    from benchmarks.batch_bench import hardware
+
+    overlap = engine.vocab_mapping().overlap() if not engine.same_vocabulary else None
+    print(f"\n# {args.model} <- {args.drafter} ({engine.draft_model.dtype_name}; the HF peer's "
+          f"{peer_draft.dtype_name}), dtype {engine.target.dtype_name}, {hardware('cpu')}, {len(prompts)} "
           f"{args.workload} prompts x {args.max_new_tokens} new tokens, batch 1, {args.rounds} round(s) interleaved, "
           f"ours at T={args.temperature:g}; {args.draft_tokens or 'the method default of'} drafter tokens per step"
           f"{', adaptive' if args.adaptive else ''}"
@@ -149,19 +184,18 @@ def main() -> int:
           f"{overlap}\n")
     print("| system | tok/s (mean) | x ar per round | x HF assisted per round | x HF assisted, median | MAL | = ar |\n"
           "|---|---|---|---|---|---|---|")
+    reference = rounds[0]["ar"]["outputs"] if "ar" in chosen and not args.temperature else None
     for name in chosen:
         runs = [r[name] for r in rounds]
         over_ar = [r[name]["tok_s"] / r["ar"]["tok_s"] for r in rounds] if "ar" in chosen else []
         over_peer = [r[name]["tok_s"] / r["hf_universal_assisted"]["tok_s"] for r in rounds] \
             if "hf_universal_assisted" in chosen else []
-        reference = rounds[0]["ar"]["outputs"] if "ar" in chosen and not args.temperature else None
         same = (f"{sum(a[: len(b)] == b[: len(a)] for run in runs for a, b in zip(run['outputs'], reference))}/"
                 f"{len(prompts) * len(runs)}" if reference is not None else "n/a")
         mal = sorted(run["mean_accepted_length"] for run in runs if run["mean_accepted_length"])
         print(f"| {name} | {sum(run['tok_s'] for run in runs) / len(runs):.2f} | {_listed(over_ar)} | "
               f"{_listed(over_peer)} | {f'{statistics.median(over_peer):.2f}' if over_peer else ''} | "
               f"{', '.join(f'{m:g}' for m in mal)} | {same} |")
-    return 0
 
 
 def _confidence(text: str) -> float | str:
