@@ -332,53 +332,12 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
                                  drafter_dtype=args.drafter_dtype))
-    device = engine.target.device
-    drafter = ""
-    if args.drafter:
-        overlap = None if engine.same_vocabulary else engine.vocab_mapping().overlap()
-        shares = (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%} of the target's "
-                  "vocabulary)") if overlap else ""
-        drafter = f", drafter {args.drafter} ({engine.draft_model.dtype_name}){shares}"
-    header = (f"{args.model}{drafter}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
-              f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
-              + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))
+    header = _header(engine, args)
     print(f"# {header}", flush=True)
     report = {"header": header, "workloads": {}}
     for workload in args.workload:
-        items = workload_items(engine, workload, args.requests, args.max_new_tokens, max(args.batch_sizes),
-                               args.compress_context)
-        references = workload_references(workload, args.requests)
-        memory_seed = None
-        if args.memory_seed:  # other documents of the workload (the rows after the timed ones)
-            others = workload_items(engine, workload, args.memory_seed, args.max_new_tokens, max(args.batch_sizes),
-                                    args.compress_context, skip=args.requests)
-            memory_seed = [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar",
-                                                                                 batch_size=max(args.batch_sizes))
-                           if not r["error"]]
-        if workload == args.workload[0]:
-            warm_up(engine, items, args.methods, memory_seed, max(args.batch_sizes))
-        results, hf_outputs = [], {}
-        if not args.no_hf:
-            for size in args.batch_sizes:
-                result, hf_outputs[size] = run_hf(engine, items, size, args.max_new_tokens)
-                results.append(result)
-                print(json.dumps({"workload": workload, **result}), flush=True)
-        for round_number in range(1, args.rounds + 1):
-            for method_text in args.methods:
-                for size in method_sizes(method_text, args.batch_sizes):
-                    results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references,
-                                            memory_seed))
-                    results[-1]["round"] = round_number
-                    print(json.dumps({"workload": workload, **results[-1]}), flush=True)
-        for r in results:
-            r["tokens_per_s"] = r["new_tokens"] / r["wall_s"]
-        report["workloads"][workload] = results
-        first_round = [r for r in results if r.get("round", 1) == 1]
-        print(f"\n## {workload} ({len(items)} requests{', turn 2' if workload == 'multi_turn' else ''})\n\n"
-              f"{table(first_round)}\n", flush=True)
-        if args.rounds > 1:
-            print(f"{rounds_table(results)}\n", flush=True)
-    if device.startswith("cuda"):
+        report["workloads"][workload] = run_workload(engine, workload, args, warm=workload == args.workload[0])
+    if engine.target.device.startswith("cuda"):
         report["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak process memory {report['peak_rss_mib']:.0f} MiB"
@@ -386,6 +345,60 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _header(engine, args) -> str:
+    """The run's first line: models, dtype, device, CPU flags, sizes."""
+    device = engine.target.device
+    drafter = ""
+    if args.drafter:
+        overlap = None if engine.same_vocabulary else engine.vocab_mapping().overlap()
+        shares = (f" (shares {overlap['shared']:,} tokens: {overlap['shared_of_target']:.1%} of the target's "
+                  "vocabulary)") if overlap else ""
+        drafter = f", drafter {args.drafter} ({engine.draft_model.dtype_name}){shares}"
+    return (f"{args.model}{drafter}, dtype {engine.target.dtype_name}, device {device}, {hardware(device)}, "
+            f"{args.requests} requests per workload, {args.max_new_tokens} new tokens, one run"
+            + (f", context compressed {args.compress_context:g}x" if args.compress_context else ""))
+
+
+def run_workload(engine, workload: str, args, warm: bool) -> list[dict]:
+    """HF at each batch size, then every method at its sizes once per round (rounds interleaved); prints each result
+    as a JSON line and the workload's tables -> the results."""
+    biggest = max(args.batch_sizes)
+    items = workload_items(engine, workload, args.requests, args.max_new_tokens, biggest, args.compress_context)
+    references = workload_references(workload, args.requests)
+    memory_seed = _memory_seed(engine, workload, args) if args.memory_seed else None
+    if warm:
+        warm_up(engine, items, args.methods, memory_seed, biggest)
+    results, hf_outputs = [], {}
+    if not args.no_hf:
+        for size in args.batch_sizes:
+            result, hf_outputs[size] = run_hf(engine, items, size, args.max_new_tokens)
+            results.append(result)
+            print(json.dumps({"workload": workload, **result}), flush=True)
+    for round_number in range(1, args.rounds + 1):
+        for method_text in args.methods:
+            for size in method_sizes(method_text, args.batch_sizes):
+                results.append(run_ours(engine, items, method_text, size, hf_outputs.get(size), references,
+                                        memory_seed))
+                results[-1]["round"] = round_number
+                print(json.dumps({"workload": workload, **results[-1]}), flush=True)
+    for r in results:
+        r["tokens_per_s"] = r["new_tokens"] / r["wall_s"]
+    first_round = [r for r in results if r.get("round", 1) == 1]
+    print(f"\n## {workload} ({len(items)} requests{', turn 2' if workload == 'multi_turn' else ''})\n\n"
+          f"{table(first_round)}\n", flush=True)
+    if args.rounds > 1:
+        print(f"{rounds_table(results)}\n", flush=True)
+    return results
+
+
+def _memory_seed(engine, workload: str, args) -> list[list[int]]:
+    """`ar`'s outputs (untimed) for other documents of the workload (the rows after the timed ones)."""
+    biggest = max(args.batch_sizes)
+    others = workload_items(engine, workload, args.memory_seed, args.max_new_tokens, biggest, args.compress_context,
+                            skip=args.requests)
+    return [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar", batch_size=biggest) if not r["error"]]
 
 
 if __name__ == "__main__":
