@@ -126,31 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     runners = shaped_runners(args.shape, args.device, dtype, args.fast_forward)
-    runner = next(iter(runners.values()))
     n = args.prompt_tokens
     prompts = [repetitive_prompt(seed, n // 2 + (seed * 37) % max(1, n)) for seed in range(args.batch_size)]
-    alone = [hf(runner, [p], 8)[1][0] for p in prompts[:4]]
-    same = {}
-    for label, each in runners.items():
-        *_, tokens = ours(each, prompts[:4], 8, 4)
-        same[label] = sum(a == b for a, b in zip(tokens, alone))
-        if dtype == torch.float32:
-            assert same[label] == 4, f"{label} must equal HF greedy in fp32"
-    for each in runners.values():  # untimed: a GPU's first forwards of each shape pay for kernel choice and loading
-        ours(each, prompts, 8, args.batch_size)
-    hf(runner, prompts, 8)
-    ours_s = {label: [] for label in runners}
-    ours_pass = {label: [] for label in runners}
-    agree, hf_s = {}, []
-    for _ in range(args.rounds):
-        outputs = {}
-        for label, each in runners.items():
-            seconds, whole, outputs[label] = ours(each, prompts, args.new_tokens, args.batch_size)
-            ours_s[label].append(seconds)
-            ours_pass[label].append(whole)
-        seconds, hf_tokens = hf(runner, prompts, args.new_tokens)
-        hf_s.append(seconds)
-        agree = {label: sum(a == b for a, b in zip(tokens, hf_tokens)) for label, tokens in outputs.items()}
+    same = _equal_alone(runners, prompts[:4], dtype)
+    ours_s, ours_pass, hf_s, agree = _rounds(runners, prompts, args)
+    runner = next(iter(runners.values()))
     print(f"{hardware(args.device)}, dtype {args.dtype}, random {args.shape} "
           f"({runner.model.config.num_hidden_layers} layers, hidden {runner.model.config.hidden_size}), "
           f"batch {args.batch_size}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
@@ -167,15 +147,56 @@ def main(argv: list[str] | None = None) -> int:
               f"whole pass, prefill included, per new token: {min(ours_pass[label]) * 1e3:.2f} ms, "
               f"{min(hf_s) / min(ours_pass[label]):.2f}x HF")
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
-        for label, each in runners.items():
-            with profile(activities=activities) as prof:
-                ours(each, prompts, 16, args.batch_size)
-            print(label)
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        _profile(runners, prompts, args)
     return 0
+
+
+def _equal_alone(runners: dict, prompts: list[list[int]], dtype: torch.dtype) -> dict:
+    """{label: how many of `prompts` its batched ar decodes (8 tokens) as HF greedy does each alone}; every one in
+    fp32."""
+    alone = [hf(next(iter(runners.values())), [p], 8)[1][0] for p in prompts]
+    same = {}
+    for label, each in runners.items():
+        *_, tokens = ours(each, prompts, 8, len(prompts))
+        same[label] = sum(a == b for a, b in zip(tokens, alone))
+        if dtype == torch.float32:
+            assert same[label] == len(prompts), f"{label} must equal HF greedy in fp32"
+    return same
+
+
+def _rounds(runners: dict, prompts: list[list[int]], args) -> tuple[dict, dict, list, dict]:
+    """Each of ours, then HF, once per round after an untimed warm-up of each -> ({label: seconds per step per
+    round}, {label: whole-pass seconds per new token per round}, HF's seconds per step per round, {label: rows equal
+    to HF's padded batch in the last round})."""
+    runner = next(iter(runners.values()))
+    for each in runners.values():  # untimed: a GPU's first forwards of each shape pay for kernel choice and loading
+        ours(each, prompts, 8, args.batch_size)
+    hf(runner, prompts, 8)
+    ours_s = {label: [] for label in runners}
+    ours_pass = {label: [] for label in runners}
+    agree, hf_s = {}, []
+    for _ in range(args.rounds):
+        outputs = {}
+        for label, each in runners.items():
+            seconds, whole, outputs[label] = ours(each, prompts, args.new_tokens, args.batch_size)
+            ours_s[label].append(seconds)
+            ours_pass[label].append(whole)
+        seconds, hf_tokens = hf(runner, prompts, args.new_tokens)
+        hf_s.append(seconds)
+        agree = {label: sum(a == b for a, b in zip(tokens, hf_tokens)) for label, tokens in outputs.items()}
+    return ours_s, ours_pass, hf_s, agree
+
+
+def _profile(runners: dict, prompts: list[list[int]], args) -> None:
+    """torch.profiler's table of 16 steps of each of ours (with the GPU's kernels on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    for label, each in runners.items():
+        with profile(activities=activities) as prof:
+            ours(each, prompts, 16, args.batch_size)
+        print(label)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":
