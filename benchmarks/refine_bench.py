@@ -71,7 +71,7 @@ def raw_forward_seconds(runner, token_lists, window: int, overlap: int, tokens_p
         return time.perf_counter() - started
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", default="corpus:aclsum")
     parser.add_argument("--glob", default="*.txt")
@@ -85,7 +85,11 @@ def main() -> int:
     parser.add_argument("--keep-fraction", type=float, default=0.5)
     parser.add_argument("--rows-per-call", type=int, default=1024, help="the job's texts per actor call")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved raw / job rounds (default %(default)s)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
 
     import torch
 
@@ -95,7 +99,6 @@ def main() -> int:
     torch.set_num_threads(os.cpu_count() or 1)  # the job's one actor gets round(CPUs - 0.5) threads: all of them
     runner = ModelRunner.load(args.model, args.dtype, "cpu")
     token_lists = corpus_tokens(args.input, args.limit, runner.tokenizer, args.glob)
-    tokens = sum(len(t) for t in token_lists)
     dtype = runner.dtype_name  # what --dtype auto became (the job's actor resolves it the same way)
     print(f"# {args.model}, dtype {dtype}, {hardware('cpu')}, window {args.window}, overlap {args.overlap}, "
           f"{args.tokens_per_forward} tokens per forward, {args.rows_per_call} texts per call, "
@@ -103,30 +106,9 @@ def main() -> int:
     rounds = []
     for index in range(args.rounds):
         raw_s = raw_forward_seconds(runner, token_lists, args.window, args.overlap, args.tokens_per_forward)
-        output = Path(args.output) / f"round{index + 1}"
-        started = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), "--input", args.input,
-                               "--glob", args.glob, "--limit", str(args.limit), "--output", str(output), "--model",
-                               args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
-                               str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
-                               "--keep-fraction", str(args.keep_fraction), "--rows-per-call", str(args.rows_per_call)],
-                              capture_output=True, text=True, cwd=ROOT)
-        job_s = time.perf_counter() - started
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
+        result = _job_round(args, index, raw_s, token_lists)
+        if result is None:
             return 1
-        summary = json.loads(proc.stdout.strip().splitlines()[-1])
-        steady_tokens, steady_s = steady_state(output)
-        result = {"round": index + 1, "input": args.input, "texts": len(token_lists), "tokens": tokens,
-                  "job_tokens": summary["tokens"], "raw_forward_s": round(raw_s, 1),
-                  "raw_tok_s": round(tokens / raw_s, 1), "job_wall_s": round(job_s, 1),
-                  "job_tok_s": round(tokens / job_s, 1), "job_scoring_s": summary["scoring_s"],
-                  "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
-                  "steady_tok_s": round(steady_tokens / steady_s, 1) if steady_s else None,
-                  "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
-                  "steady_vs_raw": round(steady_tokens / steady_s / (tokens / raw_s), 3) if steady_s else None,
-                  "kept": summary["kept"], "kept_tokens": summary["kept_tokens"],
-                  "max_kept_ppl": summary["max_kept_ppl"]}
         rounds.append(result)
         print(json.dumps(result), flush=True)
     for name, label in (("job_vs_raw", "job end to end"), ("scoring_vs_raw", "its scoring stage"),
@@ -135,6 +117,36 @@ def main() -> int:
         print(f"{label}: {', '.join(f'{v:.2f}' for v in values)}x raw"
               + (f" (median {statistics.median(values):.2f})" if values else ""))
     return 0
+
+
+def _job_round(args, index: int, raw_s: float, token_lists: list) -> dict | None:
+    """Run the refinement job once into OUTPUT/round<index + 1> -> its timings against the raw forwards' `raw_s`
+    (None, with its stderr printed, if the job failed)."""
+    output = Path(args.output) / f"round{index + 1}"
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "refine_corpus.py"), "--input", args.input,
+                           "--glob", args.glob, "--limit", str(args.limit), "--output", str(output), "--model",
+                           args.model, "--dtype", args.dtype, "--window", str(args.window), "--overlap",
+                           str(args.overlap), "--tokens-per-forward", str(args.tokens_per_forward),
+                           "--keep-fraction", str(args.keep_fraction), "--rows-per-call", str(args.rows_per_call)],
+                          capture_output=True, text=True, cwd=ROOT)
+    job_s = time.perf_counter() - started
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return None
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    steady_tokens, steady_s = steady_state(output)
+    tokens = sum(len(t) for t in token_lists)
+    return {"round": index + 1, "input": args.input, "texts": len(token_lists), "tokens": tokens,
+            "job_tokens": summary["tokens"], "raw_forward_s": round(raw_s, 1),
+            "raw_tok_s": round(tokens / raw_s, 1), "job_wall_s": round(job_s, 1),
+            "job_tok_s": round(tokens / job_s, 1), "job_scoring_s": summary["scoring_s"],
+            "job_scoring_tok_s": round(tokens / summary["scoring_s"], 1),
+            "steady_tok_s": round(steady_tokens / steady_s, 1) if steady_s else None,
+            "job_vs_raw": round(raw_s / job_s, 3), "scoring_vs_raw": round(raw_s / summary["scoring_s"], 3),
+            "steady_vs_raw": round(steady_tokens / steady_s / (tokens / raw_s), 3) if steady_s else None,
+            "kept": summary["kept"], "kept_tokens": summary["kept_tokens"],
+            "max_kept_ppl": summary["max_kept_ppl"]}
 
 
 def steady_state(output: Path) -> tuple[int, float]:
