@@ -80,12 +80,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    import torch
-
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.retrieval_index import check_index_tokenizer
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", nargs="+", default=["summarization"], choices=WORKLOADS)
     parser.add_argument("--requests", type=int, default=100, help="requests per workload")
@@ -100,6 +95,16 @@ def main() -> int:
     parser.add_argument("--outputs", default=None, metavar="FILE",
                         help="keep the greedy outputs in this JSON file: a later run with the same workloads, model "
                              "and dtype reads them instead of decoding again")
+    return parser
+
+
+def main() -> int:
+    import torch
+
+    from specdec_core.engine import Engine, EngineConfig
+    from specdec_core.retrieval_index import check_index_tokenizer
+
+    parser = _parser()
     args = parser.parse_args()
     indexes = {}
     for spec in args.index:
@@ -122,18 +127,7 @@ def main() -> int:
     saved = json.loads(Path(args.outputs).read_text()) if args.outputs and Path(args.outputs).is_file() else {}
     for workload in args.workload:
         items = workload_items(engine, workload, args.requests, args.max_new_tokens, args.batch_size)
-        started = time.perf_counter()
-        tag = f"{workload}/{args.model}/{engine.target.dtype_name}/{args.max_new_tokens}"
-        outputs = saved.get(tag, {})
-        if any(str(item.key) not in outputs for item in items):
-            outputs = {str(key): ids for key, ids in greedy_outputs(engine, items, args.batch_size).items()}
-            saved[tag] = outputs
-            if args.outputs:
-                Path(args.outputs).write_text(json.dumps(saved))
-            how = f"{time.perf_counter() - started:.0f} s of batched ar"
-        else:
-            how = f"read from {args.outputs}"
-        outputs = {item.key: outputs[str(item.key)] for item in items}
+        outputs, how = _greedy_outputs(engine, workload, items, saved, args)
         print(f"\n## {workload}: {len(items)} requests, {sum(map(len, outputs.values()))} greedy tokens "
               f"({how})\n", flush=True)
         results = {name: replay_index(items, outputs, directory, args.max_new_tokens, args.tree_nodes)
@@ -143,6 +137,23 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _greedy_outputs(engine, workload: str, items: list, saved: dict, args) -> tuple[dict, str]:
+    """Every item's greedy output, read from --outputs' file when it holds them all, else decoded by batched ar (and
+    saved there) -> ({item key: ids}, where they came from)."""
+    started = time.perf_counter()
+    tag = f"{workload}/{args.model}/{engine.target.dtype_name}/{args.max_new_tokens}"
+    outputs = saved.get(tag, {})
+    if any(str(item.key) not in outputs for item in items):
+        outputs = {str(key): ids for key, ids in greedy_outputs(engine, items, args.batch_size).items()}
+        saved[tag] = outputs
+        if args.outputs:
+            Path(args.outputs).write_text(json.dumps(saved))
+        how = f"{time.perf_counter() - started:.0f} s of batched ar"
+    else:
+        how = f"read from {args.outputs}"
+    return {item.key: outputs[str(item.key)] for item in items}, how
 
 
 if __name__ == "__main__":
