@@ -101,28 +101,37 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
         for t in range(max(first, last), end):
             for g in range(group):
                 out[r, t, h * group + g, :] = 0.0
-        if last <= first:
-            continue
-        count, length = last - first, lengths[r]
-        n = length + last  # keys the block's last token sees; the others see a prefix of them
-        width = (n + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL)
-        rows = group * count  # the group's query heads stacked: row g x count + i is head g's token first + i
-        queries = np.empty((rows, half), dtype=np.uint32)
-        for g in range(group):
-            for i in range(count):
-                queries[g * count + i, :] = q[r, first + i, h * group + g, :]
-        scores = np.empty((rows, width), dtype=np.float32)
-        product(queries, key_pack[r, h], scores, rows, width // PANEL)
-        weights = np.empty((rows, width // 2), dtype=np.uint32)
-        halves = weights.view(np.uint16)
-        totals = np.empty(rows, dtype=np.float32)
-        for row in range(rows):
-            seen = length + first + row % count + 1
-            totals[row] = softmax_to_bf16(scores[row], seen, width, scale, halves[row])
-        sums = np.empty((rows, columns * PANEL), dtype=np.float32)
-        product(weights, value_pack[r, h], sums, rows, columns)
-        for g in range(group):
-            for i in range(count):
-                inverse = np.float32(1.0) / totals[g * count + i]
-                for x in range(dim):
-                    out[r, first + i, h * group + g, x] = sums[g * count + i, x] * inverse
+        if last > first:
+            _attend_block(q[r], key_pack[r, h], value_pack[r, h], h, first, last, lengths[r], group, dim, scale,
+                          out[r])
+
+
+@njit(cache=True)
+def _attend_block(q, key_pack, value_pack, h, first, last, length, group, dim, scale, out):  # pragma: no cover
+    """One row's tokens first .. last - 1 for key/value head h's query heads (attend's task): q uint32 [T, H, d / 2]
+    and out float32 [T, H, d] of that row; key_pack / value_pack its head's repacked keys and values."""
+    half = q.shape[2]
+    columns = value_pack.shape[0]
+    count = last - first
+    n = length + last  # keys the block's last token sees; the others see a prefix of them
+    width = (n + WIDTH * PANEL - 1) // (WIDTH * PANEL) * (WIDTH * PANEL)
+    rows = group * count  # the group's query heads stacked: row g x count + i is head g's token first + i
+    queries = np.empty((rows, half), dtype=np.uint32)
+    for g in range(group):
+        for i in range(count):
+            queries[g * count + i, :] = q[first + i, h * group + g, :]
+    scores = np.empty((rows, width), dtype=np.float32)
+    product(queries, key_pack, scores, rows, width // PANEL)
+    weights = np.empty((rows, width // 2), dtype=np.uint32)
+    halves = weights.view(np.uint16)
+    totals = np.empty(rows, dtype=np.float32)
+    for row in range(rows):
+        seen = length + first + row % count + 1
+        totals[row] = softmax_to_bf16(scores[row], seen, width, scale, halves[row])
+    sums = np.empty((rows, columns * PANEL), dtype=np.float32)
+    product(weights, value_pack, sums, rows, columns)
+    for g in range(group):
+        for i in range(count):
+            inverse = np.float32(1.0) / totals[g * count + i]
+            for x in range(dim):
+                out[first + i, h * group + g, x] = sums[g * count + i, x] * inverse

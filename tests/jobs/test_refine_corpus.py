@@ -25,11 +25,26 @@ def run(*args):
     return run_job("refine_corpus.py", *args)  # in-process, on the session's Ray cluster
 
 
-def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(ray_cluster, tmp_path):
+def assert_index_holds(directory, kept_ids) -> None:
+    """The refined index's manifest names the model and its tokenizer, and its tokens are the kept texts in order
+    (each followed by the separator -1)."""
     from transformers import AutoTokenizer
 
     from specdec_core.model_registry import resolve_model_path
     from specdec_core.retrieval_index import load_index, read_manifest, tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    manifest = read_manifest(directory)
+    assert manifest["refined"] and manifest["texts"] == len(kept_ids) and manifest["model"] == "smollm2-135m"
+    assert manifest["tokenizer"] == tokenizer_fingerprint(tokenizer)
+    expected = []
+    for doc in kept_ids:
+        expected += tokenizer(TEXTS[int(doc[3:])], add_special_tokens=False)["input_ids"] + [-1]
+    assert np.asarray(load_index(str(directory)).tokens).tolist() == expected
+
+
+def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(ray_cluster, tmp_path):
+    from specdec_core.retrieval_index import read_manifest
 
     corpus = tmp_path / "corpus.jsonl"
     lines = [json.dumps({"id": f"doc{i}", "text": t}).encode() for i, t in enumerate(TEXTS)]
@@ -51,16 +66,7 @@ def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(ray_clu
     assert good["kept"].sum() == 3
     assert set(good.nsmallest(3, "ppl").index) == set(good.index[good["kept"]])  # exactly the 3 lowest
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-    manifest = read_manifest(out / "index")
-    assert manifest["refined"] and manifest["texts"] == 3 and manifest["model"] == "smollm2-135m"
-    assert manifest["tokenizer"] == tokenizer_fingerprint(tokenizer)
-    index = load_index(str(out / "index"))
-    kept_ids = good[good["kept"]].sort_values("ppl").index
-    expected = []
-    for doc in kept_ids:
-        expected += tokenizer(TEXTS[int(doc[3:])], add_special_tokens=False)["input_ids"] + [-1]
-    assert np.asarray(index.tokens).tolist() == expected  # the kept texts, lowest perplexity first
+    assert_index_holds(out / "index", good[good["kept"]].sort_values("ppl").index)
 
     # Two more texts: --resume scores only them and re-selects over all; the earlier parts stay as they were.
     parts_before = {p.name: p.stat().st_mtime_ns for p in (out / "scores").glob("part-*.parquet")}

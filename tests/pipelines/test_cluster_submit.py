@@ -31,7 +31,7 @@ except Exception:
 
 @pytest.fixture
 def cluster(tmp_path):
-    """Two Ray nodes of this test's own on this machine: a head and a worker (two raylets), each `ray start --block`
+    """(Over ~50 lines: starting, waiting for and ending two nodes is one sequence whose cleanup must see it all.) Two Ray nodes of this test's own on this machine: a head and a worker (two raylets), each `ray start --block`
     in a new session, stopped by ending their process trees, never `ray stop` (which stops every Ray cluster on the
     machine). Token authentication stays on, with a token in the environment only, and every server listens on
     loopback. The head declares 3 CPUs and the worker 2 (the machine has 2 cores: the nodes share them; after the
@@ -132,7 +132,8 @@ def _quietly(action) -> None:
 
 
 def test_ray_job_submit_uses_both_nodes_and_survives_a_poison_row_a_hung_row_and_a_corrupt_file(cluster, tmp_path):
-    """`ray job submit` of the job with two decode actors, one on each node of the two-node cluster; every row records
+    """(One scenario, over ~50 lines: each job submitted to a fresh two-node cluster costs ~1 minute, so the faults
+    share one run.) `ray job submit` of the job with two decode actors, one on each node of the two-node cluster; every row records
     the node that decoded it, and the report counts rows per node. The job meets three faults: row r2 kills its
     decode actor's process
     whenever it is decoded, mid-call (as a native crash, an OOM kill or a lost node would; the batch is tried twice,
