@@ -364,10 +364,6 @@ class SpeculationBudget:
             return 1 << 30
         return max(1, self.token_budget // max(rows, 1)) - 1
 
-    def choose_width(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0) -> int:
-        """The step's width T (1 = no drafts verified) under `plan`."""
-        return 1 + max(self.plan(reaches, estimates, context), default=0)
-
     def plan(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0,
              left: list[int] | None = None) -> list[int]:
         """Draft nodes each row verifies this step (0 = none). reaches[r][n - 1] = the deepest path row r's draft

@@ -12,6 +12,11 @@ def chain(k):
     return list(range(1, k + 1))
 
 
+def choose_width(budget, reaches, estimates, context=0) -> int:
+    """The step's width T (1 = no drafts verified) under the budget's plan."""
+    return 1 + max(budget.plan(reaches, estimates, context), default=0)
+
+
 def budget(cost, **kwargs):
     """A budget with a known cost function; the tests of its arithmetic take any plan that beats a plain step."""
     return SpeculationBudget(cost=StepCostModel(fixed=cost), **{"min_advantage": 1.0, **kwargs})
@@ -26,37 +31,37 @@ def test_expected_tokens_is_the_geometric_sum():
 def test_cheap_wide_steps_and_good_acceptance_verify_whole_drafts():
     flat = budget(lambda rows, width: 1.0 + 0.01 * width)
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
-    assert flat.choose_width([chain(8)] * 4, high) == 9
+    assert choose_width(flat, [chain(8)] * 4, high) == 9
 
 
 def test_expensive_width_or_poor_acceptance_falls_back_to_plain_decoding():
     steep = budget(lambda rows, width: float(width))  # cost grows with every token: drafts never pay
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
-    assert steep.choose_width([chain(8)] * 4, high) == 1
+    assert choose_width(steep, [chain(8)] * 4, high) == 1
     flat = budget(lambda rows, width: 1.0 + 0.1 * (width - 1))
     low = [AcceptanceEstimate(accepted=0, rejections=50)] * 4
-    assert flat.choose_width([chain(8)] * 4, low) == 1
+    assert choose_width(flat, [chain(8)] * 4, low) == 1
 
 
 def test_no_drafts_and_token_budget():
     flat = budget(lambda rows, width: 1.0)
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
-    assert flat.choose_width([[], [], [], []], high) == 1
+    assert choose_width(flat, [[], [], [], []], high) == 1
     capped = budget(lambda rows, width: 1.0, token_budget=12)
-    assert capped.choose_width([chain(8)] * 4, high) == 3  # 4 rows x 3 tokens <= 12
+    assert choose_width(capped, [chain(8)] * 4, high) == 3  # 4 rows x 3 tokens <= 12
     off = budget(lambda rows, width: float(width), enabled=False)
-    assert off.choose_width([chain(5), chain(2)], high) == 6
+    assert choose_width(off, [chain(5), chain(2)], high) == 6
 
 
 def test_a_new_row_starts_from_the_pooled_acceptance():
     b = budget(lambda rows, width: 1.0 + 0.2 * (width - 1))
     for _ in range(50):
         b.observe(AcceptanceEstimate(), drafted=4, accepted=0)  # the decoder's rows never accept
-    assert b.choose_width([chain(4)], [AcceptanceEstimate()]) == 1
+    assert choose_width(b, [chain(4)], [AcceptanceEstimate()]) == 1
     good = budget(lambda rows, width: 1.0 + 0.2 * (width - 1))
     for _ in range(50):
         good.observe(AcceptanceEstimate(), drafted=4, accepted=4)
-    assert good.choose_width([chain(4)], [AcceptanceEstimate()]) == 5
+    assert choose_width(good, [chain(4)], [AcceptanceEstimate()]) == 5
 
 
 def test_long_drafts_with_modest_acceptance_are_cut_to_the_width_that_pays():
@@ -64,11 +69,11 @@ def test_long_drafts_with_modest_acceptance_are_cut_to_the_width_that_pays():
     # (16 x 1.4 tokens for 1.0), although no row proposed exactly 1 token.
     cost = budget(lambda rows, width: 1.0 if width <= 2 else 1.0 + 0.3 * (width - 1))
     modest = [AcceptanceEstimate(accepted=40, rejections=60)] * 16
-    assert cost.choose_width([chain(10)] * 16, modest) == 2
+    assert choose_width(cost, [chain(10)] * 16, modest) == 2
 
 
 def test_incremental_gain_equals_the_geometric_sums():
-    """choose_width builds E(T) width by width; a brute-force argmax over the closed form must agree (trees too)."""
+    """The plan builds E(T) width by width; a brute-force argmax over the closed form must agree (trees too)."""
     import random
 
     from specdec_core.draft_tree import prefix_depths
@@ -84,7 +89,7 @@ def test_incremental_gain_equals_the_geometric_sums():
         estimates = [AcceptanceEstimate(accepted=rng.randint(0, 9), rejections=rng.randint(0, 9)) for _ in range(rows)]
         slope = rng.uniform(0.0, 0.5)
         cost = lambda rows, width: 1.0 + slope * (width - 1)  # noqa: E731
-        chosen = budget(cost).choose_width(reaches, estimates)
+        chosen = choose_width(budget(cost), reaches, estimates)
         prior = AcceptanceEstimate().rate(prior=0.5)
         rates = [e.rate(prior) for e in estimates]
         longest = max(len(r) for r in reaches)
@@ -174,9 +179,9 @@ def test_when_padding_is_skipped_a_row_with_poor_acceptance_verifies_nothing_bes
 def test_the_first_step_of_a_bucket_is_plain_and_sets_the_unit():
     b = SpeculationBudget()
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 4
-    assert b.choose_width([chain(8)] * 4, high, context=100) == 1
+    assert choose_width(b, [chain(8)] * 4, high, context=100) == 1
     b.record_step(4, 1, tokens=4, seconds=0.10, context=100)
-    assert b.choose_width([chain(8)] * 4, high, context=100) > 1  # prior slope 0.15, acceptance 0.9: drafts pay
+    assert choose_width(b, [chain(8)] * 4, high, context=100) > 1  # prior slope 0.15, acceptance 0.9: drafts pay
 
 
 def test_context_buckets_grow_by_four():
@@ -189,17 +194,17 @@ def test_measured_payoff_shrinks_speculation_that_loses_to_plain_steps():
     b = budget(lambda rows, width: 1.0 + 0.02 * width)
     estimates = [AcceptanceEstimate(accepted=8, rejections=2)] * 4
     reaches = [chain(4)] * 4
-    assert b.choose_width(reaches, estimates) == 5
+    assert choose_width(b, reaches, estimates) == 5
     b.record_step(4, 1, tokens=4, seconds=0.10)  # plain: 40 tok/s
     for _ in range(30):
         b.record_step(4, 5, tokens=6, seconds=0.30)  # speculative: 20 tok/s
     assert b.payoff.penalty[4] == 16
     b.record_step(4, 1, tokens=4, seconds=0.10)  # a plain step: no probe is due now
-    assert not b.payoff.probe_due(4) and b.choose_width(reaches, estimates) == 1
+    assert not b.payoff.probe_due(4) and choose_width(b, reaches, estimates) == 1
     # Only plain steps from here: the penalty decays slowly, so drafting is tried again later.
     for _ in range(200):
         b.record_step(4, 1, tokens=4, seconds=0.10)
-    assert b.payoff.penalty[4] == 1.0 and b.choose_width(reaches, estimates) == 5
+    assert b.payoff.penalty[4] == 1.0 and choose_width(b, reaches, estimates) == 5
 
 
 def test_measured_payoff_leaves_winning_speculation_alone_and_probes_plain_steps():
@@ -209,20 +214,20 @@ def test_measured_payoff_leaves_winning_speculation_alone_and_probes_plain_steps
     b.record_step(4, 1, tokens=4, seconds=0.10)  # 40 tok/s
     chosen = []
     for _ in range(40):
-        width = b.choose_width(reaches, estimates)
+        width = choose_width(b, reaches, estimates)
         chosen.append(width)
         b.record_step(4, width, tokens=4 if width == 1 else 12, seconds=0.10 if width == 1 else 0.12)  # 100 tok/s
     assert b.payoff.penalty.get(4, 1.0) == 1.0
     assert chosen.count(1) == 1 and chosen.count(5) == 39  # one probe in 40 steps once drafting clearly pays
-    assert budget(lambda rows, width: 1.0, check_payoff=False).choose_width(reaches, estimates) == 5
+    assert choose_width(budget(lambda rows, width: 1.0, check_payoff=False), reaches, estimates) == 5
 
 
 def test_rows_whose_drafts_were_refused_are_explored_now_and_then():
     b = budget(lambda rows, width: float(width))  # width costs in proportion: the model never drafts
     estimates = [AcceptanceEstimate(accepted=0, rejections=5)] * 4
-    widths = [b.choose_width([chain(4)] * 4, estimates) for _ in range(32)]
+    widths = [choose_width(b, [chain(4)] * 4, estimates) for _ in range(32)]
     assert widths.count(2) == 2 and widths[15] == 2 and widths[31] == 2 and set(widths) == {1, 2}
-    assert budget(lambda rows, width: float(width), explore_every=0).choose_width([chain(4)] * 4, estimates) == 1
+    assert choose_width(budget(lambda rows, width: float(width), explore_every=0), [chain(4)] * 4, estimates) == 1
 
 
 def test_refused_drafting_rests_until_the_next_exploring_step():
@@ -233,9 +238,9 @@ def test_refused_drafting_rests_until_the_next_exploring_step():
     plan = []  # per step: (proposed?, width)
     for _ in range(32):
         if b.drafting_due():
-            plan.append((True, b.choose_width([chain(4)] * 4, estimates)))
+            plan.append((True, choose_width(b, [chain(4)] * 4, estimates)))
         else:
-            plan.append((False, b.choose_width([[]] * 4, estimates)))  # no drafts: width 1
+            plan.append((False, choose_width(b, [[]] * 4, estimates)))  # no drafts: width 1
     proposed = [p for p, _ in plan]
     assert proposed[:4] == [True] * 4 and proposed[4:15] == [False] * 11 and proposed[15]
     assert [w for _, w in plan].count(2) == 2 and plan[15] == (True, 2) and plan[31] == (True, 2)
