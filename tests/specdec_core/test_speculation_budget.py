@@ -335,3 +335,47 @@ def test_a_budget_for_a_target_prices_its_forwards_as_they_run():
     assert budget.ragged and budget.gather_share == 0.4 and budget.token_budget == 32
     Target.ragged = None
     assert not SpeculationBudget.for_target(Target()).ragged
+
+
+@pytest.mark.parametrize("by_source", [True, False])
+def test_a_row_keeps_one_acceptance_estimate_per_draft_source(by_source):
+    """A drafter alternating between a source that drafts the target's own continuation and one that drafts wrong
+    tokens: with by_source each source's outcomes go to its own estimate of the row (so the plan prices a draft by
+    its source's record), without it both share the row's one estimate."""
+    from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+    from specdec_core.decode import DecodeParams
+    from specdec_core.drafters.base import Draft, Drafter
+    from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama
+
+    runner = tiny_llama()
+    prompt = repetitive_prompt(3, 20)
+    expected = hf_greedy(runner, prompt, 24)
+
+    class TwoSources(Drafter):
+        steps = 0
+
+        def propose(self, tokens, max_tokens):
+            self.steps += 1
+            done = len(tokens) - len(prompt)  # the pending token is expected[done - 1]
+            right = expected[done:done + 3]
+            if self.steps % 2:
+                return Draft(tokens=right, source="right")
+            return Draft(tokens=[(t + 1) % runner.vocab_size for t in right], source="wrong")
+
+    decoder = BatchDecoder(runner, max_batch=1, budget=SpeculationBudget(enabled=False, by_source=by_source))
+    seen = []
+    observe = decoder.budget.observe
+    decoder.budget.observe = lambda estimate, drafted, accepted: (seen.append((estimate, drafted, accepted)),
+                                                                   observe(estimate, drafted, accepted))
+    decoder.submit(DecodeRequest(0, prompt, DecodeParams(max_new_tokens=24), TwoSources()))
+    [(_, result)] = list(decoder.run())
+    assert result.token_ids == expected
+    right = [entry for entry in seen if entry[2] == entry[1]]
+    wrong = [entry for entry in seen if entry[2] == 0]
+    assert right and wrong and len(right) + len(wrong) == len(seen)
+    estimates = {id(entry[0]) for entry in seen}
+    if by_source:
+        assert len(estimates) == 2 and not {id(e[0]) for e in right} & {id(e[0]) for e in wrong}
+        assert right[-1][0].rate(0.5) > 0.8 > 0.2 > wrong[-1][0].rate(0.5)
+    else:
+        assert len(estimates) == 1
