@@ -63,7 +63,7 @@ def parse_method(text: str):
     options = {}
     for part in filter(None, extra.split(",")):
         key, _, value = part.partition("=")
-        if key in ("budget", "tail", "sources"):  # read by `run_ours`, not method options
+        if key in ("budget", "tail"):  # read by `run_ours`, not method options
             if value not in ("on", "off"):
                 raise ValueError(f"{key}={value!r}: use {key}=on or {key}=off")
             continue
@@ -202,7 +202,6 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
         engine.memory_for(method).seed_sequences(memory_seed)
     decoder = engine.decoder(size, speculation_budget=speculation_budget_on(method_text), method=method)
     decoder.budget.tail_rule = "tail=off" not in method_text.split("@")[0]  # SpeculationBudget.tail_rule
-    decoder.budget.by_source = "sources=off" not in method_text.split("@")[0]  # SpeculationBudget.by_source
     for item in items:
         decoder.submit(engine.request(item, method, options, decoder))
     synchronize(engine.target.device)
@@ -289,8 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "copyspec:adaptive"],
                         help="NAME[:option=value,...][@SIZES], e.g. copyspec:candidates=3 or pld@16,32 (own batch "
                              "sizes); the option budget=off verifies every draft as proposed (no speculation budget), "
-                             "tail=off lets every row draft when nothing waits for a slot (SpeculationBudget.tail_rule), "
-                             "sources=off keeps one acceptance estimate per row, not per draft source (by_source)")
+                             "tail=off lets every row draft when nothing waits for a slot (SpeculationBudget.tail_rule)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every method this many times, interleaved (round 1: each method once, then round "
                              "2, ...), and print each method's per-round ratio to the same round's ar: on a noisy "

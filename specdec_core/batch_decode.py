@@ -59,7 +59,7 @@ class Row:
     request: DecodeRequest
     state: SequenceState
     admitted_at: float
-    acceptance: dict[str, AcceptanceEstimate] = field(default_factory=dict)  # per draft source (or "" for all)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     draft: Draft | None = None
     limit: int = 0  # draft tokens the step verifies (its plan's, or the pinned limit)
     error: str | None = None
@@ -373,8 +373,7 @@ class BatchDecoder:
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
         left = None if self.waiting else [_tokens_left(r) for r in rows]
-        estimates = [self._estimate(r) for r in rows]
-        limits = self.budget.plan(reaches, estimates, context, left) if drafting else [0] * len(rows)
+        limits = self.budget.plan(reaches, [r.acceptance for r in rows], context, left) if drafting else [0] * len(rows)
         for row, fixed, limit, reach in zip(rows, pinned, limits, reaches):
             if limit and not fixed and row.request.drafter.prices_its_length:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
@@ -549,19 +548,11 @@ class BatchDecoder:
             # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
             offered = _reach(draft)[-1] if draft.probes else draft.max_depth
             if offered:  # (an empty draft teaches the acceptance estimates nothing)
-                self.budget.observe(self._estimate(row), offered, min(result.num_accepted, offered))
+                self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
         if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
             row.request.drafter.observe_logits(list(draft.probes), logits[[start + 1 + p for p in draft.probes]])
         if row.request.drafter.proposes:
             row.request.drafter.observe(row.state.tokens, draft, result.num_accepted)
-
-    def _estimate(self, row: Row) -> AcceptanceEstimate:
-        """The row's acceptance estimate for its draft's source (SpeculationBudget.by_source), else its only one."""
-        key = row.draft.source if self.budget.by_source else ""
-        estimate = row.acceptance.get(key)
-        if estimate is None:
-            estimate = row.acceptance[key] = AcceptanceEstimate()
-        return estimate
 
     # ----------------------------------------------------------------------------------------------- retire
     def _retire(self, indices: list[int]) -> None:

@@ -343,9 +343,6 @@ class SpeculationBudget:
     # With nothing waiting for a slot, only rows that can still set the pass's length draft (`plan`'s `left`).
     # False: every row's tokens count as work done then too (benchmarks compare the two).
     tail_rule: bool = True
-    # Each row keeps one acceptance estimate per draft source (a cascade's suffix trees and its copies are accepted
-    # at different rates; so are a row's own tree and the job memory's). False: one per row (benchmarks compare).
-    by_source: bool = True
 
     @classmethod
     def for_target(cls, target, **settings) -> "SpeculationBudget":
