@@ -109,9 +109,9 @@ def _kernel_lines(name: str, load: str) -> list[str]:
 def _compile(dtype: torch.dtype):
     from numba.core import config
 
-    from .model_registry import cache_root
+    from .numba_kernels import numba_cache_dir
 
-    folder = Path(os.environ.get("NUMBA_CACHE_DIR", cache_root() / "numba"))
+    folder = Path(os.environ.get("NUMBA_CACHE_DIR", numba_cache_dir()))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{MODULE_NAME}.py"
     source = kernel_source()

@@ -20,15 +20,14 @@ Where it differs:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..model_registry import cache_root
+from ..numba_kernels import use_numba_cache
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_root() / "numba"))
+use_numba_cache()
 from numba import njit  # noqa: E402  (after the cache directory is set)
 
 # Node table columns: the node's token, its count, its first and last child, its next sibling, its parent.
