@@ -367,7 +367,8 @@ def run_workload(engine, workload: str, args, warm: bool) -> list[dict]:
     biggest = max(args.batch_sizes)
     items = workload_items(engine, workload, args.requests, args.max_new_tokens, biggest, args.compress_context)
     references = workload_references(workload, args.requests)
-    memory_seed = _memory_seed(engine, workload, args) if args.memory_seed else None
+    memory_seed = memory_seed_outputs(engine, workload, args.memory_seed, args.requests, args.max_new_tokens, biggest,
+                                      args.compress_context) if args.memory_seed else None
     if warm:
         warm_up(engine, items, args.methods, memory_seed, biggest)
     results, hf_outputs = [], {}
@@ -393,12 +394,13 @@ def run_workload(engine, workload: str, args, warm: bool) -> list[dict]:
     return results
 
 
-def _memory_seed(engine, workload: str, args) -> list[list[int]]:
-    """`ar`'s outputs (untimed) for other documents of the workload (the rows after the timed ones)."""
-    biggest = max(args.batch_sizes)
-    others = workload_items(engine, workload, args.memory_seed, args.max_new_tokens, biggest, args.compress_context,
-                            skip=args.requests)
-    return [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar", batch_size=biggest) if not r["error"]]
+def memory_seed_outputs(engine, workload: str, count: int, skip: int, max_new_tokens: int, batch_size: int,
+                        compress_context: float | None = None) -> list[list[int]]:
+    """`ar`'s outputs (untimed) for `count` other documents of the workload (the rows after the `skip` timed ones):
+    what a method with the option memory=seed starts its job memory with, as --memory-from seeds a nightly job."""
+    others = workload_items(engine, workload, count, max_new_tokens, batch_size, compress_context, skip=skip)
+    return [r["output_token_ids"] for _, r in engine.decode_batch(others, "ar", batch_size=batch_size)
+            if not r["error"]]
 
 
 if __name__ == "__main__":

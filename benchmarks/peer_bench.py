@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 
-from benchmarks.batch_bench import WORKLOADS, hardware, run_hf, run_ours, warm_up, workload_items  # noqa: E402
+from benchmarks.batch_bench import (  # noqa: E402
+    WORKLOADS, hardware, memory_seed_outputs, parse_method, run_hf, run_ours, warm_up, workload_items,
+)
 
 RESULT_PREFIX = "PEER_RESULT "
 DEFAULT_VLLM_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -68,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld"], help="ours")
+    parser.add_argument("--methods", nargs="+", default=["ar", "copyspec", "pld"],
+                        help="ours, as batch_bench.py names them (NAME[:option=value,...]), e.g. suffix:memory=seed")
+    parser.add_argument("--memory-seed", type=int, default=0, metavar="N",
+                        help="decode N other requests of the workload with ar (untimed): their outputs seed the job "
+                             "memory of our methods given the option memory=seed, as --memory-from seeds a nightly "
+                             "job with last night's outputs (no peer carries a memory from one run to the next)")
     parser.add_argument("--vllm-methods", nargs="+", default=["none", "ngram"], choices=["none", "ngram", "suffix"])
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="vLLM's venv python, or 'none'")
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--json", default=None, help="also write every result here")
     args = parser.parse_args(argv)
+    for text in args.methods:
+        parse_method(text)  # a bad method option fails before the model loads
     vllm_python = None if args.vllm_python == "none" else Path(args.vllm_python)
     if vllm_python is not None and not vllm_python.exists():
         parser.error(f"no vLLM venv at {vllm_python}: run `make peers`, or pass --vllm-python none")
@@ -89,14 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     items = workload_items(engine, args.workload, args.requests, args.max_new_tokens, args.batch_size)
     prompts = [item.prompt_ids for item in items]
     results, reference = [], None
-    warm_up(engine, items, args.methods, batch_size=args.batch_size)
+    memory_seed = memory_seed_outputs(engine, args.workload, args.memory_seed, args.requests, args.max_new_tokens,
+                                      args.batch_size) if args.memory_seed else None
+    warm_up(engine, items, args.methods, memory_seed, batch_size=args.batch_size)
     if not args.no_hf:
         result, outputs = run_hf(engine, items, args.batch_size, args.max_new_tokens)
         reference = [outputs[item.key] for item in items]
         results.append(result)
     for method in args.methods:
         results.append(run_ours(engine, items, method, args.batch_size,
-                                {i.key: r for i, r in zip(items, reference)} if reference else None))
+                                {i.key: r for i, r in zip(items, reference)} if reference else None,
+                                memory_seed=memory_seed))
     del engine  # the peers get the machine's memory
     for method in (args.vllm_methods if vllm_python else []):
         result = run_vllm(vllm_python, str(resolve_model_path(args.model)), prompts, args.max_new_tokens,
