@@ -28,7 +28,8 @@ class SuffixDrafter(Drafter):
         self.memory: JobMemory | None = None
         self.memory_cursor: Cursor | None = None  # the row's suffixes matched in the memory's tree
         self.output: MemorySequence | None = None  # the row's output, as the memory holds it
-        self.seen = 0  # tokens of the row indexed so far
+        self.seen = 0  # tokens of the row indexed so far (its own tree, its memory cursor)
+        self.remembered = 0  # tokens of the row handed to the job memory so far
         self.prompt_len = 0
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
@@ -37,26 +38,33 @@ class SuffixDrafter(Drafter):
         self.own_cursor = self.own.cursor()
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory
-        self.seen = 0
+        self.seen = self.remembered = 0
         if self.memory is not None:
             self.memory_cursor = self.memory.tree.cursor(tokens[max(0, len(tokens) - self.depth):])
             self.output = self.memory.begin()
-        self._sync(tokens, matched=True)
+        self._remember(tokens)
+        self._index(tokens, matched=True)
 
-    def _sync(self, tokens: Sequence[int], matched: bool = False) -> None:
-        if len(tokens) == self.seen:  # propose() after observe() already took this step's tokens
+    def _remember(self, tokens: Sequence[int]) -> None:
+        """The output so far (what follows the prompt) into the job memory, every step: other rows draft from it."""
+        if self.memory is not None and len(tokens) > self.remembered:
+            self.memory.append(self.output, tokens[max(self.remembered, self.prompt_len):])
+        self.remembered = len(tokens)
+
+    def _index(self, tokens: Sequence[int], matched: bool = False) -> None:
+        """The row's own tree and its suffix matches in the memory's tree, brought up to `tokens`: only when it
+        proposes (a row the budget lets draft now and then indexes its tokens a few steps at a time)."""
+        if len(tokens) == self.seen:
             return
         new = tokens[self.seen:]
         self.own.extend(self.own_cursor, new)
-        if self.memory is not None:
-            # The output so far (what follows the prompt) goes into the memory; the row's suffixes are matched there.
-            self.memory.append(self.output, tokens[max(self.seen, self.prompt_len):])
-            if not matched:
-                self.memory.tree.advance(self.memory_cursor, new)
+        if self.memory is not None and not matched:
+            self.memory.tree.advance(self.memory_cursor, new)
         self.seen = len(tokens)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        self._sync(tokens)
+        self._remember(tokens)
+        self._index(tokens)
         best, source = self.own.draft(self.own_cursor, max_tokens, self.factor, self.min_prob), SUFFIX_SOURCE
         if self.memory is not None:
             remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
@@ -67,7 +75,7 @@ class SuffixDrafter(Drafter):
         return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        self._sync(tokens)
+        self._remember(tokens)
 
     def finish(self) -> None:
         if self.memory is not None and self.output is not None:
