@@ -64,9 +64,9 @@ class ModelRunner:
         ragged = RaggedTokens(layers) if on_cpu and layers is not None else None
         self.ragged = ragged if ragged is not None and ragged.hooked else None
         self.grouped_attention = on_cpu and _sdpa_family(config)
-        # fast_forward None: the device's default (on a CPU always; on a GPU see GPU_FAST_FORWARD_ENV)
-        wanted = (self.grouped_attention if on_cpu else gpu_fast_forward()) if fast_forward is None else fast_forward
-        self.fast = FastForward.build(model) if wanted and (on_cpu or _sdpa_family(config)) else None
+        if fast_forward is None:  # the device's default: on a CPU always; on a GPU see GPU_FAST_FORWARD_ENV
+            fast_forward = on_cpu or gpu_fast_forward()
+        self.fast = FastForward.build(model) if fast_forward and _sdpa_family(config) else None
         self._deterministic = False
 
     @property

@@ -79,4 +79,3 @@ class CascadeDrafter(Drafter):
     def finish(self) -> None:
         for drafter in self.candidates:
             drafter.finish()
-
