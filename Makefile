@@ -29,7 +29,7 @@ test: install
 	$(PY) -m pytest -m "not cluster" --durations=25
 
 # Jobs submitted to a two-node Ray cluster the test starts itself (`ray start` x 2, `ray job submit`): a poison row,
-# a hung row and a corrupt file, then a node lost mid-job; ~5 minutes of its own. CI runs it after `make test`.
+# a hung row and a corrupt file, then a node lost mid-job; ~3 minutes of its own. CI runs it after `make test`.
 test-cluster: install
 	$(PY) -m pytest -m cluster --durations=10
 
