@@ -28,15 +28,21 @@ class Report:
 REPORTS: dict[str, Report] = {
     "throughput": Report("Job throughput by method (batched decoding)", f"""
         WITH m AS (SELECT run_id, unnest(method_stats, recursive := true) FROM runs WHERE {RUN_FILTER}),
-             ar AS (SELECT run_id, job_tokens_per_s AS ar_tokens_per_s FROM m WHERE method = 'ar')
+             ar AS (SELECT run_id, job_tokens_per_s AS ar_tokens_per_s, decode_tokens_per_s AS ar_decode_tokens_per_s
+                    FROM m WHERE method = 'ar')
         SELECT m.run_id, method, requests, errors, new_tokens, decode_wall_s, job_tokens_per_s,
-               job_tokens_per_s / ar.ar_tokens_per_s AS x_ar, mean_occupancy,
+               job_tokens_per_s / ar.ar_tokens_per_s AS x_ar, prefill_s, decode_s,
+               100 * prefill_s / nullif(decode_wall_s, 0) AS pct_prefill, prefill_tokens_per_s, decode_tokens_per_s,
+               decode_tokens_per_s / ar.ar_decode_tokens_per_s AS decode_x_ar, mean_occupancy,
                accepted_tokens / nullif(drafted_tokens, 0) AS acceptance_rate, drafted_tokens, accepted_tokens,
                peak_kv_bytes / 1048576.0 AS peak_kv_mib, 100 * prefix_hit_rate AS pct_prefix_hit,
                memory_tokens, 100 * memory_accepted_share AS pct_accepted_from_memory
         FROM m LEFT JOIN ar USING (run_id) ORDER BY m.run_id, method""",
-        "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes, model load excluded); "
-        "x ar = that ÷ ar's in the same run; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
+        "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes; model load and each "
+        "actor's warm-up excluded); x ar = that ÷ ar's in the same run. The wall time splits into prefill (prompts' "
+        "forwards, which no speculation shortens; prefill tokens/s counts prompt tokens the prefix cache did not "
+        "supply) and decode (the rest): decode tokens/s = new tokens ÷ decode s, decode x ar = that ÷ ar's. Each "
+        "method is measured as if it ran alone: its own prefix cache, step costs, acceptance and job memory; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
         "the prefix cache supplied; memory = the job memory's output tokens (suffix, auto) and the share of accepted "
         "draft tokens drafted from it."),
     "runs": Report("Runs", f"""
@@ -47,9 +53,11 @@ REPORTS: dict[str, Report] = {
                count(*) AS requests,
                avg(speedup) AS mean_of_ratios,
                (sum(new_tokens) / sum(wall_s)) / (sum(ar_new_tokens) / sum(ar_wall_s)) AS ratio_of_totals,
+               avg(decode_speedup) AS decode_mean_of_ratios,
                100 * avg(same_output_as_ar::INT) AS pct_same_output_as_ar
         FROM speedups WHERE {RUN_FILTER} GROUP BY ALL ORDER BY task, method""",
-        "tokens/s of the method ÷ tokens/s of ar on the same request in the same run. Same output as ar: "
+        "tokens/s of the method ÷ tokens/s of ar on the same request in the same run (prefill included); decode = "
+        "the same for the tokens after the first (ar's time per output token ÷ the method's). Same output as ar: "
         "guaranteed for lossless methods in fp32, and in bf16 with --deterministic (the dtype and mode columns)."),
     "acceptance": Report("Acceptance by method and task", f"""
         SELECT coalesce(task, '-') AS task, method, count(*) AS requests, sum(new_tokens) AS new_tokens,

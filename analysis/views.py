@@ -21,6 +21,7 @@ from contract.schema import GENERATIONS_SCHEMA, RUNS_SCHEMA
 SPEEDUPS_SQL = """
 SELECT m.run_id, m.task, m.request_id, m.method, m.lossy, m.dtype, coalesce(m.deterministic, false) AS deterministic,
        m.tokens_per_s, a.tokens_per_s AS ar_tokens_per_s, m.tokens_per_s / a.tokens_per_s AS speedup,
+       a.tpot_s / nullif(m.tpot_s, 0) AS decode_speedup,
        m.new_tokens, m.wall_s, a.new_tokens AS ar_new_tokens, a.wall_s AS ar_wall_s,
        m.mean_accepted_length, m.output_token_ids = a.output_token_ids AS same_output_as_ar
 FROM generations m

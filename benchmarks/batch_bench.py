@@ -187,15 +187,10 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
              references: dict | None = None, memory_seed: list | None = None, outputs: dict | None = None) -> dict:
     """One timed pass of a method over `items` at batch `size` -> its result row; `outputs`, when given, gets each
     request's output token ids (None for a row that failed)."""
-    from specdec_core.speculation_budget import StepCostModel
-
     method, options = parse_method(method_text)
     # Every run learns its own step costs and acceptance from its own steps, as a fresh actor would (a job's later
-    # passes reuse them): no method inherits another's cost model.
-    engine.step_costs = StepCostModel()
-    engine.learned.clear()
-    engine.prefix_cache.clear()  # nor another method's prompt prefixes
-    engine.memories.clear()  # nor the outputs of another pass over the same prompts (a job's memory starts empty...
+    # passes reuse them), prefills its own prompts, and starts with an empty job memory...
+    engine.forget()
     if "memory=seed" in method_text:  # ... or holds earlier runs' outputs of other documents: seeded untimed)
         if not memory_seed:
             raise ValueError("memory=seed needs --memory-seed N")

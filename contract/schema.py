@@ -48,6 +48,8 @@ GENERATIONS_SCHEMA = pa.schema([
     # aggregates them per method (job throughput = new tokens / decode wall time).
     ("decode_pass", pa.string()),
     ("pass_wall_s", pa.float64()),
+    # Of pass_wall_s, the seconds in prompts' prefill forwards (the rest is decoding: steps, drafting, verifying).
+    ("pass_prefill_s", pa.float64()),
     ("pass_mean_occupancy", pa.float64()),
     ("pass_peak_kv_bytes", pa.int64()),
     # The pass's prompt tokens, and how many of them the prefix cache supplied instead of a forward.
@@ -65,6 +67,9 @@ GENERATIONS_SCHEMA = pa.schema([
     # The Ray node whose actor decoded the row (null outside Ray): `host` names the machine, which several nodes
     # may share.
     ("node_id", pa.string()),
+    # The decode actor's warm-up before its first timed pass (warm_up.py: kernels compiled or loaded, the first
+    # forwards run), in seconds; in no pass's wall time. Null where the stage did not warm up.
+    ("actor_warmup_s", pa.float64()),
 ])
 
 METHOD_STATS = pa.struct([
@@ -74,6 +79,11 @@ METHOD_STATS = pa.struct([
     ("new_tokens", pa.int64()),
     ("decode_wall_s", pa.float64()),
     ("job_tokens_per_s", pa.float64()),
+    # decode_wall_s = prefill_s + decode_s: the passes' prefill forwards, and the rest (all of speculation's work).
+    ("prefill_s", pa.float64()),
+    ("decode_s", pa.float64()),
+    ("prefill_tokens_per_s", pa.float64()),  # prompt tokens prefilled (prefix hits excluded) / prefill_s
+    ("decode_tokens_per_s", pa.float64()),  # new tokens / decode_s
     ("mean_occupancy", pa.float64()),
     ("drafted_tokens", pa.int64()),
     ("accepted_tokens", pa.int64()),
@@ -98,6 +108,8 @@ RUNS_SCHEMA = pa.schema([
     # Per method of the run (batched decoding): decode_wall_s = the method's decoder passes' wall time summed,
     # divided by the actors that ran them; job_tokens_per_s = new_tokens / decode_wall_s.
     ("method_stats", pa.list_(METHOD_STATS)),
+    # The longest decode actor warm-up of the run (seconds before an actor's first timed pass; warm_up.py).
+    ("warmup_s", pa.float64()),
 ])
 
 PARTITION_COLUMNS = ["run_id", "method"]

@@ -247,7 +247,7 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
         summary = run_generation(config)
     except (RunExistsError, RunLockedError) as exc:
         return report_validation_error(job, exc)
-    print_method_summary(config.output, config.run_id)
+    print_method_summary(config.output, config.run_id, summary.get("warmup_s"))
     print(json.dumps({k: summary[k] for k in ("run_id", "rows_in", "rows_out", "errors", "skipped_pairs")}
                      | {"wall_s": round(summary["wall_s"], 1), "output": config.output}))
     return error_exit_status(job, config, summary)
@@ -285,11 +285,25 @@ def report_validation_error(job: str, exc: Exception) -> int:
     return EXIT_BAD_ARGUMENTS
 
 
-def print_method_summary(output: str, run_id: str) -> None:
-    from pipelines.outputs import method_summary
+def print_method_summary(output: str, run_id: str, warmup_s: float | None = None) -> None:
+    """Per method: job tokens/s over its timed passes and x ar, then the same split into prefill and decode."""
+    from pipelines.outputs import method_stats, method_summary
 
-    for m in method_summary(output, run_id):
-        tps = "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f}"
-        acc = "-" if m["mean_accepted_length"] is None else f"{m['mean_accepted_length']:.2f}"
-        print(f"{m['method']:16s} rows {m['rows']:5d}  errors {m['errors']:4d}  tokens {m['new_tokens']:7d}  "
-              f"tok/s {tps:>6s}  mean accepted length {acc}", file=sys.stderr)
+    accepted = {m["method"]: m["mean_accepted_length"] for m in method_summary(output, run_id)}
+    stats = method_stats(output, run_id)
+    ar = next((m for m in stats if m["method"] == "ar"), None)
+
+    def ratio(m, key):
+        return f"{m[key] / ar[key]:.2f}" if ar and m[key] and ar[key] else "-"
+
+    def number(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    if warmup_s is not None:
+        print(f"warm-up before timing (kernels, first forwards): {warmup_s:.1f} s", file=sys.stderr)
+    for m in stats:
+        print(f"{m['method']:16s} rows {m['requests']:4d}  errors {m['errors']:3d}  tokens {m['new_tokens']:6d}  "
+              f"job tok/s {number(m['job_tokens_per_s']):>6s} (x ar {ratio(m, 'job_tokens_per_s'):>4s})  "
+              f"prefill {number(m['prefill_s'])} s  decode tok/s {number(m['decode_tokens_per_s']):>6s} "
+              f"(x ar {ratio(m, 'decode_tokens_per_s'):>4s})  mean accepted length "
+              f"{number(accepted.get(m['method']), 2)}", file=sys.stderr)

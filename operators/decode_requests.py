@@ -40,6 +40,15 @@ class DecodeRequests:
                                      deterministic=cfg.deterministic, memory_tokens=cfg.memory_tokens,
                                      memory_from=cfg.memory_from))
         self._attach(engine, cfg, journal)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile (or load) every kernel the job's methods use and run the process's first forwards before the
+        first timed pass; its seconds go on each row this actor decodes (`actor_warmup_s`)."""
+        from specdec_core.warm_up import warm_up
+
+        cfg = self.config
+        self.warmup_s = warm_up(self.engine, cfg.methods, cfg.batch_size, cfg.method_options)
 
     @classmethod
     def on_engine(cls, engine, config, journal=None) -> "DecodeRequests":
@@ -54,6 +63,7 @@ class DecodeRequests:
         self.actor_id, self.node_id = _ray_ids()
         # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
         self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
+        self.warmup_s: float | None = None  # warm_up(), when this stage ran it
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.decode import DecodeParams
@@ -78,7 +88,7 @@ class DecodeRequests:
             "prompt_tokens": row.get("prompt_tokens"), "lossy": not spec.lossless, "host": self.host,
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
             "turn": turn, "batch_size": cfg.batch_size, "deterministic": self.engine.target.deterministic,
-            "decode_key": cfg.decode_keys.get(method), "node_id": self.node_id,
+            "decode_key": cfg.decode_keys.get(method), "node_id": self.node_id, "actor_warmup_s": self.warmup_s,
         }
 
     def _error_rows(self, row: dict, method: str, error: str, first_turn: int = 1) -> list[dict]:
@@ -256,7 +266,7 @@ class _MethodPass:
         """The pass's rows, each with the pass's own figures."""
         stats, memory = self.decoder.stats, self.decoder.job_memory
         pass_fields = {"decode_pass": f"{self.stage.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
-                       "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
+                       "pass_prefill_s": stats.prefill_s, "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
                        "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens,
                        "pass_memory_tokens": memory.tokens if memory is not None else None}
         return [{**r, **pass_fields} for r in self.out]

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from .config import GenerationConfig
 from .outputs import (
-    RunLock, clean_temporary_files, count_rows, done_pairs, drop_duplicate_pairs, mark_finished, method_stats,
-    run_dir,
-    write_run_row,
+    RunLock, clean_temporary_files, count_rows, done_pairs, drop_duplicate_pairs, longest_warmup, mark_finished,
+    method_stats, run_dir, write_run_row,
 )
 
 LIGHT_TASK_CPUS = 0.25
@@ -304,6 +303,7 @@ def _run_row(config: GenerationConfig, started_at: datetime, rows_in: int) -> di
         "rows_out": rows_out,
         "errors": errors,
         "method_stats": method_stats(config.output, config.run_id),
+        "warmup_s": longest_warmup(config.output, config.run_id),
     }
 
 

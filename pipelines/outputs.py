@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
@@ -238,6 +239,16 @@ def method_summary(output: str | Path, run_id: str) -> list[dict]:
     return sorted(summary.values(), key=lambda e: e["method"])
 
 
+def longest_warmup(output: str | Path, run_id: str) -> float | None:
+    """The run's longest decode actor warm-up (actor_warmup_s), or None."""
+    path = generations_dir(output) / f"run_id={run_id}"
+    if not path.exists():
+        return None
+    column = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
+        columns=["actor_warmup_s"]).column(0)
+    return pc.max(column).as_py()
+
+
 def method_stats(output: str | Path, run_id: str) -> list[dict]:
     """Per method of one run, the runs row's `method_stats`: job throughput from the decoder passes' wall times.
 
@@ -250,7 +261,7 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         return []
     rows = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
         columns=["method", "new_tokens", "drafted_tokens", "accepted_tokens", "error", "decode_pass", "pass_wall_s",
-                 "pass_mean_occupancy", "pass_peak_kv_bytes", "pass_prompt_tokens", "pass_prefix_hit_tokens",
+                 "pass_prefill_s", "pass_mean_occupancy", "pass_peak_kv_bytes", "pass_prompt_tokens", "pass_prefix_hit_tokens",
                  "pass_memory_tokens", "accepted_by_source", "actor_id"]).to_pylist()
     stats: dict[str, dict] = {}
     for row in rows:
@@ -268,7 +279,8 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         if row["decode_pass"] is not None:
             entry["passes"][row["decode_pass"]] = (row["pass_wall_s"], row["pass_mean_occupancy"],
                                                    row["pass_peak_kv_bytes"], row["pass_prompt_tokens"],
-                                                   row["pass_prefix_hit_tokens"], row["pass_memory_tokens"])
+                                                   row["pass_prefix_hit_tokens"], row["pass_memory_tokens"],
+                                                   row["pass_prefill_s"])
             entry["actor_ids"].add(row["actor_id"])
     out = []
     for entry in sorted(stats.values(), key=lambda e: e["method"]):
@@ -280,8 +292,16 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         prompt_tokens = sum(p[3] or 0 for p in passes)
         memory_accepted = entry.pop("memory_accepted")
         memory_sizes = [p[5] for p in passes if p[5] is not None]
+        timed = [p for p in passes if p[6] is not None]  # (outputs written before prefill was timed apart: none)
+        prefill = sum(p[6] for p in timed) / actors if timed else None
+        decode = sum(p[0] - p[6] for p in timed) / actors if timed else None
+        prefilled = sum((p[3] or 0) - (p[4] or 0) for p in timed)
         out.append({**entry, "decode_wall_s": wall, "actors": actors,
-                    "job_tokens_per_s": entry["new_tokens"] / wall if wall else None, "mean_occupancy": occupancy,
+                    "job_tokens_per_s": entry["new_tokens"] / wall if wall else None,
+                    "prefill_s": prefill, "decode_s": decode,
+                    "prefill_tokens_per_s": prefilled / prefill if prefill else None,
+                    "decode_tokens_per_s": entry["new_tokens"] / decode if decode else None,
+                    "mean_occupancy": occupancy,
                     "peak_kv_bytes": max((p[2] or 0 for p in passes), default=None),
                     "prefix_hit_rate": sum(p[4] or 0 for p in passes) / prompt_tokens if prompt_tokens else None,
                     "memory_tokens": max(memory_sizes) if memory_sizes else None,

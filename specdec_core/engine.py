@@ -83,17 +83,25 @@ class Engine:
         # Another tokenizer: only the cross-vocabulary methods (slem) can use it; `draft` refuses it per request.
         self.same_vocabulary = self.draft_model is None or same_vocabulary(self.target, self.draft_model)
         self._vocab_mapping = None
-        # Step costs are a property of the machine and the model: measured once, shared by every batch.
-        self.step_costs = StepCostModel()
-        # What decoding learned of each method's drafts (acceptance pooled over rows, the clock's verdict on wide
-        # steps, the prices of drafted tokens) carries to the next decoder of that method: a job's actor builds one
-        # decoder per batch of rows, and the one-prompt CLI one per prompt, and priors waste each one's first steps.
+        # What decoding learns carries to the next decoder of the same method (a job's actor builds one per call,
+        # the CLI one per prompt), never to another method: each method's figures are those of it running alone.
+        # Step costs (the clock's model of a step), keyed by method (None: a decoder without one).
+        self.step_costs: dict[str | None, StepCostModel] = {}
+        # Each method's drafts: acceptance pooled over rows, the clock's verdict on wide steps, drafted tokens' prices.
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
-        # Prompt prefixes' keys and values, reused by every decoder of this engine (prefix_cache.py).
+        # Prompt prefixes' keys and values (prefix_cache.py): one bounded store, each method reading only its own.
         self.prefix_cache = PrefixCache()
         # Job memory, one per method that drafts from it, kept for the engine's life (a job's actor: all its calls).
         self.memories: dict[str, JobMemory] = {}
         self._memory_seed: list[list[int]] | None = None
+
+    def forget(self) -> None:
+        """Drop everything decoding learned (step costs, acceptance, prompt prefixes, job memories): the next pass of
+        each method starts as in a new process, its kernels compiled (warm_up.py, the benchmarks)."""
+        self.step_costs.clear()
+        self.learned.clear()
+        self.prefix_cache.clear()
+        self.memories.clear()
 
     @classmethod
     def from_runners(cls, target: ModelRunner, draft_model: ModelRunner | None = None,
@@ -123,11 +131,12 @@ class Engine:
         if method is not None:
             learned = dict(zip(("pooled", "payoff", "pricing"), self.learned.setdefault(
                 method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))))
-        budget = SpeculationBudget.for_target(self.target, cost=self.step_costs, token_budget=token_budget,
+        cost = self.step_costs.setdefault(method, StepCostModel())
+        budget = SpeculationBudget.for_target(self.target, cost=cost, token_budget=token_budget,
                                               enabled=speculation_budget, **learned)
         memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
         return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
-                            prefix_cache=self.prefix_cache, draft_pool=self._draft_pool(budget.pricing),
+                            prefix_cache=self.prefix_cache.scope(method), draft_pool=self._draft_pool(budget.pricing),
                             job_memory=memory)
 
     def _draft_pool(self, pricing: DraftPricing):

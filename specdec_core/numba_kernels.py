@@ -15,16 +15,25 @@ log = logging.getLogger(__name__)
 
 @functools.cache
 def numba_cache_dir() -> str:
-    """$SPECBATCH_CACHE/numba/<digest of every specdec_core source that imports numba>. numba checks a cached function
-    against its own file only, so a kernel whose helper in another file changed (fast_exp.py's peak, say) would load
-    its old machine code; a new digest is a new folder, after an edit here or an upgrade."""
-    root = Path(__file__).resolve().parent
+    """$SPECBATCH_CACHE/numba/<cache_key()>: a new folder after any edit, upgrade or move to another CPU."""
+    return str(cache_root() / "numba" / cache_key())
+
+
+def cache_key(root: Path | None = None) -> str:
+    """A digest of everything the machine code depends on. numba checks a cached function against its own file only,
+    but the kernels compile in constants and helpers from other files (bf16_dot.ROWS, fast_exp's peak, ...): so
+    every specdec_core source, plus the numba and llvmlite versions and the CPU's name and features."""
+    import llvmlite
+    import numba
+    from llvmlite import binding
+
+    root = root or Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        text = path.read_bytes()
-        if b"from numba" in text or b"import numba" in text:
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + text)
-    return str(cache_root() / "numba" / digest.hexdigest()[:16])
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(f"numba {numba.__version__}\0llvmlite {llvmlite.__version__}\0".encode())
+    digest.update(f"{binding.get_host_cpu_name()}\0{binding.get_host_cpu_features().flatten()}".encode())
+    return digest.hexdigest()[:16]
 
 
 def use_numba_cache() -> None:
@@ -32,23 +41,60 @@ def use_numba_cache() -> None:
     os.environ.setdefault("NUMBA_CACHE_DIR", numba_cache_dir())
 
 
+class KernelUnavailableError(RuntimeError):
+    """A kernel failed to compile at a call: it is off from now on, and the forward that called it failed. Run the
+    forward again (warm_up.py does, the decode operator's row-by-row retry does): its torch path answers."""
+
+
 class LazyKernel:
-    """`compile()` once, on the first call; None (and one log line) where numba cannot compile it."""
+    """`compile()` once, on the first call; None (and one log line) where numba cannot compile it. numba compiles a
+    function again at a call with new argument types, inside a forward: each dispatcher `compile()` returns is
+    guarded there too, so a failure there turns the kernel off (one log line, KernelUnavailableError) instead of
+    failing every later forward. Every LazyKernel made is listed in KERNELS."""
 
     def __init__(self, compile, what: str, fallback: str = ""):
         self._compile, self.what, self.fallback = compile, what, fallback
         self._kernel = None
         self.unavailable: str | None = None  # why it could not be compiled
+        KERNELS.append(self)
 
     def __call__(self):
         if self._kernel is None and self.unavailable is None:
             use_numba_cache()
             try:
-                self._kernel = self._compile()
+                kernel = self._compile()
+                for dispatcher in kernel if isinstance(kernel, tuple) else (kernel,):
+                    self._guard(dispatcher)
+                self._kernel = kernel
             except Exception as exc:  # no numba, or no compiler for this machine
-                self.unavailable = f"{type(exc).__name__}: {exc}"
-                log.warning("%s unavailable (%s)%s", self.what, self.unavailable, self.fallback)
+                self._turn_off(exc)
         return self._kernel
+
+    def _turn_off(self, exc: Exception) -> None:
+        self._kernel, self.unavailable = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+        log.warning("%s unavailable (%s)%s", self.what, self.unavailable, self.fallback)
+
+    def _guard(self, dispatcher) -> None:
+        """numba compiles at a call through the dispatcher's own `compile` (its disk cache loads there too)."""
+        if not hasattr(dispatcher, "compile"):
+            return
+        compile = dispatcher.compile
+
+        def guarded(signature):
+            from numba.core.errors import ForceLiteralArg
+
+            try:
+                return compile(signature)
+            except ForceLiteralArg:  # numba's own request to compile again with literal arguments
+                raise
+            except Exception as exc:
+                self._turn_off(exc)
+                raise KernelUnavailableError(f"{self.what} failed to compile: {self.unavailable}") from exc
+
+        dispatcher.compile = guarded
+
+
+KERNELS: list[LazyKernel] = []
 
 
 def use_torch_threads() -> None:

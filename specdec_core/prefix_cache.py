@@ -43,7 +43,7 @@ class _Span:
 
 @dataclass(eq=False)
 class _Block:
-    parent: int | None
+    parent: object  # the parent block's key, or the chain's scope
     tokens: tuple[int, ...]
     span: _Span
     index: int  # in span
@@ -66,9 +66,16 @@ class PrefixCache:
         self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
         self.nbytes = 0
 
-    def _chain(self, prompt: list[int], limit: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(key, parent key, tokens) of the prompt's whole blocks within its first `limit` tokens."""
-        chain, parent = [], None
+    def scope(self, name: object) -> "ScopedPrefixCache":
+        """This store as one reader sees it: only the blocks stored under the same `name` match (a job's methods
+        each prefill their own prompts, so a method's figures never include another's prefill); one byte budget."""
+        return ScopedPrefixCache(self, name)
+
+    def _chain(self, prompt: list[int], limit: int, scope: object = None
+               ) -> list[tuple[int, object, tuple[int, ...]]]:
+        """(key, parent key, tokens) of the prompt's whole blocks within its first `limit` tokens; a chain's first
+        parent is its scope."""
+        chain, parent = [], scope
         for end in range(self.block, limit + 1, self.block):
             tokens = tuple(prompt[end - self.block: end])
             key = hash((parent, tokens))
@@ -76,11 +83,11 @@ class PrefixCache:
             parent = key
         return chain
 
-    def lookup(self, prompt: list[int]) -> list[_Block]:
+    def lookup(self, prompt: list[int], scope: object = None) -> list[_Block]:
         """The longest run of cached blocks the prompt starts with, leaving at least its last token to prefill
         (its logits give the first new token)."""
         found = []
-        for key, parent, tokens in self._chain(prompt, len(prompt) - 1):
+        for key, parent, tokens in self._chain(prompt, len(prompt) - 1, scope):
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
                 break
@@ -108,12 +115,12 @@ class PrefixCache:
         cache.set_length(row, start)
         return start
 
-    def store(self, cache, row: int, prompt: list[int]) -> None:
+    def store(self, cache, row: int, prompt: list[int], scope: object = None) -> None:
         """Keep the whole blocks of a prefilled row's prompt that the store does not hold yet, in one span: one
         copy per layer, not one per block and layer (each a kernel launch on a GPU)."""
         if not self.budget_bytes:
             return
-        chain = self._chain(prompt, min(len(prompt), cache.lengths[row]))
+        chain = self._chain(prompt, min(len(prompt), cache.lengths[row]), scope)
         new = [index for index, (key, _, _) in enumerate(chain) if key not in self._blocks]
         if new:
             count, first = len(new), new[0] * self.block
@@ -155,6 +162,23 @@ class PrefixCache:
     def clear(self) -> None:
         self._blocks.clear()
         self.nbytes = 0
+
+
+class ScopedPrefixCache:
+    """A PrefixCache's blocks of one scope (PrefixCache.scope): what a decoder reads and writes."""
+
+    def __init__(self, shared: PrefixCache, name: object):
+        self.shared, self.name = shared, name
+        self.block = shared.block
+
+    def lookup(self, prompt: list[int]) -> list[_Block]:
+        return self.shared.lookup(prompt, self.name)
+
+    def copy_into(self, cache, row: int, blocks: list[_Block]) -> int:
+        return self.shared.copy_into(cache, row, blocks)
+
+    def store(self, cache, row: int, prompt: list[int]) -> None:
+        self.shared.store(cache, row, prompt, self.name)
 
 
 def _runs(blocks: list[_Block]) -> list[tuple[_Span, int, int]]:

@@ -137,7 +137,8 @@ def test_report_job_writes_markdown_and_plots_and_runs_queries(output):
     assert proc.returncode == 0, proc.stderr
     report = (output / "report" / "report.md").read_text()
     # The same-output share is read with its dtype and mode (only --deterministic guarantees it in bf16).
-    assert "| summarization | copyspec | bfloat16 | no | no | 2 | 3.000 | 2.667 | 50.0 |" in report
+    # decode: ar's time per output token ÷ the method's, (9.9 / 99) / (4.9 / 99) and (9.9 / 49) / (2.4 / 49)
+    assert "| summarization | copyspec | bfloat16 | no | no | 2 | 3.000 | 2.667 | 3.073 | 50.0 |" in report
     for png in ("speedup.png", "accepted_length.png"):
         assert (output / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     proc = report_cli("--output", str(output), "--sql", "SELECT request_id FROM speedups WHERE speedup > $x "

@@ -156,6 +156,16 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
         assert s["job_tokens_per_s"] == pytest.approx(s["new_tokens"] / s["decode_wall_s"])
         assert 1 <= s["mean_occupancy"] <= 4 and s["peak_kv_bytes"] > 0 and s["actors"] == 1
         assert {r["batch_size"] for r in ok} == {4}
+        # the wall time split: prefill forwards and the rest, each with its rate
+        assert s["prefill_s"] > 0 and s["decode_s"] > 0
+        assert s["prefill_s"] + s["decode_s"] == pytest.approx(s["decode_wall_s"])
+        assert s["decode_tokens_per_s"] == pytest.approx(s["new_tokens"] / s["decode_s"])
+    # the actor warmed up before its first timed pass, and the runs row keeps the longest warm-up
+    warmups = {r["actor_warmup_s"] for r in rows if r["decode_pass"] is not None}
+    assert len(warmups) == 1 and warmups.pop() > 0
+    [(warmup,)] = con.execute("SELECT warmup_s FROM read_parquet(?, hive_partitioning = true)",
+                              [str(out / "runs" / "**" / "*.parquet")]).fetchall()
+    assert warmup > 0
     assert by_method["copyspec"]["drafted_tokens"] >= by_method["copyspec"]["accepted_tokens"]
     proc = run_job_in_process("report.py", "--output", str(out), "--no-plots", "--report-dir", str(out / "report"))
     assert proc.returncode == 0, proc.stderr

@@ -70,3 +70,25 @@ def test_a_bf16_prefill_attends_through_it_and_gives_the_sdpa_logits(monkeypatch
     assert ours.shape == theirs.shape == (sum(pieces), runner.vocab_size)
     assert torch.allclose(ours, theirs, atol=0.1), (ours - theirs).abs().max()
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9
+
+
+def test_head_dim_128_rows_attend_their_own_keys_within_bf16_rounding():
+    """head_dim 128 (Llama-family heads: 8 value panels, against 2 at 16 and 4 at 64): rows at other cache slots with
+    other cached lengths, a chain crossing two query blocks, an odd key count, 4 query heads a key/value head: each
+    row equals the fp32 reference within bf16 rounding, the padding gets zeros, the NaN past its keys is not read."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, capacity = 8, 2, 128, 180
+    num_new = 2 * bf16_attention.QUERY_BLOCK + 5
+    slots, lengths, news = torch.tensor([4, 0, 2]), torch.tensor([0, 57, 100]), torch.tensor([num_new, 30, 1])
+    keys = torch.full((5, kv_heads, capacity, dim), float("nan")).to(torch.bfloat16)  # [slots, KV, capacity, d]
+    values = keys.clone()
+    for slot, length, new in zip(slots.tolist(), lengths.tolist(), news.tolist()):
+        keys[slot, :, :length + new] = (torch.randn(kv_heads, length + new, dim) * 2).to(torch.bfloat16)
+        values[slot, :, :length + new] = torch.randn(kv_heads, length + new, dim).to(torch.bfloat16)
+    query = (torch.randn(3, heads, num_new, dim) * 2).to(torch.bfloat16)  # [b, H, T, d]
+    out = bf16_attention.attend(query, keys, values, slots, lengths, news, dim ** -0.5)  # [b, T, H, d]
+    assert out.shape == (3, num_new, heads, dim) and out.dtype == torch.bfloat16
+    for r in range(3):
+        want = reference(query[r], keys, values, int(slots[r]), int(lengths[r]), int(news[r]))
+        assert (out[r, :news[r]].float() - want).abs().max() < 2e-2, r
+        assert not out[r, news[r]:].any()  # the padding

@@ -216,3 +216,38 @@ def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(l
 def test_a_small_hit_pays_where_no_prefill_is_masked():
     assert not worth_reusing(16, 400, budget=512) and worth_reusing(16, 400, budget=512, masked=False)
     assert not worth_reusing(0, 400, budget=512, masked=False)
+
+
+def test_a_scope_reads_only_its_own_blocks_within_one_budget(llama, prompts):
+    """Two scopes of one store (a job's methods): a prompt one scope prefilled is a miss for the other, a hit for
+    itself; both scopes' blocks count against the one budget."""
+    shared = repetitive_prompt(97, 40)
+    store = PrefixCache()
+    decode(llama, [shared + prompts[0]], prefix_cache=store.scope("ar"))  # 46 tokens: 2 whole blocks
+    block_bytes = store.nbytes // 2
+    _, other = decode(llama, [shared + prompts[1]], prefix_cache=store.scope("copyspec"))  # 81 tokens: 5 blocks
+    assert other.stats.prefix_hit_tokens == 0 and store.nbytes == (2 + 5) * block_bytes
+    _, same = decode(llama, [shared + prompts[1]], prefix_cache=store.scope("ar"))
+    assert same.stats.prefix_hit_tokens == 32
+
+
+def test_an_engines_methods_each_start_from_their_own_state(llama, prompts):
+    """A method's decoder never sees another method's prefix blocks, step costs or acceptance, so its figures are
+    those of it running alone; a later decoder of the same method keeps what the earlier one learned."""
+    from specdec_core.engine import BatchItem, Engine
+
+    engine = Engine.from_runners(llama)
+    shared = repetitive_prompt(96, 40)
+    items = [BatchItem(0, shared + prompts[0], DecodeParams(max_new_tokens=NEW))]
+    ar = engine.decoder(2, method="ar")
+    for item in items:
+        ar.submit(engine.request(item, "ar", None, ar))
+    list(ar.run())
+    copyspec = engine.decoder(2, method="copyspec")
+    again = engine.decoder(2, method="ar")
+    assert copyspec.budget.cost is not ar.budget.cost and again.budget.cost is ar.budget.cost
+    assert copyspec.budget.pooled is not ar.budget.pooled and again.budget.pooled is ar.budget.pooled
+    assert copyspec.prefix_cache.lookup(items[0].prompt_ids) == []
+    assert len(again.prefix_cache.lookup(items[0].prompt_ids)) == 2
+    engine.forget()
+    assert engine.decoder(2, method="ar").prefix_cache.lookup(items[0].prompt_ids) == []

@@ -1,0 +1,58 @@
+"""Warm-up before timing: a short untimed pass of each method, then the engine forgets what the passes learned.
+
+A process's first forwards pay for things no later forward pays for: numba compiling its kernels (or loading them
+from the disk cache), and the first batched prefill's allocations. A job that timed its first method through them
+reported that method slow and the next one fast (issue 51: `ar` 2.6 tok/s cold, 12.7 warm). So a decode actor warms
+up every method it will run, on synthetic prompts shaped like a job's (one prompt longer than a prefill forward,
+short ones beside it, text that repeats so drafts are verified), before its first timed pass.
+
+It is also where a kernel that fails to compile is found and turned off (numba_kernels.KernelUnavailableError):
+the pass is run again, on the kernel's torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .decode import DecodeParams
+from .numba_kernels import KernelUnavailableError
+from .prefill_plan import default_budget
+
+log = logging.getLogger(__name__)
+
+NEW_TOKENS = 16  # per row: enough decode and verify steps for every step kernel to run
+ATTEMPTS = 4  # passes of one method, each after a kernel turned itself off
+SENTENCE = "The lamp on the desk is green, and the book beside it is open at page {}. "
+
+
+def warm_up(engine, methods: list[str], batch_size: int, options=None) -> float:
+    """Decode a few synthetic prompts with each method (untimed), then engine.forget(); -> the seconds it took."""
+    from .engine import BatchItem
+
+    started = time.perf_counter()
+    items = [BatchItem(key, ids, DecodeParams(max_new_tokens=NEW_TOKENS))
+             for key, ids in enumerate(_prompts(engine, batch_size))]
+    for method in methods:
+        for attempt in range(ATTEMPTS):
+            try:
+                errors = [r["error"] for _, r in engine.decode_batch(items, method, options, batch_size) if r["error"]]
+            except KernelUnavailableError as exc:  # a step's kernel turned itself off: again, on its torch path
+                errors = [str(exc)]
+            if not errors:
+                break
+            log.info("warm-up of %s, attempt %d: %s", method, attempt + 1, errors[0])
+    engine.forget()
+    return time.perf_counter() - started
+
+
+def _prompts(engine, batch_size: int) -> list[list[int]]:
+    """batch_size prompts (at most 16): the first longer than one prefill forward (chunked prefill, the long-prompt
+    kernels), the others ~100 tokens; all repeat themselves, so copying methods draft."""
+    sentences = [SENTENCE.format(page % 5) for page in range(400)]
+    long_tokens = default_budget(engine.target.device) + 64
+    ids = engine.prompt_ids("Copy this out: " + "".join(sentences))
+    rows = [ids[:min(len(ids), long_tokens)]]
+    for row in range(1, min(batch_size, 16)):
+        rows.append(engine.prompt_ids(f"Copy this out ({row}): " + "".join(sentences[row:row + 5])))
+    return rows
