@@ -302,8 +302,8 @@ def print_method_summary(output: str, run_id: str, warmup_s: float | None = None
     if warmup_s is not None:
         print(f"warm-up before timing (kernels, first forwards): {warmup_s:.1f} s", file=sys.stderr)
     for m in stats:
-        print(f"{m['method']:16s} rows {m['requests']:4d}  errors {m['errors']:3d}  tokens {m['new_tokens']:6d}  "
-              f"job tok/s {number(m['job_tokens_per_s']):>6s} (x ar {ratio(m, 'job_tokens_per_s'):>4s})  "
+        print(f"{m['method']:12s} rows {m['requests']:4d}  errors {m['errors']:3d}  tokens {m['new_tokens']:6d}  "
+              f"tok/s {number(m['job_tokens_per_s']):>6s} ({ratio(m, 'job_tokens_per_s')}x ar)  "
               f"prefill {number(m['prefill_s'])} s  decode tok/s {number(m['decode_tokens_per_s']):>6s} "
-              f"(x ar {ratio(m, 'decode_tokens_per_s'):>4s})  mean accepted length "
-              f"{number(accepted.get(m['method']), 2)}", file=sys.stderr)
+              f"({ratio(m, 'decode_tokens_per_s')}x ar)  accepted length {number(accepted.get(m['method']), 2)}",
+              file=sys.stderr)

@@ -443,8 +443,30 @@ def run_vocab_overlap(argv: list[str]) -> int:
     return 0
 
 
+def run_warm_up(argv: list[str]) -> int:
+    """Compile this machine's kernels into the disk cache before the first job (make install runs it)."""
+    from .model_registry import DEFAULT_MODEL
+
+    parser = OneLineParser(prog="specbatch warm-up", description=(
+        "Compile (or load) every compiled CPU kernel the model's forwards and the methods use, into the kernel "
+        "cache ($SPECBATCH_CACHE/numba), so that the first job on this machine does not wait for them. Jobs warm "
+        "up anyway before timing; this only moves the compile to install time."))
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a registry name (default %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (default %(default)s)")
+    parser.add_argument("--method", action="append", default=None, help="repeatable (default: ar, copyspec, pld)")
+    args = parser.parse_args(argv)
+    from .engine import Engine, EngineConfig
+    from .warm_up import warm_up
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
+    seconds = warm_up(engine, args.method or ["ar", "copyspec", "pld"], 4)
+    print(f"kernels ready for {args.model} in {engine.target.dtype_name} ({seconds:.1f} s)")
+    return 0
+
+
 COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods,
-            "discover-heads": run_discover_heads, "build-index": run_build_index, "vocab-overlap": run_vocab_overlap}
+            "discover-heads": run_discover_heads, "build-index": run_build_index, "vocab-overlap": run_vocab_overlap,
+            "warm-up": run_warm_up}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ killed driver. Jobs run in-process on the session's Ray cluster (tests/job_runs.
 needs in a process of its own. A killed actor, a poison row and a corrupt file: test_cluster_submit.py's job."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +144,12 @@ def test_schema_is_the_contract_and_duckdb_reads_it(first_run):
 
 
 def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(first_run):
-    out, _, _ = first_run
+    out, _, stderr = first_run
+    # the job's own summary: the warm-up apart, then each method's figures against ar's, prefill and decode apart
+    assert re.search(r"warm-up before timing \(kernels, first forwards\): \d+\.\d s", stderr), stderr[-2000:]
+    for method in ("ar", "copyspec"):
+        assert re.search(rf"\n{method} +rows +19 +errors +14 +tokens +\d+ +tok/s +[\d.]+ \([\d.]+x ar\) +prefill "
+                         r"[\d.]+ s +decode tok/s +[\d.]+ \([\d.]+x ar\) +accepted length [\d.]+", stderr), stderr[-2000:]
     con = duckdb.connect()
     stats = con.execute("SELECT unnest(method_stats, recursive := true) FROM read_parquet(?, hive_partitioning = "
                         "true)", [str(out / "runs" / "**" / "*.parquet")]).to_arrow_table().to_pylist()
