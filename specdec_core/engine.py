@@ -41,6 +41,10 @@ class EngineConfig:
     deterministic: str | bool = DEFAULT_DETERMINISTIC
     memory_tokens: int = DEFAULT_MEMORY_TOKENS  # bound of each method's job memory (job_memory.py); 0 = none
     memory_from: str | None = None  # earlier runs' outputs to seed the job memory with (job_memory.read_outputs)
+    # What one method learns (prompt prefixes, step costs) serves every method: faster where several methods
+    # decode the same prompts (the tests), but a method's figures then depend on what ran before it. Off, each
+    # method's pass is timed as if it ran alone: the jobs keep it off, so their reports compare methods fairly.
+    share_across_methods: bool = False
 
 
 @dataclass
@@ -85,7 +89,7 @@ class Engine:
         self._vocab_mapping = None
         # What decoding learns carries to the next decoder of the same method (a job's actor builds one per call,
         # the CLI one per prompt), never to another method: each method's figures are those of it running alone.
-        # Step costs (the clock's model of a step), keyed by method (None: a decoder without one).
+        # Step costs (the clock's model of a step), keyed by method (None: shared, or a decoder without a method).
         self.step_costs: dict[str | None, StepCostModel] = {}
         # Each method's drafts: acceptance pooled over rows, the clock's verdict on wide steps, drafted tokens' prices.
         self.learned: dict[str, tuple[AcceptanceEstimate, MeasuredPayoff, DraftPricing]] = {}
@@ -131,12 +135,13 @@ class Engine:
         if method is not None:
             learned = dict(zip(("pooled", "payoff", "pricing"), self.learned.setdefault(
                 method, (AcceptanceEstimate(), MeasuredPayoff(), DraftPricing()))))
-        cost = self.step_costs.setdefault(method, StepCostModel())
+        scope = None if self.config.share_across_methods else method
+        cost = self.step_costs.setdefault(scope, StepCostModel())
         budget = SpeculationBudget.for_target(self.target, cost=cost, token_budget=token_budget,
                                               enabled=speculation_budget, **learned)
         memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
         return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
-                            prefix_cache=self.prefix_cache.scope(method), draft_pool=self._draft_pool(budget.pricing),
+                            prefix_cache=self.prefix_cache.scope(scope), draft_pool=self._draft_pool(budget.pricing),
                             job_memory=memory)
 
     def _draft_pool(self, pricing: DraftPricing):

@@ -23,15 +23,15 @@ def cache_key(root: Path | None = None) -> str:
     """A digest of everything the machine code depends on. numba checks a cached function against its own file only,
     but the kernels compile in constants and helpers from other files (bf16_dot.ROWS, fast_exp's peak, ...): so
     every specdec_core source, plus the numba and llvmlite versions and the CPU's name and features."""
-    import llvmlite
-    import numba
-    from llvmlite import binding
+    from importlib.metadata import version
+
+    from llvmlite import binding  # not numba: importing it reads NUMBA_CACHE_DIR, which use_numba_cache sets after
 
     root = root or Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(f"numba {numba.__version__}\0llvmlite {llvmlite.__version__}\0".encode())
+    digest.update(f"numba {version('numba')}\0llvmlite {version('llvmlite')}\0".encode())
     digest.update(f"{binding.get_host_cpu_name()}\0{binding.get_host_cpu_features().flatten()}".encode())
     return digest.hexdigest()[:16]
 

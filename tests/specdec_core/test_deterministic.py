@@ -220,7 +220,7 @@ def test_the_real_model_in_bf16_gives_batch_one_ar_tokens_with_every_lossless_me
     from specdec_core.methods import MethodOptions
     from tests.prompts import LOSSLESS_CASES
 
-    engine = Engine(EngineConfig(dtype="bfloat16", deterministic=True, drafter="smollm2-135m"))
+    engine = Engine(EngineConfig(dtype="bfloat16", deterministic=True, drafter="smollm2-135m", share_across_methods=True))
     # The shorter cases (37-201 prompt tokens): a bf16 prefill on an AVX2 CPU runs at ~1/7 of fp32's speed.
     cases = [(name, LOSSLESS_CASES[name]) for name in ("code_rename", "summary_news", "summary_paper",
                                                         "chat_revise_poem", "no_repetition_story", "no_repetition_facts")]

@@ -18,8 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, monkeypatch):
     """A constant in a wrapper file that does not import numba (bf16_dot.ROWS is compiled into the dot kernel)
     changes the key; so do numba's and llvmlite's versions and the CPU's features."""
-    import llvmlite
-    import numba
     from llvmlite import binding
 
     copy = tmp_path / "specdec_core"
@@ -32,16 +30,38 @@ def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, mo
     wrapper.write_text(text.replace("\nROWS = 8 ", "\nROWS = 4 "))
     edited = numba_kernels.cache_key(copy)
     assert edited != before
-    monkeypatch.setattr(numba, "__version__", "0.0.1")
-    assert numba_kernels.cache_key(copy) not in (before, edited)
-    monkeypatch.undo()
-    monkeypatch.setattr(llvmlite, "__version__", "0.0.1")
-    assert numba_kernels.cache_key(copy) != edited
-    monkeypatch.undo()
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+    for package in ("numba", "llvmlite"):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda name, package=package: "0.0.1" if name == package else real_version(name))
+        assert numba_kernels.cache_key(copy) not in (before, edited), package
+        monkeypatch.undo()
     features = binding.get_host_cpu_features()
     features["avx512bf16"] = not features.get("avx512bf16", False)
     monkeypatch.setattr(binding, "get_host_cpu_features", lambda: features)
     assert numba_kernels.cache_key(copy) != edited
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_numba_reads_the_cache_folder_the_key_names(tmp_path):
+    """numba reads NUMBA_CACHE_DIR once, when it is imported: computing the key must not import it first (it once
+    did, and numba cached into the source tree, loading stale and unvectorised machine code)."""
+    code = ("import torch\n"
+            "from specdec_core import numba_kernels, panel_linear\n"
+            "kernel = panel_linear.kernels[torch.float32]\n"  # compiled at its first use: cached there
+            "assert kernel() is not None, kernel.unavailable\n"
+            "import numba\n"
+            "print(numba.config.CACHE_DIR == numba_kernels.numba_cache_dir(), numba_kernels.numba_cache_dir())")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(SPECBATCH_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    same, folder = proc.stdout.split()
+    assert same == "True" and folder.startswith(str(tmp_path / "numba"))
+    assert list(Path(folder).rglob("*.nbi")), "nothing was cached in the key's folder"
 
 
 BROKEN_COMPILER = """

@@ -27,7 +27,8 @@ MESSAGES = {
 
 
 def engine_pair(target: str, drafter: str) -> Engine:
-    return Engine(EngineConfig(model=target, dtype="float32", device="cpu", drafter=drafter, drafter_dtype="float32"))
+    return Engine(EngineConfig(model=target, dtype="float32", device="cpu", drafter=drafter, drafter_dtype="float32",
+                               share_across_methods=True))  # tokens, not speed: methods share prefills
 
 
 def run_batch(engine, items, methods, batch_size):
