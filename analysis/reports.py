@@ -39,8 +39,8 @@ REPORTS: dict[str, Report] = {
                memory_tokens, 100 * memory_accepted_share AS pct_accepted_from_memory
         FROM m LEFT JOIN ar USING (run_id) ORDER BY m.run_id, method""",
         "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes; model load and each "
-        "actor's warm-up excluded); x ar = that ÷ ar's in the same run. The wall time splits into prefill (prompts' "
-        "forwards, which no speculation shortens; prefill tokens/s counts prompt tokens the prefix cache did not "
+        "actor's warm-up excluded); x ar = that ÷ ar's in the same run. The wall time splits into prefill (the target's "
+        "prompt forwards, which no speculation shortens; prefill tokens/s counts prompt tokens the prefix cache did not "
         "supply) and decode (the rest): decode tokens/s = new tokens ÷ decode s, decode x ar = that ÷ ar's. Each "
         "method is measured as if it ran alone: its own prefix cache, step costs, acceptance and job memory; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
         "the prefix cache supplied; memory = the job memory's output tokens (suffix, auto) and the share of accepted "

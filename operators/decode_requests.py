@@ -45,10 +45,17 @@ class DecodeRequests:
     def warm_up(self) -> None:
         """Compile (or load) every kernel the job's methods use and run the process's first forwards before the
         first timed pass; its seconds go on each row this actor decodes (`actor_warmup_s`)."""
+        import logging
+
         from specdec_core.warm_up import warm_up
 
         cfg = self.config
-        self.warmup_s = warm_up(self.engine, cfg.methods, cfg.batch_size, cfg.method_options)
+        try:
+            self.warmup_s = warm_up(self.engine, cfg.methods, cfg.batch_size, cfg.method_options)
+        except Exception as exc:  # a warm-up that fails costs the figures their warm start, never the job its rows
+            logging.getLogger(__name__).warning("warm-up failed (%s: %s); the first pass is timed cold",
+                                                type(exc).__name__, exc)
+            self.engine.forget()
 
     @classmethod
     def on_engine(cls, engine, config, journal=None) -> "DecodeRequests":

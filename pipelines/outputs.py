@@ -292,10 +292,11 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         prompt_tokens = sum(p[3] or 0 for p in passes)
         memory_accepted = entry.pop("memory_accepted")
         memory_sizes = [p[5] for p in passes if p[5] is not None]
-        timed = [p for p in passes if p[6] is not None]  # (outputs written before prefill was timed apart: none)
-        prefill = sum(p[6] for p in timed) / actors if timed else None
-        decode = sum(p[0] - p[6] for p in timed) / actors if timed else None
-        prefilled = sum((p[3] or 0) - (p[4] or 0) for p in timed)
+        # apart only where every pass was (a run resumed from outputs written before: none)
+        split = bool(passes) and all(p[6] is not None for p in passes)
+        prefill = sum(p[6] for p in passes) / actors if split else None
+        decode = sum(p[0] - p[6] for p in passes) / actors if split else None
+        prefilled = sum((p[3] or 0) - (p[4] or 0) for p in passes)
         out.append({**entry, "decode_wall_s": wall, "actors": actors,
                     "job_tokens_per_s": entry["new_tokens"] / wall if wall else None,
                     "prefill_s": prefill, "decode_s": decode,

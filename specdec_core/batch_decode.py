@@ -33,7 +33,7 @@ from .target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from .model_runner import ModelRunner
 from .prefill_plan import default_budget, next_forward, worth_reusing
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, ScopedPrefixCache
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
 from .verification import ConditionalRule, VerifyResult, check_rule, verify_rows
@@ -96,7 +96,7 @@ class BatchDecoder:
 
     def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
-                 row_timeout_s: float | None = None, prefix_cache: PrefixCache | None = None,
+                 row_timeout_s: float | None = None, prefix_cache: PrefixCache | ScopedPrefixCache | None = None,
                  prefill_tokens: int | None = None, draft_pool=None, job_memory=None):
         if max_batch < 1:
             raise ValueError(f"batch size must be >= 1, got {max_batch}")
@@ -123,8 +123,8 @@ class BatchDecoder:
         # A row decoding longer than this since its admission retires with an error and frees its slot (checked
         # between steps: one forward is never interrupted).
         self.row_timeout_s = row_timeout_s
-        # Shared by the engine's decoders (a job's actor keeps one for all its calls); a decoder on its own keeps
-        # one for its run. PrefixCache(budget_bytes=0) turns it off.
+        # The engine's store as this decoder's method sees it (PrefixCache.scope; a job's actor keeps one for all
+        # its calls); a decoder on its own keeps one for its run. PrefixCache(budget_bytes=0) turns it off.
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
         if prefill_tokens is None:
             prefill_tokens = default_budget(target.device)

@@ -456,7 +456,12 @@ def run_warm_up(argv: list[str]) -> int:
     parser.add_argument("--method", action="append", default=None, help="repeatable (default: ar, copyspec, pld)")
     args = parser.parse_args(argv)
     from .engine import Engine, EngineConfig
+    from .methods import METHODS
     from .warm_up import warm_up
+
+    unknown = [m for m in args.method or () if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method {unknown[0]!r}; `specbatch methods` lists them")
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
     seconds = warm_up(engine, args.method or ["ar", "copyspec", "pld"], 4)

@@ -16,7 +16,7 @@ import logging
 import time
 
 from .decode import DecodeParams
-from .numba_kernels import KernelUnavailableError
+from .numba_kernels import KERNELS, KernelUnavailableError
 from .prefill_plan import default_budget
 
 log = logging.getLogger(__name__)
@@ -35,22 +35,30 @@ def warm_up(engine, methods: list[str], batch_size: int, options=None) -> float:
              for key, ids in enumerate(_prompts(engine, batch_size))]
     for method in methods:
         for attempt in range(ATTEMPTS):
+            off = _kernels_off()
             try:
                 errors = [r["error"] for _, r in engine.decode_batch(items, method, options, batch_size) if r["error"]]
-            except KernelUnavailableError as exc:  # a step's kernel turned itself off: again, on its torch path
+            except KernelUnavailableError as exc:  # a step's kernel turned itself off
                 errors = [str(exc)]
             if not errors:
                 break
             log.info("warm-up of %s, attempt %d: %s", method, attempt + 1, errors[0])
+            if _kernels_off() == off:  # no kernel turned off: another try would fail the same way
+                break
     engine.forget()
     return time.perf_counter() - started
 
 
+def _kernels_off() -> int:
+    return sum(kernel.unavailable is not None for kernel in KERNELS)
+
+
 def _prompts(engine, batch_size: int) -> list[list[int]]:
-    """batch_size prompts (at most 16): the first longer than one prefill forward (chunked prefill, the long-prompt
-    kernels), the others ~100 tokens; all repeat themselves, so copying methods draft."""
+    """batch_size prompts (at most 16): the first longer than one CPU prefill forward (chunked prefill, the
+    long-prompt kernels) where the model's positions allow, the others ~100 tokens; all repeat themselves, so
+    copying methods draft."""
     sentences = [SENTENCE.format(page % 5) for page in range(400)]
-    long_tokens = default_budget(engine.target.device) + 64
+    long_tokens = min(default_budget(engine.target.device) + 64, engine.target.max_positions - NEW_TOKENS - 8)
     ids = engine.prompt_ids("Copy this out: " + "".join(sentences))
     rows = [ids[:min(len(ids), long_tokens)]]
     for row in range(1, min(batch_size, 16)):
