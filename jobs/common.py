@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -41,8 +42,10 @@ def _default(name: str):
 
 def _input_output_options(group, default_input: str | None) -> None:
     group.add_argument("--input", default=default_input, required=default_input is None,
-                       help="JSONL, Parquet file/dir, hf:DIR (datasets.save_to_disk) or workload:NAME "
-                            "(sample, summarization, rag, code_edit, humaneval, multi_turn, open_questions)")
+                       help="a JSONL or Parquet file; a directory (its *.jsonl, *.json and *.parquet files; other "
+                            "files are skipped); hf:DIR (datasets.save_to_disk) or workload:NAME (sample, "
+                            "summarization, rag, code_edit, humaneval, multi_turn, open_questions)")
+    group.add_argument("--recursive", action="store_true", help="read a directory input's subfolders too")
     group.add_argument("--output", default="outputs", help="output directory (generations/ and runs/ below it)")
     group.add_argument("--limit", type=int, default=None, help="decode only the first N requests")
     group.add_argument("--resume", action="store_true",
@@ -113,7 +116,7 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
     from specdec_core.methods import MethodOptions
 
     values = dict(
-        input=args.input, output=args.output, job=job, methods=args.methods or default_methods, model=args.model,
+        input=args.input, output=args.output, recursive=args.recursive, job=job, methods=args.methods or default_methods, model=args.model,
         drafter=args.drafter, drafter_dtype=args.drafter_dtype, dtype=args.dtype, device=args.device,
         deterministic=args.deterministic,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -154,7 +157,7 @@ def preflight(config) -> None:
     from pipelines.outputs import run_dir
     from specdec_core.errors import SpecbatchError
 
-    check_input_path(config.input)
+    described = check_input_path(config.input, config.recursive)
     if run_dir(config.output, config.run_id).exists() and not config.resume:
         raise SpecbatchError(f"run id {config.run_id!r} already has output in {config.output}: pass --resume to "
                              "continue it, or choose another --run-id")
@@ -187,6 +190,32 @@ def preflight(config) -> None:
         except (OSError, ValueError) as exc:  # a missing or corrupt array file
             raise SpecbatchError(f"retrieval index {config.method_options.retrieval_index} cannot be read: "
                                  f"{exc}") from None
+    check_output_path(config.output, config.input)  # last: it makes the output directory
+    if described:
+        print(described, file=sys.stderr)
+
+
+def check_output_path(output: str, source: str) -> None:
+    """An output that is a file, cannot be written, or lies inside the input: one line, before Ray starts. The
+    directory is made (as the job would) and a probe file written and removed in it: the only sure test of write
+    access, whoever runs the job."""
+    from specdec_core.errors import SpecbatchError
+
+    path = Path(output).resolve()
+    if path.exists() and not path.is_dir():
+        raise SpecbatchError(f"output {output} is a file, not a directory")
+    if not source.startswith(("workload:", "hf:")):
+        data = Path(source).resolve()
+        if data.is_dir() and (path == data or data in path.parents):
+            raise SpecbatchError(f"output {output} is inside the input directory {source}: a later run would read "
+                                 "its outputs as input")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise SpecbatchError(f"output {output} cannot be written: {exc.strerror or exc}") from None
 
 
 def check_memory_from(config) -> None:
@@ -258,6 +287,14 @@ def error_exit_status(job: str, config, summary: dict) -> int:
     from pipelines.outputs import common_errors
 
     rows, errors = summary["rows_out"], summary["errors"]
+    if summary.get("stopped_early"):
+        early, early_errors = summary["stopped_early"]
+        [(message, count)] = common_errors(config.output, config.run_id, top=1) or [("(none)", 0)]
+        print(f"{job}.py: error: stopped early: {early_errors} of the first {early} rows were errors "
+              f"({early_errors / max(early, 1):.0%}, over --max-error-fraction {config.max_error_fraction:g}); the "
+              f"most common ({count}x): {message}. {rows} rows written; fix the cause, then --resume --run-id "
+              f"{config.run_id} goes on (exit status {EXIT_TOO_MANY_ERRORS})", file=sys.stderr)
+        return EXIT_TOO_MANY_ERRORS
     if not errors:
         return 0
     print(f"{errors} of {rows} output rows are errors; the most common:", file=sys.stderr)

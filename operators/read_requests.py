@@ -7,6 +7,7 @@ instead of failing the whole file, as a pyarrow JSON reader would.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from specdec_core.errors import SpecbatchError
@@ -33,11 +34,70 @@ def workload_rows(name: str, limit: int | None) -> list[dict]:
     return loaders[name]()
 
 
+DATA_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # what a directory input is read for
+
+
+def input_files(source: str, recursive: bool = False) -> tuple[list[dict], int]:
+    """An input path's data files, as [{"path", "kind", "root"}] in order, and how many other files were skipped.
+    A file named directly is read whatever its name (JSONL unless it ends in .parquet). In a directory only
+    *.jsonl, *.json and *.parquet are read: its own files, the Hive partition folders of a Parquet dataset
+    (`task=qa/`), and other folders only with `recursive`."""
+    path = Path(source)
+    if path.is_file():
+        return [{"path": str(path), "kind": DATA_KINDS.get(path.suffix, "jsonl"), "root": None}], 0
+    files, skipped = [], 0
+    pending = [path]
+    while pending:
+        folder = pending.pop()
+        for entry in sorted(folder.iterdir()):
+            if entry.is_dir():
+                if recursive or "=" in entry.name:
+                    pending.append(entry)
+            elif entry.suffix in DATA_KINDS and entry.is_file():
+                files.append({"path": str(entry), "kind": DATA_KINDS[entry.suffix], "root": str(path)})
+            else:
+                skipped += 1
+    return sorted(files, key=lambda f: f["path"]), skipped
+
+
+def parse_input_file(item: dict) -> list[dict]:
+    """flat_map UDF: one data file (input_files) -> its raw rows."""
+    if item["kind"] == "parquet":
+        return parse_parquet_file(item)
+    path = item["path"]
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return [_raw({"id": Path(path).name, "input_error": f"file {Path(path).name} cannot be read: {exc}"}, path)]
+    return parse_jsonl_file({"bytes": data, "path": path})
+
+
+def _binary(data: bytes) -> bool:
+    """A file that is not text: a NUL byte near its start, or most of its lines not UTF-8."""
+    if b"\0" in data[:8192]:
+        return True
+    lines = [line for line in data.splitlines()[:200] if line.strip()]
+    bad = 0
+    for line in lines:
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            bad += 1
+    return bool(lines) and bad > max(1, len(lines) // 2)
+
+
 def parse_jsonl_file(item: dict) -> list[dict]:
-    """flat_map UDF: one binary JSONL file -> one raw row per non-empty line (bad lines carry input_error)."""
-    rows = []
+    """flat_map UDF: one JSONL file's bytes -> one raw row per non-empty line (bad lines carry input_error); a file
+    that holds a JSON array (a .json file) -> one row per element; a binary file -> one error row for the file."""
     path = item.get("path", "input")
-    for number, line in enumerate(item["bytes"].splitlines(), start=1):
+    name = Path(path).name
+    data = item["bytes"]
+    if _binary(data):
+        return [_raw({"id": name, "input_error": f"file {name} is not UTF-8 text (a binary file?)"}, path)]
+    if data.lstrip()[:1] == b"[":
+        return _json_array(data, path)
+    rows = []
+    for number, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -52,9 +112,16 @@ def parse_jsonl_file(item: dict) -> list[dict]:
     return rows
 
 
-def parquet_files(source: str) -> list[str]:
-    path = Path(source)
-    return [str(path)] if path.is_file() else sorted(str(p) for p in path.rglob("*.parquet"))
+def _json_array(data: bytes, path: str) -> list[dict]:
+    """A file holding one JSON array of objects -> a raw row per element (a non-object element is an error row)."""
+    name = Path(path).name
+    try:
+        values = json.loads(data.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        return [_raw({"id": name, "input_error": f"file {name} is not valid JSON: {_first_line(exc)}"}, path)]
+    return [_raw(value if isinstance(value, dict) else {
+        "id": f"{name}:{index}", "input_error": f"element {index} of {name} is not a JSON object"}, f"{path}:{index}")
+        for index, value in enumerate(values, start=1)]
 
 
 def parse_parquet_file(item: dict) -> list[dict]:
@@ -127,18 +194,33 @@ def _drop_nans(record: dict) -> dict:
     return {k: v for k, v in record.items() if not (isinstance(v, float) and v != v)}
 
 
-def check_input_path(source: str) -> None:
-    """Fail fast, before Ray starts, on an input that cannot be read at all."""
+def check_input_path(source: str, recursive: bool = False) -> str | None:
+    """Fail fast, before Ray starts, on an input that cannot be read at all or a directory without data files;
+    -> for a directory, one line saying what it holds."""
     if source.startswith("workload:"):
         if source.split(":", 1)[1] not in WORKLOADS:
             raise SpecbatchError(f"unknown workload {source.split(':', 1)[1]!r}; choose one of: {', '.join(WORKLOADS)}")
-        return
+        return None
     path = Path(source.removeprefix("hf:"))
     if not path.exists():
         raise SpecbatchError(f"input not found: {path}")
+    if source.startswith("hf:") or path.is_file():
+        return None
+    try:
+        files, skipped = input_files(source, recursive)
+    except OSError as exc:
+        raise SpecbatchError(f"input directory {path} cannot be listed: {exc}") from None
+    kinds = Counter(Path(f["path"]).suffix for f in files)
+    read = ", ".join(f"{count} {suffix}" for suffix, count in sorted(kinds.items()))
+    where = "" if recursive else " (subfolders are read with --recursive)"
+    if not files:
+        raise SpecbatchError(f"input directory {path} holds no data file (*.jsonl, *.json, *.parquet){where}: "
+                             f"{skipped} other files")
+    return f"input {path}: {len(files)} data files ({read}); {skipped} other files skipped"
 
 
-def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25, rows_per_block: int | None = None):
+def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25, rows_per_block: int | None = None,
+                  recursive: bool = False):
     """-> ray.data.Dataset in the requests schema (prompt ids not yet filled), in blocks of at most
     `rows_per_block` rows when given (the pipeline passes its rows per decode call: see generate.py).
 
@@ -148,7 +230,7 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
     import ray.data
 
 
-    check_input_path(source)
+    check_input_path(source, recursive)
     if source.startswith("workload:"):
         name = source.split(":", 1)[1]
         rows = [_raw(r, f"workload:{name}:{i}") for i, r in enumerate(workload_rows(name, limit))]
@@ -159,17 +241,9 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
         rows = datasets.load_from_disk(source[3:])
         dataset = ray.data.from_huggingface(rows.add_column(HF_POSITION, [f"hf:{i}" for i in range(len(rows))]))
     else:
-        path = Path(source)
-        is_parquet = path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet")))
-        if is_parquet:
-            files = parquet_files(str(path))
-            root = str(path) if path.is_dir() else None
-            dataset = ray.data.from_items([{"path": f, "root": root} for f in files],
-                                          override_num_blocks=max(1, min(len(files), 64)))
-            dataset = dataset.flat_map(parse_parquet_file, num_cpus=task_cpus)
-        else:
-            dataset = ray.data.read_binary_files(str(path), include_paths=True, num_cpus=task_cpus)
-            dataset = dataset.flat_map(parse_jsonl_file, num_cpus=task_cpus)
+        files, _ = input_files(source, recursive)
+        dataset = ray.data.from_items(files, override_num_blocks=max(1, min(len(files), 64)))
+        dataset = dataset.flat_map(parse_input_file, num_cpus=task_cpus)
     if limit is not None:
         dataset = dataset.limit(limit)
     normalized = dataset.map_batches(normalize_batch, batch_format="pandas", batch_size=256, num_cpus=task_cpus)

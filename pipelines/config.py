@@ -27,6 +27,7 @@ class GenerationConfig(DecodeConfig):
     input: str = Field(description="JSONL file, Parquet file or directory, 'hf:PATH' (datasets.load_from_disk), "
                                    "or a shipped workload 'workload:NAME'")
     output: str = Field(description="output directory: generations/ and runs/ are written below it")
+    recursive: bool = Field(False, description="a directory input's subfolders are read too")
     task_template: str | None = Field(None, description="wraps each prompt: must contain {prompt}")
     default_task: str | None = Field(None, description="task of rows without one (picks the quality metric)")
     instruction: str | None = Field(None, description="edit instruction for `document` rows without their own")

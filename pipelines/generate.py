@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import platform
 import shutil
@@ -162,7 +163,8 @@ def _prompt_stages(config: GenerationConfig, done: frozenset[str]):
     # Blocks of one decode call's rows: a block flows through the stages as one unit (Ray Data merges a task's
     # outputs into one block), so its rows are written when that call finishes and a crash loses at most the calls
     # in flight. A whole JSONL file or Parquet row group in one block would be decoded and written all or nothing.
-    requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS, rows_per_block=config.ray_batch_rows())
+    requests = read_requests(config.input, config.limit, LIGHT_TASK_CPUS, rows_per_block=config.ray_batch_rows(),
+                             recursive=config.recursive)
     allow_ray_remote_args()
     if config.compress_context is not None:
         from operators.compress_context import CompressContext
@@ -256,8 +258,8 @@ def run_generation(config: GenerationConfig) -> dict:
     """
     import ray
 
-    from .parquet_sink import RunPartitionSink
-    from .progress import RunProgress
+    from .parquet_sink import STOP_FILE, RunPartitionSink, request_stop
+    from .progress import ErrorGate, RunProgress
 
     started_at = datetime.now(timezone.utc)
     started = time.perf_counter()
@@ -273,12 +275,30 @@ def run_generation(config: GenerationConfig) -> dict:
             rows_in = _count_input(config)
             config = config.with_calls_for_every_actor(rows_in)
             outputs = build_pipeline(config, done, journal)
-            with RunProgress(run_dir(config.output, config.run_id), total=rows_in * len(config.methods)):
-                outputs.write_datasink(RunPartitionSink(str(run_dir(config.output, config.run_id))),
-                                       ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+            directory = run_dir(config.output, config.run_id)
+            (directory / STOP_FILE).unlink(missing_ok=True)  # an earlier stopped job's: --resume goes on
+            gate = ErrorGate(config.max_error_fraction, max(1, rows_in * len(config.methods) - len(done)),
+                             stop=lambda: _stop_quietly(directory))
+            progress = RunProgress(directory, total=rows_in * len(config.methods), gate=gate)
+            ray_data_level = logging.getLogger("ray.data").level  # _stop_quietly's change is undone below
+            try:
+                with progress:
+                    outputs.write_datasink(RunPartitionSink(str(directory)),
+                                           ray_remote_args={"num_cpus": LIGHT_TASK_CPUS})
+            except Exception:  # the gate's stop reaches here as the dataset's failure
+                if progress.stopped is None:
+                    raise
+            finally:
+                (directory / STOP_FILE).unlink(missing_ok=True)
+                logging.getLogger("ray.data").setLevel(ray_data_level)
         finally:
             ray.kill(journal)
         drop_duplicate_pairs(config.output, config.run_id)
+        if progress.stopped is not None:  # unfinished, as an interrupted run: --resume goes on from here
+            rows_out, errors = count_rows(config.output, config.run_id)
+            return {"run_id": config.run_id, "rows_in": rows_in, "rows_out": rows_out, "errors": errors,
+                    "wall_s": time.perf_counter() - started, "skipped_pairs": len(done),
+                    "stopped_early": progress.stopped}
         summary = _run_row(config, started_at, rows_in)
         wall = time.perf_counter() - started
         write_run_row(config.output, summary)
@@ -286,6 +306,15 @@ def run_generation(config: GenerationConfig) -> dict:
     summary["wall_s"] = wall
     summary["skipped_pairs"] = len(done)
     return summary
+
+
+def _stop_quietly(directory: Path) -> None:
+    """The error gate's stop: the run's sink ends the dataset, which Ray Data reports as a failed task with its
+    traceback (three of them); the job prints its own line instead (jobs/common.py)."""
+    from .parquet_sink import request_stop
+
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+    request_stop(directory)
 
 
 def _run_row(config: GenerationConfig, started_at: datetime, rows_in: int) -> dict:
@@ -310,7 +339,7 @@ def _run_row(config: GenerationConfig, started_at: datetime, rows_in: int) -> di
 def _count_input(config: GenerationConfig) -> int:
     from operators.read_requests import read_requests
 
-    return read_requests(config.input, config.limit, LIGHT_TASK_CPUS).count()
+    return read_requests(config.input, config.limit, LIGHT_TASK_CPUS, recursive=config.recursive).count()
 
 
 def _versions() -> dict:

@@ -21,6 +21,17 @@ import pyarrow.parquet as pq
 from ray.data import Datasink
 
 TEMPORARY_PREFIX = ".part-"
+STOP_FILE = "_STOP"  # in a run's directory: its sink writes the block in hand, then ends the job (request_stop)
+
+
+class JobStopped(RuntimeError):
+    """The run's error gate stopped it (pipelines/progress.py)."""
+
+
+def request_stop(run_dir: str | Path) -> None:
+    """Ask the run's write tasks to end the job: each writes its block in hand, then raises JobStopped, and Ray Data
+    stops the dataset (nothing more is read or decoded). A file, so that write tasks on any node see it."""
+    (Path(run_dir) / STOP_FILE).touch()
 
 
 def block_file_name(table: pa.Table) -> str:
@@ -59,6 +70,8 @@ class RunPartitionSink(Datasink[int]):
                 write_atomically(part, Path(self.run_dir) / f"method={method}" / block_file_name(
                     table.filter(pc.equal(table.column("method"), method))))
                 written += part.num_rows
+            if (Path(self.run_dir) / STOP_FILE).exists():
+                raise JobStopped(f"the run's error gate stopped it after {written} rows in this write")
         return written
 
 

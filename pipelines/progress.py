@@ -4,25 +4,57 @@ lines, which print every second and flood a nightly job's log."""
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 
+POLL_S = 2.0  # how often the written files are counted (the bar redraws at its own interval)
+EARLY_ROWS = 100  # the error gate decides once this many rows (or 1 % of the expected rows, if more) are written
+
+
+@dataclass
+class ErrorGate:
+    """Stops a job whose errors dominate from its start: once the job has written its first max(EARLY_ROWS, 1 %)
+    rows, an error share over `max_fraction` ends it (`stop` is called: parquet_sink.request_stop). Decided once: a
+    job whose early rows are fine finishes, whatever comes later (its exit status still reads the final share)."""
+
+    max_fraction: float
+    expected_rows: int
+    stop: "object" = None  # called when the gate stops the job
+    decided: bool = False
+
+    @property
+    def early_rows(self) -> int:
+        return max(EARLY_ROWS, math.ceil(0.01 * self.expected_rows))
+
+    def stops(self, rows: int, errors: int) -> bool:
+        if self.decided or rows < self.early_rows:
+            return False
+        self.decided = True
+        return errors > self.max_fraction * rows
+
+
 class RunProgress:
     """Counts the part files under a run directory as they appear; each file is read once (3 small columns)."""
 
-    def __init__(self, run_dir: str | Path, total: int | None, interval_s: float | None = None):
+    def __init__(self, run_dir: str | Path, total: int | None, interval_s: float | None = None,
+                 gate: ErrorGate | None = None):
         self.run_dir = Path(run_dir)
         self.total = total
         # On a terminal the bar redraws often; in a log file each redraw is text, so far fewer.
         self.interval_s = interval_s or (2.0 if sys.stderr.isatty() else 30.0)
+        self.gate = gate
+        self.stopped: tuple[int, int] | None = None  # (rows, errors) this job had written when the gate stopped it
         self.seen: set[Path] = set()
-        self.requests = self.errors = self.tokens = 0
+        self.requests = self.errors = self.tokens = self.rows = 0
+        self._rows_before = self._errors_before = 0  # --resume: the gate reads this job's rows only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = time.perf_counter()
@@ -41,6 +73,7 @@ class RunProgress:
             first_turns = pc.or_kleene(pc.is_null(table["turn"]), pc.equal(table["turn"], 1))
             self.requests += pc.sum(first_turns.cast("int64")).as_py() or 0
             self.errors += table.num_rows - table["error"].null_count
+            self.rows += table.num_rows
             self.tokens += pc.sum(table["new_tokens"]).as_py() or 0
 
     def _update_bar(self, refresh: bool = True) -> None:
@@ -52,15 +85,22 @@ class RunProgress:
             self._bar.refresh()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        drawn = time.perf_counter()
+        while not self._stop.wait(min(POLL_S, self.interval_s)):
             self.poll()
-            self._update_bar()
+            rows, errors = self.rows - self._rows_before, self.errors - self._errors_before
+            if self.gate is not None and self.stopped is None and self.gate.stops(rows, errors):
+                self.stopped = (rows, errors)
+                self.gate.stop()
+            if time.perf_counter() - drawn >= self.interval_s:
+                self._update_bar()
+                drawn = time.perf_counter()
 
     def __enter__(self) -> "RunProgress":
         from tqdm import tqdm
 
         self.poll()
-        self._tokens_before = self.tokens
+        self._tokens_before, self._rows_before, self._errors_before = self.tokens, self.rows, self.errors
         self._started = time.perf_counter()
         self._bar = tqdm(total=self.total, unit="req", desc="requests x methods", file=sys.stderr,
                          mininterval=0, dynamic_ncols=True)
