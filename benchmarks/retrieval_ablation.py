@@ -7,7 +7,7 @@ with a perplexity-refined corpus index against indexes of as many texts drawn at
       --index refined=out/refined/index --index random0=out/random0/index
 
 The target decodes each request once with batched `ar`; then every index replays the greedy output
-(specdec_core/greedy_replay.py): a token-only drafter's steps are fixed by the output itself, so the replay gives
+(benchmarks/greedy_replay.py): a token-only drafter's steps are fixed by the output itself, so the replay gives
 the very accepted lengths the decoder gets with every draft verified (budget=off), for the drafter's cost alone.
 Ratios are to the first --index; per request, the replayed MAL is compared too (how many requests each index wins).
 A 2 % effect (the paper's 1.18x vs 1.16x speed-up) needs hundreds of requests to tell from noise: that is what the
@@ -43,7 +43,7 @@ def greedy_outputs(engine, items, batch_size: int) -> dict:
 
 
 def replay_index(items, outputs: dict, directory: str, max_new_tokens: int, tree_nodes: int) -> dict:
-    from specdec_core.greedy_replay import ReplayResult, replay_greedy
+    from benchmarks.greedy_replay import ReplayResult, replay_greedy
     from specdec_core.methods import MethodOptions, get_method
 
     build = get_method("rest").build_drafter

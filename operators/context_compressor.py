@@ -13,16 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 WORD = re.compile(r"\s*\S+|\s+$")
-
-
-class ContextCompressor(Protocol):
-    def compress(self, text: str, ratio: float) -> str:
-        """`text` with about 1/ratio of its tokens (ratio >= 1)."""
 
 
 @dataclass

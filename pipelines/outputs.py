@@ -32,10 +32,6 @@ def run_dir(output: str | Path, run_id: str) -> Path:
 SUCCESS_MARKER = "_SUCCESS"
 
 
-def run_finished(output: str | Path, run_id: str) -> bool:
-    return (run_dir(output, run_id) / SUCCESS_MARKER).exists()
-
-
 def mark_finished(output: str | Path, run_id: str) -> None:
     (run_dir(output, run_id) / SUCCESS_MARKER).write_text("")
 
@@ -123,16 +119,6 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def read_generations(output: str | Path) -> pa.Table:
-    """Every published generation row (empty table with the contract's schema when there are none)."""
-    path = generations_dir(output)
-    if not path.exists() or not any(path.rglob("*.parquet")):
-        return GENERATIONS_SCHEMA.empty_table()
-    dataset = pads.dataset(str(path), format="parquet", partitioning="hive",
-                           schema=GENERATIONS_SCHEMA)
-    return dataset.to_table()
 
 
 def done_pairs(output: str | Path, run_id: str, decode_keys: dict[str, str]) -> frozenset[str]:

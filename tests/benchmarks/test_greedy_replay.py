@@ -9,7 +9,7 @@ from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
 from specdec_core.drafters.retrieval import RetrievalTreeDrafter
 from specdec_core.drafters.spectra import SpectraDrafter
-from specdec_core.greedy_replay import replay_greedy
+from benchmarks.greedy_replay import replay_greedy
 from specdec_core.retrieval_index import load_index, tokenizer_fingerprint, write_index
 from specdec_core.speculation_budget import SpeculationBudget
 from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama

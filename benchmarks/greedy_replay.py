@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from .drafters.base import Drafter, RequestContext
-from .verification import greedy_accepted
+from specdec_core.drafters.base import Drafter, RequestContext
+from specdec_core.verification import greedy_accepted
 
 
 @dataclass
