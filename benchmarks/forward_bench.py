@@ -26,7 +26,7 @@ from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core import panel_linear  # noqa: E402
+from specdec_core.kernels import panel_linear  # noqa: E402
 from specdec_core.model_runner import ModelRunner  # noqa: E402
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core import bf16_step_attention  # noqa: E402
+from specdec_core.kernels import bf16_step_attention  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import (bf16_attention, bf16_dot, bf16_step_attention, fast_forward, grouped_attention, invariant_attention,
-               packed_linear, panel_linear)
+from . import fast_forward, grouped_attention
+from .kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
 from .errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward

@@ -16,7 +16,7 @@ import logging
 import time
 
 from .decode import DecodeParams
-from .numba_kernels import KERNELS, KernelUnavailableError
+from .kernels.numba_kernels import KERNELS, KernelUnavailableError
 from .prefill_plan import default_budget
 
 log = logging.getLogger(__name__)

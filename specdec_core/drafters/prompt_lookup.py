@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..numba_kernels import LazyKernel
+from ..kernels.numba_kernels import LazyKernel
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, copy_draft, empty_draft
 from .context_index import ContextIndex
 from .draft_length import DraftLength

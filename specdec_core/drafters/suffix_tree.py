@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..numba_kernels import use_numba_cache
+from ..kernels.numba_kernels import use_numba_cache
 
 use_numba_cache()
 from numba import njit  # noqa: E402  (after the cache directory is set)

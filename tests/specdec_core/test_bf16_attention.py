@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core import bf16_attention, bf16_dot, grouped_attention
+from specdec_core import grouped_attention
+from specdec_core.kernels import bf16_attention, bf16_dot
 from tests.specdec_core.test_deterministic import feed, runner_in
 
 pytestmark = pytest.mark.skipif(not bf16_dot.available(), reason="no AVX512_BF16 dot-product kernel on this CPU")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core import bf16_step_attention
+from specdec_core.kernels import bf16_step_attention
 from specdec_core.draft_tree import ancestor_mask
 
 pytestmark = pytest.mark.skipif(not bf16_step_attention.usable(64), reason="no AVX512_BF16 dot-product kernel here")
@@ -66,7 +66,8 @@ def test_real_tokens_that_are_not_a_rows_first_are_left_to_the_other_kernel():
 def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypatch):
     """Without --deterministic the model runner sends a bf16 step of at most MAX_QUERIES tokens a row here (a model
     with head_dim 64); its logits stay those of invariant_attention.py's fp32 arithmetic within bf16 rounding."""
-    from specdec_core import grouped_attention, invariant_attention
+    from specdec_core import grouped_attention
+    from specdec_core.kernels import invariant_attention
     from tests.specdec_core.test_deterministic import SEQUENCE, feed, runner_in
     from tests.tiny_models import tiny_llama_64
 
@@ -127,8 +128,8 @@ def test_a_keys_score_has_the_same_bits_in_a_block_of_sixteen_or_alone(dim):
     """The scores kernel reduces 16 keys together and the keys after the last whole block one at a time, through the
     same tree of lane additions: a key's score must not depend on which path took it (attend_exact relies on it)."""
     import numpy as np
-    from specdec_core import bf16_step_attention_kernel as kernel
-    from specdec_core.bf16_step_attention import PASS_ROWS, _words
+    from specdec_core.kernels import bf16_step_attention_kernel as kernel
+    from specdec_core.kernels.bf16_step_attention import PASS_ROWS, _words
 
     torch.manual_seed(3)
     keys = _words((torch.randn(40, dim) * 3).bfloat16())

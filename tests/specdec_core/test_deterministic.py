@@ -64,7 +64,7 @@ RUNNER_IDS = ["fp32", "bf16", "bf16-head64"]
 
 @pytest.mark.parametrize("dtype,make", RUNNERS, ids=RUNNER_IDS)
 def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype, make, monkeypatch):
-    from specdec_core import bf16_step_attention
+    from specdec_core.kernels import bf16_step_attention
 
     runner = runner_in(dtype, make)
     exact = []
@@ -84,7 +84,7 @@ def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype, make, monkey
 def test_with_the_switch_a_bf16_prompts_tokens_are_bit_identical_however_its_prefill_is_cut(monkeypatch):
     """bf16 prefill forwards attend through bf16_attention.py under the switch (where it runs): a prompt token's
     logits are the same whole, in chunks of any size (short ones too), beside other rows."""
-    from specdec_core import bf16_attention
+    from specdec_core.kernels import bf16_attention
 
     runner = runner_in(torch.bfloat16)
     if not runner._bf16_chain_attention(1, prefill=True):
@@ -146,7 +146,8 @@ def test_without_the_switch_bf16_decode_steps_attend_through_the_compiled_kernel
     """Without --deterministic a bf16 CPU forward of at most MAX_QUERIES tokens a row still attends through
     invariant_attention.py (SDPA's flash kernel was ~4x slower at decode), a prefill through SDPA; fp32 keeps its
     own kernels."""
-    from specdec_core import grouped_attention, invariant_attention
+    from specdec_core import grouped_attention
+    from specdec_core.kernels import invariant_attention
 
     runner = runner_in(dtype)
     runner.deterministic = False
@@ -184,7 +185,7 @@ def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
     """--deterministic auto (the default): on for a bf16 CPU model the bf16 kernels run (avx512_bf16, no AMX, head_dim
     64 or 128), off in fp32, for head sizes the bf16 kernels do not take, and with AMX; "on" still errors where it
     cannot run, "off" stays off."""
-    from specdec_core import bf16_attention, bf16_step_attention
+    from specdec_core.kernels import bf16_attention, bf16_step_attention
     from specdec_core.defaults import determinism_mode
 
     assert [determinism_mode(v) for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]

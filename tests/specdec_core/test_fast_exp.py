@@ -4,7 +4,7 @@ the shifted exponentials and their sum match numpy's."""
 import numpy as np
 import pytest
 
-from specdec_core.fast_exp import exp_shifted, peak
+from specdec_core.kernels.fast_exp import exp_shifted, peak
 
 
 @pytest.mark.parametrize("seed", range(3))

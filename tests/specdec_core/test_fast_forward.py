@@ -8,11 +8,12 @@ import torch
 from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
-from specdec_core import fast_forward, residual_norm, rope_store
+from specdec_core import fast_forward
+from specdec_core.kernels import residual_norm, rope_store
 from specdec_core.fast_forward import unsupported
 from specdec_core.int8_linear import quantize_int8
 from specdec_core.model_runner import ModelRunner
-from specdec_core.packed_linear import PackedLinear, pack_linears
+from specdec_core.kernels.packed_linear import PackedLinear, pack_linears
 from tests.specdec_core.test_step_kernels import filled_cache
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core import invariant_attention
+from specdec_core.kernels import invariant_attention
 
 CACHES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-cache"])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_core import numba_kernels
+from specdec_core.kernels import numba_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, mo
     shutil.copytree(ROOT / "specdec_core", copy, ignore=shutil.ignore_patterns("__pycache__"))
     before = numba_kernels.cache_key(copy)
     assert numba_kernels.cache_key(copy) == before  # stable
-    wrapper = copy / "bf16_dot.py"
+    wrapper = copy / "kernels" / "bf16_dot.py"
     text = wrapper.read_text()
     assert "\nROWS = 8 " in text and "from numba" not in text and "import numba" not in text
     wrapper.write_text(text.replace("\nROWS = 8 ", "\nROWS = 4 "))
@@ -50,7 +50,7 @@ def test_numba_reads_the_cache_folder_the_key_names(tmp_path):
     """numba reads NUMBA_CACHE_DIR once, when it is imported: computing the key must not import it first (it once
     did, and numba cached into the source tree, loading stale and unvectorised machine code)."""
     code = ("import torch\n"
-            "from specdec_core import numba_kernels, panel_linear\n"
+            "from specdec_core.kernels import numba_kernels, panel_linear\n"
             "kernel = panel_linear.kernels[torch.float32]\n"  # compiled at its first use: cached there
             "assert kernel() is not None, kernel.unavailable\n"
             "import numba\n"
@@ -74,7 +74,7 @@ def broken(self, signature):
 numba.core.dispatcher.Dispatcher.compile = broken  # every numba compile (and cache load) fails from here on
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 import torch
-from specdec_core import numba_kernels
+from specdec_core.kernels import numba_kernels
 from specdec_core.engine import Engine, EngineConfig
 from specdec_core.warm_up import warm_up
 from tests.prompts import lossless_items

@@ -4,8 +4,8 @@ own."""
 import pytest
 import torch
 
-from specdec_core import bf16_dot, panel_linear
-from specdec_core.panel_linear import PanelLinear, panel_linears, to_panels
+from specdec_core.kernels import bf16_dot, panel_linear
+from specdec_core.kernels.panel_linear import PanelLinear, panel_linears, to_panels
 from tests.tiny_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not panel_linear.available(), reason="numba cannot compile the panel kernel here")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec_core import panel_linear, residual_norm
-from specdec_core.panel_linear import PanelLinear
+from specdec_core.kernels import panel_linear, residual_norm
+from specdec_core.kernels.panel_linear import PanelLinear
 
 pytestmark = pytest.mark.skipif(not residual_norm.usable(torch.zeros(1)), reason="numba cannot compile it here")
 

@@ -163,7 +163,8 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # 300: the parallel loop (rope_store.PARALLEL_MIN_TOKENS)
 def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens, dtype):
     """fp32, and bf16 rounded where each eager bf16 op rounds."""
-    from specdec_core import fast_forward, rope_store
+    from specdec_core import fast_forward
+    from specdec_core.kernels import rope_store
 
     generator = torch.Generator().manual_seed(tokens)
     heads, kv_heads, dim, slots, capacity = 9, 3, 64, 4, 400

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from .model_registry import cache_root
+from ..model_registry import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def cache_key(root: Path | None = None) -> str:
 
     from llvmlite import binding  # not numba: importing it reads NUMBA_CACHE_DIR, which use_numba_cache sets after
 
-    root = root or Path(__file__).resolve().parent
+    root = root or Path(__file__).resolve().parents[1]  # all of specdec_core
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")

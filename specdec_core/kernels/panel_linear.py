@@ -52,7 +52,7 @@ KERNELS = {torch.float32: ("panel_matmul", "float32", "panels[p, k, {j}]"),
 def kernel_source() -> str:
     """The numba module: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel), one
     function per weight dtype (KERNELS)."""
-    lines = ["import numpy as np", "from numba import njit, prange", "", "from specdec_core.bf16_bits import bf16_to_f32"]
+    lines = ["import numpy as np", "from numba import njit, prange", "", "from specdec_core.kernels.bf16_bits import bf16_to_f32"]
     for name, _, load in KERNELS.values():
         lines += _kernel_lines(name, load)
     return "\n".join(lines) + "\n"
