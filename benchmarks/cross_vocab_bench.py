@@ -65,7 +65,7 @@ def main() -> int:
     import torch
 
     from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter,

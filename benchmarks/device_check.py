@@ -21,7 +21,7 @@ def main() -> int:
     from specdec_core.decode import DecodeParams
     from specdec_core.drafters.base import NoDrafter
     from specdec_core.drafters.copyspec import CopySpecDrafter
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
     from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

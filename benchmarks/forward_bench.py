@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
 from specdec_core.kernels import panel_linear  # noqa: E402
-from specdec_core.model_runner import ModelRunner  # noqa: E402
+from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 
 
 def filled(runner: ModelRunner, rows: int, context: int):

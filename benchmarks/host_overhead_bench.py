@@ -58,7 +58,7 @@ def shaped_model(shape: str, device: str, dtype: torch.dtype):
 def shaped_runners(shape: str, device: str, dtype: torch.dtype, fast_forward: str) -> dict:
     """{label: ModelRunner} over one random model: the device's default forward, or (fast_forward "both") HF's
     modules and fast_forward.py side by side."""
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     if shape == "tiny" and device == "cpu" and dtype == torch.float32 and fast_forward == "default":
         return {"ours ar": tiny_llama()}

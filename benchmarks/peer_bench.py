@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no vLLM venv at {vllm_python}: run `make peers`, or pass --vllm-python none")
 
     from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
     dtype, deterministic = engine.target.dtype_name, engine.target.deterministic

@@ -63,7 +63,7 @@ def hf_one_forward(engine, prompts: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model_registry import DEFAULT_MODEL
+    from specdec_core.model.model_registry import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)

@@ -94,7 +94,7 @@ def main() -> int:
     import torch
 
     from benchmarks.batch_bench import hardware
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)  # the job's one actor gets round(CPUs - 0.5) threads: all of them
     runner = ModelRunner.load(args.model, args.dtype, "cpu")

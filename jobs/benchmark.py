@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = BenchmarkConfig(**values, method_options=MethodOptions(adaptive=args.adaptive,
                                                                         candidates=args.candidates))
-        from specdec_core.model_registry import check_model_available
+        from specdec_core.model.model_registry import check_model_available
 
         check_model_available(config.model)
     except (ValidationError, SpecbatchError) as exc:

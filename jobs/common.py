@@ -152,7 +152,7 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
 
 def preflight(config) -> None:
     from operators.read_requests import check_input_path
-    from specdec_core.model_registry import check_model_available
+    from specdec_core.model.model_registry import check_model_available
 
     from pipelines.outputs import run_dir
     from specdec_core.errors import SpecbatchError
@@ -178,7 +178,7 @@ def preflight(config) -> None:
     if config.method_options.retrieval_index:  # before Ray starts: a missing or foreign index is one line
         from transformers import AutoTokenizer
 
-        from specdec_core.model_registry import resolve_model_path
+        from specdec_core.model.model_registry import resolve_model_path
         from specdec_core.retrieval_index import check_index_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
@@ -223,7 +223,7 @@ def check_memory_from(config) -> None:
     from transformers import AutoTokenizer
 
     from specdec_core.job_memory import read_outputs
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
     own_output = os.path.abspath(config.output) == config.memory_from  # a nightly job's first night: nothing yet
@@ -238,7 +238,7 @@ def check_drafter_vocabulary(config) -> None:
     from transformers import AutoTokenizer
 
     from specdec_core.errors import SpecbatchError
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
 
     target = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
     drafter = AutoTokenizer.from_pretrained(resolve_model_path(config.drafter))

@@ -23,7 +23,7 @@ import jobs.common  # noqa: E402,F401  (sets the offline environment before anyt
 
 def build_parser():
     from specdec_core.cli import OneLineParser
-    from specdec_core.model_registry import DEFAULT_MODEL
+    from specdec_core.model.model_registry import DEFAULT_MODEL
 
     parser = OneLineParser(prog="refine_corpus.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from operators.read_corpus import check_corpus_source
         from pipelines.refine import RefineConfig, check_output
-        from specdec_core.model_registry import check_model_available, resolve_model_path
+        from specdec_core.model.model_registry import check_model_available, resolve_model_path
 
         config = RefineConfig(**{k: v for k, v in vars(args).items() if k != "address"})
         check_corpus_source(config.input)

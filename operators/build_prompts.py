@@ -57,7 +57,7 @@ class BuildPrompts:
         """seen_ids: the run's SeenIds actor (a Ray actor handle); None keeps a table of this stage's own."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from specdec_core.model_registry import resolve_model_path
+        from specdec_core.model.model_registry import resolve_model_path
 
         path = resolve_model_path(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)

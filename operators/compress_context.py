@@ -17,7 +17,7 @@ class CompressContext:
                  torch_threads: int = 1):
         import torch
 
-        from specdec_core.model_runner import ModelRunner
+        from specdec_core.model.model_runner import ModelRunner
 
         from .context_compressor import SelfInformationCompressor
 

@@ -23,7 +23,7 @@ class ScorePerplexity:
                  torch_threads: int = 1):
         import torch
 
-        from specdec_core.model_runner import ModelRunner
+        from specdec_core.model.model_runner import ModelRunner
 
         from .perplexity import PerplexityScorer
 

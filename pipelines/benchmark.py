@@ -137,7 +137,7 @@ def run_hf_peer(config: BenchmarkConfig, requests: Path, ar_outputs: dict[str, l
     import torch
 
     from pipelines.hf_batch_peer import run_peer
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)
     runner = ModelRunner.load(config.model, config.dtype)

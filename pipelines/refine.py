@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
 from specdec_core.errors import SpecbatchError
-from specdec_core.model_registry import DEFAULT_MODEL
+from specdec_core.model.model_registry import DEFAULT_MODEL
 
 from .parquet_sink import TEMPORARY_PREFIX, KeyedPartSink, write_atomically
 
@@ -77,7 +77,7 @@ class RefineConfig(BaseModel):
 
     def resolved_device_and_dtype(self) -> tuple[str, str]:
         """What "auto" becomes in the actors: scores under another dtype are other scores (see GenerationConfig)."""
-        from specdec_core.hardware import cpu_supports_bf16
+        from specdec_core.model.hardware import cpu_supports_bf16
 
         device = self.device if self.device != "auto" else ("cuda" if self.num_gpus_per_actor > 0 else "cpu")
         if self.dtype != "auto" or device.startswith("cuda"):

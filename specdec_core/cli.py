@@ -50,7 +50,7 @@ def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .methods import METHODS
-    from .model_registry import DEFAULT_MODEL
+    from .model.model_registry import DEFAULT_MODEL
 
     parser = OneLineParser(
         prog="specbatch",
@@ -193,7 +193,7 @@ def _checked_inputs(parser, args):
     """Everything that can be checked without loading a model, checked first: the method, the options, the input
     files and the models' packages -> (method spec, params, options, (prompt, messages, batch lines, context))."""
     from .methods import get_method
-    from .model_registry import check_model_available
+    from .model.model_registry import check_model_available
     from .prompts import check_prompt_text, read_messages_file, read_text_file
 
     spec = get_method(args.method)
@@ -311,7 +311,7 @@ def _quiet_transformers() -> None:
 
 
 def run_install(argv: list[str]) -> int:
-    from .model_registry import MODEL_SPECS, install_model
+    from .model.model_registry import MODEL_SPECS, install_model
 
     if len(argv) != 1:
         print(f"usage: specbatch install-model NAME   (NAME: {', '.join(MODEL_SPECS)})", file=sys.stderr)
@@ -325,7 +325,7 @@ def run_install(argv: list[str]) -> int:
 
 
 def run_list_models(argv: list[str]) -> int:
-    from .model_registry import MODEL_SPECS
+    from .model.model_registry import MODEL_SPECS
 
     for spec in MODEL_SPECS.values():
         print(f"{spec.name:22s} {spec.notes}  (packages: {' '.join(spec.packages[:2])}{' ...' if len(spec.packages) > 2 else ''})")
@@ -343,7 +343,7 @@ def run_list_methods(argv: list[str]) -> int:
 
 def run_discover_heads(argv: list[str]) -> int:
     """PLD+ (a)'s one-off step per model: rank its induction heads and save them next to the model cache."""
-    from .model_registry import DEFAULT_MODEL
+    from .model.model_registry import DEFAULT_MODEL
 
     parser = OneLineParser(prog="specbatch discover-heads", description=(
         "Find the target model's copying (induction) heads for pld_plus_a (PLD+ paper, section 4.2.1) and save "
@@ -356,8 +356,8 @@ def run_discover_heads(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         from .induction_heads import heads_file, load_or_discover
-        from .model_registry import check_model_available
-        from .model_runner import ModelRunner
+        from .model.model_registry import check_model_available
+        from .model.model_runner import ModelRunner
 
         check_model_available(args.model)
         _quiet_transformers()
@@ -377,7 +377,7 @@ def run_discover_heads(argv: list[str]) -> int:
 
 def run_build_index(argv: list[str]) -> int:
     """A retrieval corpus index for `rest` / `spectra+retrieval`, from texts as they are (no perplexity ranking)."""
-    from .model_registry import DEFAULT_MODEL
+    from .model.model_registry import DEFAULT_MODEL
 
     parser = OneLineParser(prog="specbatch build-index", description=(
         "Tokenize a corpus with the target's tokenizer and save a suffix-array index that rest and "
@@ -395,7 +395,7 @@ def run_build_index(argv: list[str]) -> int:
         from transformers import AutoTokenizer
 
         from .corpus_texts import read_texts
-        from .model_registry import check_model_available, resolve_model_path
+        from .model.model_registry import check_model_available, resolve_model_path
         from .retrieval_index import MANIFEST_FILE, tokenizer_fingerprint, write_index
         from pathlib import Path
 
@@ -426,7 +426,7 @@ def run_vocab_overlap(argv: list[str]) -> int:
     try:
         from transformers import AutoTokenizer
 
-        from .model_registry import check_model_available, resolve_model_path
+        from .model.model_registry import check_model_available, resolve_model_path
         from .vocab_mapping import load_or_build_mapping
 
         for name in (args.drafter, args.model):
@@ -445,7 +445,7 @@ def run_vocab_overlap(argv: list[str]) -> int:
 
 def run_warm_up(argv: list[str]) -> int:
     """Compile this machine's kernels into the disk cache before the first job (make install runs it)."""
-    from .model_registry import DEFAULT_MODEL
+    from .model.model_registry import DEFAULT_MODEL
 
     parser = OneLineParser(prog="specbatch warm-up", description=(
         "Compile (or load) every compiled CPU kernel the model's forwards and the methods use, into the kernel "

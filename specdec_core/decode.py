@@ -12,7 +12,7 @@ import torch
 
 from .errors import BadRequestError
 from .metrics import RequestMetrics
-from .model_runner import ModelRunner
+from .model.model_runner import ModelRunner
 from .sampling import SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop string

@@ -20,8 +20,8 @@ from .errors import BadRequestError
 from .defaults import DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
 from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
-from .hardware import INT8
-from .model_runner import ModelRunner
+from .model.hardware import INT8
+from .model.model_runner import ModelRunner
 from .prefix_cache import PrefixCache
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer

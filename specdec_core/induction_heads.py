@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .attention_probe import attention_module, attention_window
-from .model_registry import cache_root
+from .model.attention_probe import attention_module, attention_window
+from .model.model_registry import cache_root
 
 FORMAT = 1
 DISCOVERY_NEW_TOKENS = 64

@@ -140,7 +140,7 @@ def read_outputs(path: str, tokenizer, model: str, max_tokens: int, missing_ok: 
 def _same_tokenizer(model: str, tokenizer) -> bool:
     from transformers import AutoTokenizer
 
-    from .model_registry import resolve_model_path
+    from .model.model_registry import resolve_model_path
     from .retrieval_index import tokenizer_fingerprint
 
     try:

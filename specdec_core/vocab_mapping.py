@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model_registry import cache_root
+from .model.model_registry import cache_root
 from .retrieval_index import tokenizer_fingerprint
 
 BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

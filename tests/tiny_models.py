@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_core.model_runner import ModelRunner
+from specdec_core.model.model_runner import ModelRunner
 
 VOCAB = 96
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..lm_head import SubsetHead
-from ..model_runner import ModelRunner
+from ..model.lm_head import SubsetHead
+from ..model.model_runner import ModelRunner
 from ..vocab_mapping import VocabMapping, special_ids, token_bytes
 from .base import Draft, RequestContext
 from .draft_model import DraftModelPool, PooledDrafter, choose_token

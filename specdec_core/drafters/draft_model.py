@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from ..lm_head import SubsetHead
-from ..model_runner import ModelRunner
+from ..model.lm_head import SubsetHead
+from ..model.model_runner import ModelRunner
 from ..sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength

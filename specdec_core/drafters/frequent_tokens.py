@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model_registry import cache_root
-from ..lm_head import SubsetHead, head_bias_rows, head_rows
-from ..model_runner import ModelRunner
+from ..model.model_registry import cache_root
+from ..model.lm_head import SubsetHead, head_bias_rows, head_rows
+from ..model.model_runner import ModelRunner
 from ..retrieval_index import tokenizer_fingerprint
 
 FREQUENT_TOKENS = 32_768  # at most this many frequent tokens (the sample has ~25.6k distinct Gemma 3 tokens)

@@ -58,7 +58,7 @@ def test_answer_job_scores_answers_by_token_f1_with_a_compressed_context(ray_clu
     from transformers import AutoTokenizer
 
     from operators.task_prompts import compose_prompt
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
     from specdec_core.prompts import build_prompt_ids
 
     proc = run("answer_questions.py", "--output", str(tmp_path / "qa"), "--method", "ar", "--method", "pld",

@@ -30,7 +30,7 @@ def assert_index_holds(directory, kept_ids) -> None:
     (each followed by the separator -1)."""
     from transformers import AutoTokenizer
 
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
     from specdec_core.retrieval_index import load_index, read_manifest, tokenizer_fingerprint
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))

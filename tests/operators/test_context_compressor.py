@@ -43,7 +43,7 @@ def default_tokenizer():
     """The default model's tokenizer alone (no weights)."""
     from transformers import AutoTokenizer
 
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
 
@@ -114,7 +114,7 @@ def test_real_passages_reach_the_requested_ratio(default_model):
 def test_the_stage_compresses_question_rows_only_and_the_prompt_keeps_the_question(default_model, monkeypatch):
     import pandas as pd
 
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     monkeypatch.setattr(ModelRunner, "load", classmethod(lambda cls, *a, **k: default_model))
     stage = CompressContext("smollm2-135m", ratio=3.0, max_context_chars=2000)

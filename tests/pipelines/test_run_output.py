@@ -84,7 +84,7 @@ def test_decode_key_changes_with_what_changes_outputs_only(tmp_path):
 
 
 def test_dtype_auto_is_keyed_by_what_it_resolves_to_so_another_machine_redoes_the_rows(tmp_path, monkeypatch):
-    import specdec_core.hardware as runner
+    import specdec_core.model.hardware as runner
 
     base = dict(input="in.jsonl", output=str(tmp_path), methods=["ar"], run_id="r")
     for has_bf16, dtype in ((True, "bfloat16"), (False, "float32")):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core import grouped_attention
+from specdec_core.model import grouped_attention
 from specdec_core.kernels import bf16_attention, bf16_dot
 from tests.specdec_core.test_deterministic import feed, runner_in
 

@@ -66,7 +66,7 @@ def test_real_tokens_that_are_not_a_rows_first_are_left_to_the_other_kernel():
 def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypatch):
     """Without --deterministic the model runner sends a bf16 step of at most MAX_QUERIES tokens a row here (a model
     with head_dim 64); its logits stay those of invariant_attention.py's fp32 arithmetic within bf16 rounding."""
-    from specdec_core import grouped_attention
+    from specdec_core.model import grouped_attention
     from specdec_core.kernels import invariant_attention
     from tests.specdec_core.test_deterministic import SEQUENCE, feed, runner_in
     from tests.tiny_models import tiny_llama_64

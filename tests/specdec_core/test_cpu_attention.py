@@ -4,7 +4,7 @@ rounding, a row's result bit-identical alone and in any batch, and the batched l
 import pytest
 import torch
 
-from specdec_core import grouped_attention
+from specdec_core.model import grouped_attention
 from specdec_core.kernels import cpu_attention
 from specdec_core.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams

@@ -175,7 +175,7 @@ def test_byte_level_and_sentencepiece_tokens_match_by_the_bytes_they_stand_for(t
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from specdec_core.model_registry import resolve_model_path
+    from specdec_core.model.model_registry import resolve_model_path
 
     smol = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))  # byte-level BPE ('Ġ', 'Ċ')
     raw = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))

@@ -8,7 +8,7 @@ import torch
 from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
-from specdec_core.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
+from specdec_core.model.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_llama_64, tiny_qwen2
 
 SEQUENCE = repetitive_prompt(7, 40)
@@ -146,7 +146,7 @@ def test_without_the_switch_bf16_decode_steps_attend_through_the_compiled_kernel
     """Without --deterministic a bf16 CPU forward of at most MAX_QUERIES tokens a row still attends through
     invariant_attention.py (SDPA's flash kernel was ~4x slower at decode), a prefill through SDPA; fp32 keeps its
     own kernels."""
-    from specdec_core import grouped_attention
+    from specdec_core.model import grouped_attention
     from specdec_core.kernels import invariant_attention
 
     runner = runner_in(dtype)

@@ -8,11 +8,11 @@ import torch
 from specdec_core.decode import DecodeParams
 from specdec_core.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
-from specdec_core import fast_forward
+from specdec_core.model import fast_forward
 from specdec_core.kernels import residual_norm, rope_store
-from specdec_core.fast_forward import unsupported
-from specdec_core.int8_linear import quantize_int8
-from specdec_core.model_runner import ModelRunner
+from specdec_core.model.fast_forward import unsupported
+from specdec_core.model.int8_linear import quantize_int8
+from specdec_core.model.model_runner import ModelRunner
 from specdec_core.kernels.packed_linear import PackedLinear, pack_linears
 from tests.specdec_core.test_step_kernels import filled_cache
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
@@ -138,7 +138,7 @@ def test_a_packed_linear_computes_the_linear_and_each_row_alone():
 
 
 def test_load_packs_fp32_decoder_linears_when_the_panel_kernel_is_off(monkeypatch):
-    from specdec_core.model_runner import tune_for_cpu
+    from specdec_core.model.model_runner import tune_for_cpu
 
     monkeypatch.setenv("SPECBATCH_PANEL_LINEAR", "0")
     model = tiny_llama().model

@@ -8,9 +8,9 @@ from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import Engine, EngineConfig
-from specdec_core.int8_linear import quantize_int8
-from specdec_core.lm_head import SubsetHead
-from specdec_core.model_runner import ModelRunner
+from specdec_core.model.int8_linear import quantize_int8
+from specdec_core.model.lm_head import SubsetHead
+from specdec_core.model.model_runner import ModelRunner
 from tests.tiny_models import DigitsTokenizer, tiny_llama
 
 
@@ -60,7 +60,7 @@ def test_a_subset_head_over_int8_weights_gives_the_whole_heads_logits_at_its_tok
 def test_weight_only_int8_rounds_each_output_channel_to_127_steps_of_its_own_scale():
     """Int8WeightLinear: the kernel's product equals x times the dequantized weight, and that weight is within half
     a step (scale / 2) of the bf16 one, per output channel."""
-    from specdec_core.int8_linear import DEQUANTIZE_ROWS, Int8WeightLinear
+    from specdec_core.model.int8_linear import DEQUANTIZE_ROWS, Int8WeightLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)

@@ -9,8 +9,8 @@ from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.kv_cache import SlotKVCache
-from specdec_core.attention_masks import attention_masks
-from specdec_core.model_runner import UnsupportedArchitectureError, check_servable
+from specdec_core.model.attention_masks import attention_masks
+from specdec_core.model.model_runner import UnsupportedArchitectureError, check_servable
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
 
 LENGTHS = [5, 23, 11, 40, 17]

@@ -121,7 +121,7 @@ def test_context_drafters_in_one_batch_equal_ar(engine, reference, monkeypatch):
     long and accepted, and the context copies are counted as their own source. The compiled decode attention
     (cpu_attention.py) runs every step here, though these prompts are below its threshold; the references ran
     without it."""
-    from specdec_core import grouped_attention
+    from specdec_core.model import grouped_attention
 
     monkeypatch.setattr(grouped_attention, "KERNEL_MIN_KEY_VALUES", 0)
     contexts = own_answer_contexts(reference)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec_core import model_registry
+from specdec_core.model import model_registry
 from specdec_core.errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
-from specdec_core.hardware import cpu_supports_bf16, resolve_dtype
+from specdec_core.model.hardware import cpu_supports_bf16, resolve_dtype
 
 
 def test_unknown_name_lists_the_registry():

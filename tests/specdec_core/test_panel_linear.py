@@ -97,7 +97,7 @@ def test_panels_hold_each_column_of_the_weight_in_order():
 
 
 def test_load_puts_fp32_linears_on_panels_unless_switched_off(monkeypatch):
-    from specdec_core.model_runner import tune_for_cpu
+    from specdec_core.model.model_runner import tune_for_cpu
 
     model = tiny_llama().model
     tune_for_cpu(model)
@@ -120,7 +120,7 @@ def test_panel_linears_replaces_fp32_linears_only_unless_bf16_is_asked_for():
 def test_deterministic_bf16_puts_the_linears_and_head_on_bf16_panels():
     """The switch moves a bf16 model's linears, still on PyTorch's bf16 linear, to the panel kernel (row-invariant)
     and rebuilds the fast forward over them."""
-    from specdec_core.model_runner import ModelRunner
+    from specdec_core.model.model_runner import ModelRunner
 
     base = tiny_llama()
     model = base.model.to(torch.bfloat16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core import grouped_attention
+from specdec_core.model import grouped_attention
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
 
 
@@ -152,7 +152,7 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
     class SparseMoeBlock(torch.nn.Module):
         experts = None
 
-    from specdec_core.ragged_tokens import RaggedTokens
+    from specdec_core.model.ragged_tokens import RaggedTokens
 
     layer = torch.nn.Module()
     layer.mlp = SparseMoeBlock()
@@ -163,7 +163,7 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # 300: the parallel loop (rope_store.PARALLEL_MIN_TOKENS)
 def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens, dtype):
     """fp32, and bf16 rounded where each eager bf16 op rounds."""
-    from specdec_core import fast_forward
+    from specdec_core.model import fast_forward
     from specdec_core.kernels import rope_store
 
     generator = torch.Generator().manual_seed(tokens)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from . import fast_forward, grouped_attention
-from .kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
+from ..kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
 from .attention_masks import attention_masks
-from .errors import SpecbatchError
+from ..errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
 from .hardware import INT8, resolve_dtype, resolve_device
 from .int8_linear import quantize_int8
-from .kv_cache import SlotKVCache
+from ..kv_cache import SlotKVCache
 from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens

@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .defaults import DEFAULT_MODEL  # noqa: F401  (re-exported: the registry's default)
-from .errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
+from ..defaults import DEFAULT_MODEL  # noqa: F401  (re-exported: the registry's default)
+from ..errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
 
 
 @dataclass(frozen=True)

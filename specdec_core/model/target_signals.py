@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention_probe import head_attention
-from .drafters.base import ATTENTION, HIDDEN_STATES, Drafter
+from ..drafters.base import ATTENTION, HIDDEN_STATES, Drafter
 
 
 @dataclass

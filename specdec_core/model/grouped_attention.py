@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import cpu_attention
+from ..kernels import cpu_attention
 
 NAME = "specbatch_grouped"
 MAX_QUERIES = 8  # new tokens per row above which SDPA's kernel is as fast (measured equal at T = 9)

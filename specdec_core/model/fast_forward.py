@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from . import grouped_attention
-from .kernels import bf16_attention, invariant_attention, panel_linear, residual_norm, rope_store
-from .kernels.packed_linear import PackedLinear
-from .kernels.panel_linear import PanelLinear
+from ..kernels import bf16_attention, invariant_attention, panel_linear, residual_norm, rope_store
+from ..kernels.packed_linear import PackedLinear
+from ..kernels.panel_linear import PanelLinear
 
 log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "qwen2", "mistral")

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .errors import SpecbatchError
+from ..errors import SpecbatchError
 
 Heads = dict[int, list[int]]  # layer index (0-based decoder layer) -> query head indices
 

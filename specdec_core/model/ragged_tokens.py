@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .kernels.packed_linear import PackedLinear
-from .kernels.panel_linear import PanelLinear
+from ..kernels.packed_linear import PackedLinear
+from ..kernels.panel_linear import PanelLinear
 
 MAX_REAL_SHARE = 0.75  # gather only when at most this share of the [b, T] block is real tokens
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
