@@ -112,7 +112,7 @@ def _ours(engine, prompts: list[list[int]], args, method: str, confidence=0.0):
     from specdec_core.decode import DecodeParams
     from specdec_core.engine import BatchItem
     from specdec_core.methods import MethodOptions
-    from specdec_core.sampling import SamplingParams
+    from specdec_core.loop.sampling import SamplingParams
 
     options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive, draft_confidence=confidence)
     outputs, started, forwards = [], time.perf_counter(), 0

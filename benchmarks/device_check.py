@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     import torch
 
-    from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
     from specdec_core.decode import DecodeParams
     from specdec_core.drafters.base import NoDrafter
     from specdec_core.drafters.copyspec import CopySpecDrafter

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from specdec_core.drafters.base import Drafter, RequestContext
-from specdec_core.verification import greedy_accepted
+from specdec_core.loop.verification import greedy_accepted
 
 
 @dataclass

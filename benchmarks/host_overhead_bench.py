@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.base import NoDrafter  # noqa: E402
-from specdec_core.speculation_budget import SpeculationBudget  # noqa: E402
+from specdec_core.loop.speculation_budget import SpeculationBudget  # noqa: E402
 from tests.tiny_models import DigitsTokenizer, repetitive_prompt, tiny_llama  # noqa: E402
 
 # Real models' architectures (their config.json values), built with random weights.

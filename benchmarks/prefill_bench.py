@@ -30,11 +30,11 @@ DEFAULT_WORKLOADS = ("open_questions:16", "summarization:8", "code_edit:8")
 
 def ours(engine, prompts: list[list[int]], budget: int | None, prefix_cache: bool) -> float:
     """Seconds to admit (prefill) every prompt in one decoder."""
-    from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
     from specdec_core.decode import DecodeParams
     from specdec_core.drafters.base import NoDrafter
-    from specdec_core.prefix_cache import PrefixCache
-    from specdec_core.speculation_budget import SpeculationBudget
+    from specdec_core.loop.prefix_cache import PrefixCache
+    from specdec_core.loop.speculation_budget import SpeculationBudget
 
     options = {} if budget is None else {"prefill_tokens": budget}
     decoder = BatchDecoder(engine.target, max_batch=len(prompts), budget=SpeculationBudget(enabled=False),

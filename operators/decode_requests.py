@@ -74,7 +74,7 @@ class DecodeRequests:
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.decode import DecodeParams
-        from specdec_core.sampling import SamplingParams
+        from specdec_core.loop.sampling import SamplingParams
 
         cfg = self.config
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)

@@ -154,7 +154,7 @@ def shared_method_options(args) -> dict:
 
 def _params(args):
     from .decode import DecodeParams
-    from .sampling import SamplingParams
+    from .loop.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return DecodeParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))

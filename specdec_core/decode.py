@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import BadRequestError
-from .metrics import RequestMetrics
+from .loop.metrics import RequestMetrics
 from .model.model_runner import ModelRunner
-from .sampling import SamplingParams
+from .loop.sampling import SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens or the model's context limit

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .batch_decode import BatchDecoder, DecodeRequest
+from .loop.batch_decode import BatchDecoder, DecodeRequest
 from .decode import DecodeParams, DecodeResult
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
@@ -22,10 +22,10 @@ from .job_memory import JobMemory, read_outputs
 from .methods import MethodOptions, get_method
 from .model.hardware import INT8
 from .model.model_runner import ModelRunner
-from .prefix_cache import PrefixCache
+from .loop.prefix_cache import PrefixCache
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
-from .speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
+from .loop.speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 
 
 @dataclass

@@ -61,7 +61,7 @@ def copy_source(sequence: list[int], prompt_len: int, position: int) -> int | No
 @torch.inference_mode()
 def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_TOKENS) -> dict:
     """-> {"model", "format", "events", "heads": [[layer, head, hits], ...] best first}. Deterministic (greedy)."""
-    from .batch_decode import BatchDecoder, DecodeRequest
+    from .loop.batch_decode import BatchDecoder, DecodeRequest
     from .decode import DecodeParams
     from .drafters.base import NoDrafter
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .drafters.draft_model import DraftModelDrafter, DraftModelPool
     from .drafters.retrieval import RetrievalTreeDrafter
     from .drafters.suffix import SuffixDrafter
-    from .verification import ConditionalRule
+    from .loop.verification import ConditionalRule
 
 
 class MethodOptions(BaseModel):
@@ -176,13 +176,13 @@ def _casd_strict(options: MethodOptions, draft_model: DraftModelPool | None) -> 
 
 
 def _casd_rule(options: MethodOptions) -> ConditionalRule:
-    from .verification import ConditionalRule
+    from .loop.verification import ConditionalRule
 
     return ConditionalRule(options.casd_delta)
 
 
 def _casd_mixed_rule(options: MethodOptions) -> ConditionalRule:
-    from .verification import ConditionalRule
+    from .loop.verification import ConditionalRule
 
     return ConditionalRule(options.casd_delta, options.casd_top_k)
 

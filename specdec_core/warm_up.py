@@ -17,7 +17,7 @@ import time
 
 from .decode import DecodeParams
 from .kernels.numba_kernels import KERNELS, KernelUnavailableError
-from .prefill_plan import default_budget
+from .loop.prefill_plan import default_budget
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..draft_tree import build_trie_with_origins, chain_parents, depths
+from ..loop.draft_tree import build_trie_with_origins, chain_parents, depths
 
 if TYPE_CHECKING:
     from ..job_memory import JobMemory
-    from ..speculation_budget import DraftPricing
+    from ..loop.speculation_budget import DraftPricing
 
 
 @dataclass

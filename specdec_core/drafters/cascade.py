@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..verification import greedy_accepted
+from ..loop.verification import greedy_accepted
 from .base import Draft, Drafter, RequestContext, empty_draft
 
 PRIOR_ACCEPTED = 2.0  # tokens: above what a poor drafter earns, so a first try of each candidate is cheap to make

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..draft_tree import frequency_trie
+from ..loop.draft_tree import frequency_trie
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, empty_draft
 from .suffix_array import SuffixArray, shared_suffix_array
 

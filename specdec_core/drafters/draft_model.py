@@ -23,12 +23,12 @@ import torch
 
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
-from ..sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
 
 if TYPE_CHECKING:
-    from ..speculation_budget import DraftPricing
+    from ..loop.speculation_budget import DraftPricing
 
 SOURCE = "draft_model"
 LONG_BACKLOG = 16  # catch-up tokens past which a row is fed alone

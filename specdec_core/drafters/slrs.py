@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs
 from .base import Draft
 from .cross_vocab import outside_id
 from .cross_vocab_model import CrossVocabDrafter

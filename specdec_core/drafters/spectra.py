@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..draft_tree import build_trie_with_origins
+from ..loop.draft_tree import build_trie_with_origins
 from .base import DRAFT_LOGITS, Draft, Drafter, RequestContext, empty_draft
 from .retrieval import RETRIEVAL_SOURCE
 

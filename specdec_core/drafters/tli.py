@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs
 from .base import Draft
 from .cross_vocab import outside_id, tli_distribution, union_distribution
 from .cross_vocab_model import CrossVocabDrafter

@@ -21,7 +21,7 @@ from ..errors import SpecbatchError
 from .fast_forward import MODEL_TYPES, FastForward
 from .hardware import INT8, resolve_dtype, resolve_device
 from .int8_linear import quantize_int8
-from ..kv_cache import SlotKVCache
+from ..loop.kv_cache import SlotKVCache
 from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens

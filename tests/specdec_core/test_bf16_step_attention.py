@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_core.kernels import bf16_step_attention
-from specdec_core.draft_tree import ancestor_mask
+from specdec_core.loop.draft_tree import ancestor_mask
 
 pytestmark = pytest.mark.skipif(not bf16_step_attention.usable(64), reason="no AVX512_BF16 dot-product kernel here")
 

@@ -3,7 +3,7 @@ on hand-made drafters and token streams (no model)."""
 
 from specdec_core.drafters.base import Draft, Drafter, RequestContext
 from specdec_core.drafters.cascade import SMOOTHING, CascadeDrafter
-from specdec_core.verification import greedy_accepted as accepted_along
+from specdec_core.loop.verification import greedy_accepted as accepted_along
 
 
 class Fixed(Drafter):

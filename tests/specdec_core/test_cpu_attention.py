@@ -6,7 +6,7 @@ import torch
 
 from specdec_core.model import grouped_attention
 from specdec_core.kernels import cpu_attention
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.kernels.numba_kernels import LazyKernel

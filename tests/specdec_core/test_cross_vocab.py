@@ -12,8 +12,8 @@ from specdec_core.drafters.cross_vocab import (
 from specdec_core.drafters.base import Draft, RequestContext
 from specdec_core.drafters.slrs import SlrsDrafter
 from specdec_core.drafters.tli import TliDrafter, UnionDrafter
-from specdec_core.sampling import SamplingParams, make_generator
-from specdec_core.verification import verify_speculative_sampling
+from specdec_core.loop.sampling import SamplingParams, make_generator
+from specdec_core.loop.verification import verify_speculative_sampling
 from specdec_core.vocab_mapping import VocabMapping, build_mapping, load_or_build_mapping, token_bytes
 from tests.specdec_core.test_verification import chi2_p_value
 

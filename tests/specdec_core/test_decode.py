@@ -5,13 +5,13 @@ test_kv_cache.py's; every method on the real model is test_lossless.py's.)"""
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
-from specdec_core.sampling import SamplingParams
+from specdec_core.loop.sampling import SamplingParams
 from tests.tiny_models import noisy_llama, repetitive_prompt, tiny_llama
 
 PROMPT = repetitive_prompt(0, 40)
@@ -51,7 +51,7 @@ def test_a_pooled_draft_model_drafts_no_further_than_the_plan_verifies(engine):
     """The step is planned before the draft model runs (each drafted token is one of its forwards): with a plan
     that verifies at most 2 tokens, a drafter asking for 6 drafts 2, its length does not grow on drafts the plan
     cut, and the output is still ar's."""
-    from specdec_core.speculation_budget import SpeculationBudget
+    from specdec_core.loop.speculation_budget import SpeculationBudget
 
     ids = PROMPT
     plain = engine.generate_ids(ids, "ar", DecodeParams(max_new_tokens=24))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec_core.decode import DecodeParams
-from specdec_core.draft_tree import ancestor_mask, depths
+from specdec_core.loop.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.model.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_llama_64, tiny_qwen2

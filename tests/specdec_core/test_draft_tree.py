@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_core.draft_tree import ancestor_mask, build_trie, children_of, depths, prefix_depths
+from specdec_core.loop.draft_tree import ancestor_mask, build_trie, children_of, depths, prefix_depths
 from specdec_core.drafters.base import Draft
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.copyspec_index import CopyIndex

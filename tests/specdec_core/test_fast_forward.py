@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec_core.decode import DecodeParams
-from specdec_core.draft_tree import ancestor_mask, depths
+from specdec_core.loop.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.model import fast_forward
 from specdec_core.kernels import residual_norm, rope_store

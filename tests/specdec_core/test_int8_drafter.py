@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
@@ -117,7 +117,7 @@ def test_a_drafter_that_prices_its_length_drafts_past_the_plans_cut_and_keeps_it
     """The plan (here: verifying 2+ tokens costs 10 plain steps, so it plans 1) decides only whether such a row
     drafts; its own stop ends the draft. Its length neither grows on its fully accepted drafts nor shrinks: its stop,
     not the length, ended them. The output stays the target's."""
-    from specdec_core.speculation_budget import SpeculationBudget, StepCostModel
+    from specdec_core.loop.speculation_budget import SpeculationBudget, StepCostModel
 
     target = tiny_llama(0)
     prompt, params = [5, 9, 14, 3, 7], DecodeParams(max_new_tokens=20)

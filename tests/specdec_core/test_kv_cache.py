@@ -4,11 +4,11 @@ rollback is a length change, rows move when others retire, sliding-window layers
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
-from specdec_core.kv_cache import SlotKVCache
+from specdec_core.loop.kv_cache import SlotKVCache
 from specdec_core.model.attention_masks import attention_masks
 from specdec_core.model.model_runner import UnsupportedArchitectureError, check_servable
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
@@ -159,8 +159,8 @@ def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_i
     """A sampled row's draws depend on how many draft tokens it verifies, so a seeded row's drafts bypass the
     budget (capped only by the token budget over a full batch): a budget that never drafts (and so rests) and one
     that always drafts, alone and beside greedy rows, give it the same tokens."""
-    from specdec_core.sampling import SamplingParams
-    from specdec_core.speculation_budget import SpeculationBudget, StepCostModel
+    from specdec_core.loop.sampling import SamplingParams
+    from specdec_core.loop.speculation_budget import SpeculationBudget, StepCostModel
 
     prompt = repetitive_prompt(3, 30)
     sampled = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=11))

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import ATTENTION, HIDDEN_STATES, Draft, Drafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter, default_hidden_layer, rank_by_hidden_state
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
-from specdec_core.speculation_budget import SpeculationBudget
+from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import repetitive_prompt, tiny_llama
 
 

@@ -5,15 +5,15 @@ fails alone."""
 import pytest
 import torch
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
-from specdec_core.prefill_plan import (GPU_PREFILL_TOKENS, MIN_HIT_SHARE, PREFILL_TOKENS, default_budget, next_forward,
+from specdec_core.loop.prefill_plan import (GPU_PREFILL_TOKENS, MIN_HIT_SHARE, PREFILL_TOKENS, default_budget, next_forward,
                                       worth_reusing)
-from specdec_core.prefix_cache import PrefixCache
-from specdec_core.speculation_budget import SpeculationBudget
+from specdec_core.loop.prefix_cache import PrefixCache
+from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
 
 LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from specdec_core.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.retrieval import RetrievalTreeDrafter
@@ -14,7 +14,7 @@ from specdec_core.drafters.spectra import SpectraDrafter
 from specdec_core.errors import BadRequestError
 from specdec_core.retrieval_index import (SEPARATOR, check_index_tokenizer, load_index, tokenizer_fingerprint,
                                           write_index)
-from specdec_core.speculation_budget import SpeculationBudget
+from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama
 
 

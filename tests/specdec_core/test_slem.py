@@ -6,7 +6,7 @@ refuses such a drafter."""
 import pytest
 
 from specdec_core.decode import DecodeParams
-from specdec_core.sampling import SamplingParams
+from specdec_core.loop.sampling import SamplingParams
 from specdec_core.drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
 from specdec_core.engine import BatchItem, Engine, EngineConfig
 from specdec_core.methods import MethodOptions
@@ -177,7 +177,7 @@ def _indent_proposal(engine, heals: bool) -> str:
     then " return"), with Gemma 3 drafting: Gemma has one token per indent ("    "), and fed a 3-space one it reads
     the indent as finished."""
     from specdec_core.drafters.base import RequestContext
-    from specdec_core.sampling import SamplingParams
+    from specdec_core.loop.sampling import SamplingParams
 
     pool = engine.decoder().draft_pool
     drafter = SlemDrafter(pool, num_tokens=4)
@@ -226,7 +226,7 @@ def test_the_frequent_token_head_adds_each_rows_own_tokens_and_no_other_rows(smo
     import torch
 
     from specdec_core.drafters.base import RequestContext
-    from specdec_core.sampling import SamplingParams
+    from specdec_core.loop.sampling import SamplingParams
 
     pool = smol_target.decoder().draft_pool
     gemma, frequent = pool.runner.tokenizer, pool.frequent

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec_core.speculation_budget import (
+from specdec_core.loop.speculation_budget import (
     AcceptanceEstimate, DraftPricing, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, critical_rows,
     expected_tokens,
 )
@@ -76,7 +76,7 @@ def test_incremental_gain_equals_the_geometric_sums():
     """The plan builds E(T) width by width; a brute-force argmax over the closed form must agree (trees too)."""
     import random
 
-    from specdec_core.draft_tree import prefix_depths
+    from specdec_core.loop.draft_tree import prefix_depths
 
     rng = random.Random(0)
     for _ in range(200):

@@ -67,7 +67,7 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
     equal those of the fully padded forward; the hooks did gather. Qwen2's q/k/v projections carry biases (a
     scattered padding row is zeros, not the bias: it must never be read); with `tree`, row 0's 4 drafts are two
     branches of two (parents -1, -1, 0, 1: positions length + 0, 1, 1, 2, 2; each node sees only its ancestors)."""
-    from specdec_core.draft_tree import ancestor_mask, depths
+    from specdec_core.loop.draft_tree import ancestor_mask, depths
 
     runner = make()
     runner.fast = None  # the HF forward's hooks (Gemma's path); test_fast_forward.py covers the fast forward

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specdec_core.drafters.base import Draft
-from specdec_core.sampling import SamplingParams, logits_to_probs, make_generator
-from specdec_core.verification import (
+from specdec_core.loop.sampling import SamplingParams, logits_to_probs, make_generator
+from specdec_core.loop.verification import (
     verify, verify_greedy, verify_rows, verify_speculative_sampling, verify_tree_greedy, verify_tree_sampling,
 )
 

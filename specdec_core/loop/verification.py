@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_tree import children_of, depths
-from .errors import BadRequestError
+from ..errors import BadRequestError
 from .sampling import SamplingParams, logits_to_probs, sample
 
 

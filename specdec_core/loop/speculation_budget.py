@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .model.ragged_tokens import MAX_REAL_SHARE
+from ..model.ragged_tokens import MAX_REAL_SHARE
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward the decoder's pooled estimate
 

@@ -24,14 +24,14 @@ from itertools import accumulate
 
 import torch
 
-from .decode import (
+from ..decode import (
     DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
-from .drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
-from .model.target_signals import Signals, hand_over, wanted
+from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
+from ..model.target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
-from .model.model_runner import ModelRunner
+from ..model.model_runner import ModelRunner
 from .prefill_plan import default_budget, next_forward, worth_reusing
 from .prefix_cache import PrefixCache, ScopedPrefixCache
 from .sampling import make_generator, select_token
