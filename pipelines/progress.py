@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 
 POLL_S = 2.0  # how often the written files are counted (the bar redraws at its own interval)
+GATE_POLL_S = 0.25  # ... until the error gate has decided: error rows need no decoding and come fast
 EARLY_ROWS = 100  # the error gate decides once this many rows (or 1 % of the expected rows, if more) are written
 
 
@@ -86,7 +87,8 @@ class RunProgress:
 
     def _run(self) -> None:
         drawn = time.perf_counter()
-        while not self._stop.wait(min(POLL_S, self.interval_s)):
+        while not self._stop.wait(min(POLL_S if self.gate is None or self.gate.decided else GATE_POLL_S,
+                                      self.interval_s)):
             self.poll()
             rows, errors = self.rows - self._rows_before, self.errors - self._errors_before
             if self.gate is not None and self.stopped is None and self.gate.stops(rows, errors):
