@@ -31,6 +31,10 @@ class ErrorGate:
     stop: "object" = None  # called when the gate stops the job
     decided: bool = False
 
+    def __post_init__(self) -> None:
+        # a job expected to write fewer rows never reaches the gate: the progress thread polls at its slow rate
+        self.decided = self.decided or self.expected_rows < self.early_rows
+
     @property
     def early_rows(self) -> int:
         return max(EARLY_ROWS, math.ceil(0.01 * self.expected_rows))
