@@ -11,8 +11,11 @@ engine's cache), so discovery, like decoding, never runs eager attention.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import re
+import textwrap
 from pathlib import Path
 
 import torch
@@ -20,9 +23,11 @@ import torch
 from .model.attention_probe import attention_module, attention_window
 from .model.model_registry import cache_root
 
-FORMAT = 1
+FORMAT = 2  # 2: prompts from the standard library
 DISCOVERY_NEW_TOKENS = 64
 MAX_SUFFIX = 32  # longest common suffix looked at when choosing r*
+DOC_MODULES = ("json", "argparse", "csv", "statistics", "uuid", "heapq", "pydoc", "sched")  # long prose docstrings
+CODE_MODULES = ("textwrap", "shlex", "difflib", "calendar", "configparser", "gettext", "pprint", "tokenize")
 
 
 def heads_file(model_name: str) -> Path:
@@ -31,15 +36,34 @@ def heads_file(model_name: str) -> Path:
 
 
 def discovery_prompts(tokenizer, count: int = 8) -> list[list[int]]:
-    """Copy-heavy prompts that the benchmarks do not use: ACLSum train-split summaries and stdlib code edits past
-    the first 32 (the benchmarks' code-edit set)."""
-    from corpora import aclsum, code_edit
-
+    """Copy-heavy prompts built from the Python standard library, so that discovery needs no data package: half ask
+    for a summary of a module's documentation, half for one of a module's functions again without its comments."""
     from .prompts import build_prompt_ids
 
+    summaries = [f"Summarize this documentation in a few sentences.\n\n{_module_doc(name)}" for name in DOC_MODULES]
+    edits = [f"Output this Python function again with its comments removed, and nothing else.\n\n```python\n"
+             f"{source}```" for source in filter(None, map(_first_function_source, CODE_MODULES))]
     half = count // 2
-    rows = aclsum.summarization_rows(half, split="train") + code_edit.stdlib_rename_tasks(40 + count - half)[40:]
-    return [build_prompt_ids(tokenizer, prompt=row["prompt"]) for row in rows]
+    prompts = summaries[:half] + edits[: count - half]
+    return [build_prompt_ids(tokenizer, prompt=prompt) for prompt in prompts]
+
+
+def _module_doc(name: str) -> str:
+    return importlib.import_module(name).__doc__ or ""
+
+
+def _first_function_source(module_name: str, min_lines: int = 30, max_lines: int = 120) -> str | None:
+    """The source of the module's first function (by name) of min_lines to max_lines lines, or None."""
+    module = importlib.import_module(module_name)
+    for _, obj in sorted(vars(module).items()):
+        if inspect.isfunction(obj) and obj.__module__ == module_name:
+            try:
+                source = textwrap.dedent(inspect.getsource(obj))
+            except (OSError, TypeError):
+                continue
+            if min_lines <= source.count("\n") <= max_lines:
+                return source
+    return None
 
 
 def copy_source(sequence: list[int], prompt_len: int, position: int) -> int | None:

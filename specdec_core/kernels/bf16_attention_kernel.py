@@ -4,8 +4,7 @@ process. Imported only when the kernel is first used: it imports numba and llvml
 import numpy as np
 from numba import njit, prange
 
-from .bf16_attention import QUERY_BLOCK
-from .bf16_dot import PANEL, ROWS, WIDTH
+from .layouts import BF16_ATTENTION_QUERY_BLOCK as QUERY_BLOCK, DOT_PANEL as PANEL, DOT_ROWS as ROWS, DOT_WIDTH as WIDTH
 from .bf16_dot_kernel import held_rows, rest_rows
 from .bf16_bits import f32_to_bf16
 from .fast_exp import exp_shifted, peak

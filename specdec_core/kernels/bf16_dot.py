@@ -27,13 +27,8 @@ import os
 import numpy as np
 import torch
 
+from .layouts import DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL, DOT_WIDTH as WIDTH
 from .numba_kernels import LazyKernel, use_torch_threads
-
-PANEL = 16  # columns per panel: one vector of 16 fp32 sums
-WIDTH = 2  # panels a task computes together
-ROWS = 8  # rows a task computes together
-ROW_BLOCK = 128  # rows of x per task, so a long prefill's rows stay in L2 while every panel passes over them
-INTRINSIC = "llvm.x86.avx512bf16.dpbf16ps.512"
 
 
 def _compile():

@@ -10,7 +10,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16_dot import INTRINSIC, PANEL, ROW_BLOCK, ROWS, WIDTH
+from .layouts import (DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL, DOT_ROW_BLOCK as ROW_BLOCK, DOT_ROWS as ROWS,
+                      DOT_WIDTH as WIDTH)
 
 # k-steps (64-byte lines of a panel) to prefetch ahead. At 16 rows the kernel computes about as fast as memory
 # streams the weights, and without it did one after the other: 30 layers of SmolLM2 weights at 16 rows (out of

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from . import bf16_dot
+from .layouts import STEP_PASS_ROWS as PASS_ROWS
 from .numba_kernels import LazyKernel, use_torch_threads
 
-PASS_ROWS = 4  # query rows per pass over a row's keys (head_dim 64; 2 for 128): their sums stay in registers
 HEAD_DIMS = (64, 128)
 
 

@@ -15,9 +15,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .bf16_dot import INTRINSIC, PANEL
+from .layouts import DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL
 from .bf16_dot_kernel import _bfloat
-from .bf16_step_attention import PASS_ROWS
+from .layouts import STEP_PASS_ROWS as PASS_ROWS
 from .bf16_bits import f32_to_bf16
 from .fast_exp import exp_shifted, peak
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .layouts import INVARIANT_QUERY_BLOCK as QUERY_BLOCK
 from .numba_kernels import LazyKernel, use_torch_threads
-
-
-QUERY_BLOCK = 64  # new tokens of a row per task: the keys they see are widened / copied once for all of them
 
 
 def _compile():

@@ -8,7 +8,7 @@ from numba.extending import overload
 
 from .bf16_bits import bf16_to_f32
 from .fast_exp import exp_shifted, peak
-from .invariant_attention import QUERY_BLOCK
+from .layouts import INVARIANT_QUERY_BLOCK as QUERY_BLOCK
 
 
 @njit(fastmath=True, cache=True)

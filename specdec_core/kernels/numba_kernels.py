@@ -21,7 +21,7 @@ def numba_cache_dir() -> str:
 
 def cache_key(root: Path | None = None) -> str:
     """A digest of everything the machine code depends on. numba checks a cached function against its own file only,
-    but the kernels compile in constants and helpers from other files (bf16_dot.ROWS, fast_exp's peak, ...): so
+    but the kernels compile in constants and helpers from other files (layouts.DOT_ROWS, fast_exp's peak, ...): so
     every specdec_core source, plus the numba and llvmlite versions and the CPU's name and features."""
     from importlib.metadata import version
 

@@ -19,7 +19,6 @@ import torch
 from .numba_kernels import LazyKernel, use_torch_threads
 
 PARALLEL_MIN_TOKENS = 256  # below this a parallel region costs more than the loop (a decode step feeds 16-80 tokens)
-PARALLEL_CHUNKS = 16  # token ranges of the parallel kernel (a few per thread)
 
 
 def _compile():

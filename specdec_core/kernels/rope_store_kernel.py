@@ -5,7 +5,7 @@ process and was compiled again each time). Imported only when first used: it imp
 from numba import njit, prange
 
 from .bf16_bits import bf16_to_f32, f32_to_bf16
-from .rope_store import PARALLEL_CHUNKS
+from .layouts import ROPE_PARALLEL_CHUNKS as PARALLEL_CHUNKS
 
 
 @njit(cache=True)

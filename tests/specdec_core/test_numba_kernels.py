@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, monkeypatch):
-    """A constant in a wrapper file that does not import numba (bf16_dot.ROWS is compiled into the dot kernel)
+    """A constant in a file that does not import numba (layouts.DOT_ROWS is compiled into the dot kernel)
     changes the key; so do numba's and llvmlite's versions and the CPU's features."""
     from llvmlite import binding
 
@@ -24,10 +24,10 @@ def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, mo
     shutil.copytree(ROOT / "specdec_core", copy, ignore=shutil.ignore_patterns("__pycache__"))
     before = numba_kernels.cache_key(copy)
     assert numba_kernels.cache_key(copy) == before  # stable
-    wrapper = copy / "kernels" / "bf16_dot.py"
+    wrapper = copy / "kernels" / "layouts.py"
     text = wrapper.read_text()
-    assert "\nROWS = 8 " in text and "from numba" not in text and "import numba" not in text
-    wrapper.write_text(text.replace("\nROWS = 8 ", "\nROWS = 4 "))
+    assert "\nDOT_ROWS = 8 " in text and "from numba" not in text and "import numba" not in text
+    wrapper.write_text(text.replace("\nDOT_ROWS = 8 ", "\nDOT_ROWS = 4 "))
     edited = numba_kernels.cache_key(copy)
     assert edited != before
     import importlib.metadata
