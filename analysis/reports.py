@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from .plots import accepted_length_histogram, speedup_bars
 from .views import connect
 
 RUN_FILTER = "($run_id::VARCHAR IS NULL OR run_id = $run_id)"
@@ -147,8 +148,6 @@ def build_report(output: str | Path, run_id: str | None = None, con=None) -> tup
 def write_report_files(output: str | Path, run_id: str | None, report_dir: Path,
                        plots: bool = True) -> tuple[str, list[Path]]:
     """report.md plus the PNG plots (speed-up bars, accepted-length histogram) in report_dir."""
-    from .plots import accepted_length_histogram, speedup_bars
-
     with connect(output) as con:
         text, tables = build_report(output, run_id, con)
         lengths = con.sql(f"SELECT method, list(mean_accepted_length) AS v FROM generations "

@@ -31,7 +31,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from analysis.quality import score
+from operators.context_compressor import SelfInformationCompressor
+from operators.read_requests import workload_rows
+from operators.task_prompts import DEFAULT_MAX_CONTEXT_CHARS, compose_prompt
+from pipelines.hf_batch_peer import generate_batch
+from specdec_core.decode import DecodeParams
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
+from specdec_core.engine import BatchItem, Engine, EngineConfig
+from specdec_core.methods import MethodOptions
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -57,8 +66,6 @@ INDEXES: dict[str, str] = {}  # --index NAME=DIR: the retrieval indexes methods 
 def parse_method(text: str):
     """'copyspec:candidates=3,adaptive@16,32' -> ('copyspec', MethodOptions(candidates=3, adaptive=True)); the
     batch sizes after '@' are read by `method_sizes`."""
-    from specdec_core.methods import MethodOptions
-
     name, _, extra = text.split("@")[0].partition(":")
     options = {}
     for part in filter(None, extra.split(",")):
@@ -103,11 +110,6 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
     """BatchItems for a workload; multi_turn: turn-2 prompts whose history holds a batched-ar first answer.
     Question rows (rag) are composed as the prompt stage does, their context compressed `compress_context` times
     by the target model when asked (operators/compress_context.py; untimed, like the prompt stage)."""
-    from operators.context_compressor import SelfInformationCompressor
-    from operators.read_requests import workload_rows
-    from operators.task_prompts import DEFAULT_MAX_CONTEXT_CHARS, compose_prompt
-    from specdec_core.decode import DecodeParams
-    from specdec_core.engine import BatchItem
 
     rows = workload_rows(workload, skip + requests)[skip: skip + requests]
     compressor = SelfInformationCompressor(engine.target.model, engine.tokenizer) if compress_context else None
@@ -134,15 +136,12 @@ def workload_items(engine, workload: str, requests: int, max_new_tokens: int, ba
 
 def workload_references(workload: str, requests: int) -> dict:
     """request id -> (task, reference) for the rows that have one (quality: analysis.quality.score)."""
-    from operators.read_requests import workload_rows
 
     return {row["id"]: (row.get("task"), row["reference"]) for row in workload_rows(workload, requests)[:requests]
             if row.get("reference") and workload != "multi_turn"}
 
 
 def mean_quality(got: dict, references: dict) -> float | None:
-    from analysis.quality import score
-
     values = [score(references[key][0], r["output_text"], references[key][1])[1] for key, r in got.items()
               if key in references and not r.get("error")]
     values = [v for v in values if v is not None]
@@ -150,7 +149,6 @@ def mean_quality(got: dict, references: dict) -> float | None:
 
 
 def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
-    from pipelines.hf_batch_peer import generate_batch
 
     ordered = sorted(items, key=lambda i: len(i.prompt_ids))  # less padding, as a careful HF user does
     synchronize(engine.target.device)
@@ -171,7 +169,6 @@ def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, 
     on a 2-core CPU, cached on disk after), which would land in that method's first timed pass. The first prefill of
     a whole batch is slow too (`ar`, timed first, spent 0.30 of its pass in prefill against 0.16 a round later), so
     `ar` also prefills `batch_size` of the prompts once."""
-    from pipelines.hf_batch_peer import generate_batch
 
     generate_batch(engine.target, [items[0].prompt_ids], [4])
     short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]
@@ -313,7 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     import torch
 
-    from specdec_core.engine import Engine, EngineConfig
 
     parser = build_parser()
     args = parser.parse_args()

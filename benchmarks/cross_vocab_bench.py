@@ -21,7 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.batch_bench import hardware, workload_items  # noqa: E402
+from corpora.code_edit import humaneval_rows  # noqa: E402
+from specdec_core.decode import DecodeParams  # noqa: E402
+from specdec_core.engine import BatchItem, Engine, EngineConfig  # noqa: E402
+from specdec_core.loop.sampling import SamplingParams  # noqa: E402
+from specdec_core.methods import MethodOptions  # noqa: E402
+from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -64,8 +72,6 @@ def main() -> int:
 
     import torch
 
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device="cpu", drafter=args.drafter,
@@ -85,11 +91,9 @@ def main() -> int:
 def _prompts(engine, args) -> list[list[int]]:
     """HumanEval's raw completion prompts, or a batch_bench workload's chat-templated ones."""
     if args.workload == "humaneval":
-        from corpora.code_edit import humaneval_rows
 
         return [engine.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
                 for row in humaneval_rows(args.requests)]
-    from benchmarks.batch_bench import workload_items
 
     return [item.prompt_ids for item in workload_items(engine, args.workload, args.requests, 1, 1)]
 
@@ -109,10 +113,6 @@ def _systems(engine, peer_draft, prompts: list[list[int]], args) -> dict:
 
 
 def _ours(engine, prompts: list[list[int]], args, method: str, confidence=0.0):
-    from specdec_core.decode import DecodeParams
-    from specdec_core.engine import BatchItem
-    from specdec_core.methods import MethodOptions
-    from specdec_core.loop.sampling import SamplingParams
 
     options = MethodOptions(draft_tokens=args.draft_tokens, adaptive=args.adaptive, draft_confidence=confidence)
     outputs, started, forwards = [], time.perf_counter(), 0
@@ -145,7 +145,6 @@ def _hf(target, assistant, prompts: list[list[int]], max_new_tokens: int):
 def _warm_up(engine, prompt: list[int]) -> None:
     """Untimed: the first forwards of a process are slow (a cold `ar` ran at 0.70x HF greedy, a warm one at 0.93x),
     and the first system timed would pay for it."""
-    from specdec_core.decode import DecodeParams
 
     warm = DecodeParams(max_new_tokens=4)
     engine.generate_ids(prompt, "ar", warm)
@@ -171,8 +170,6 @@ def _run_rounds(systems: dict, chosen: list[str], rounds: int) -> list[dict]:
 
 
 def _report(engine, peer_draft, prompts, chosen: list[str], rounds: list[dict], args) -> None:
-    from benchmarks.batch_bench import hardware
-
     overlap = engine.vocab_mapping().overlap() if not engine.same_vocabulary else None
     print(f"\n# {args.model} <- {args.drafter} ({engine.draft_model.dtype_name}; the HF peer's "
           f"{peer_draft.dtype_name}), dtype {engine.target.dtype_name}, {hardware('cpu')}, {len(prompts)} "

@@ -22,9 +22,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.batch_bench import WORKLOADS, hardware, method_sizes, parse_method, run_ours, warm_up  # noqa: E402
-from benchmarks.batch_bench import workload_items  # noqa: E402
+from benchmarks.batch_bench import (  # noqa: E402
+    WORKLOADS,
+    hardware,
+    method_sizes,
+    parse_method,
+    run_ours,
+    warm_up,
+    workload_items,
+)
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
+from specdec_core.engine import Engine, EngineConfig
 
 LOSSLESS = ["pld", "copyspec", "copyspec:candidates=3", "casd_strict", "spectra", "suffix", "auto", "draft", "slem"]
 
@@ -102,7 +110,6 @@ def cost_table(rows: list[dict], requests: int) -> str:
 def main() -> int:
     import torch
 
-    from specdec_core.engine import Engine, EngineConfig
 
     args = build_parser().parse_args()
     for text in args.methods + args.cost_methods:

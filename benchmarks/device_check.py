@@ -11,17 +11,18 @@ import argparse
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.decode import DecodeParams  # noqa: E402
+from specdec_core.drafters.base import NoDrafter  # noqa: E402
+from specdec_core.drafters.copyspec import CopySpecDrafter  # noqa: E402
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
+from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 
 
 def main() -> int:
     import torch
 
-    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-    from specdec_core.decode import DecodeParams
-    from specdec_core.drafters.base import NoDrafter
-    from specdec_core.drafters.copyspec import CopySpecDrafter
-    from specdec_core.model.model_runner import ModelRunner
     from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

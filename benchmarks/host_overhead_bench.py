@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
+from pipelines.hf_batch_peer import left_padded
 from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.base import NoDrafter  # noqa: E402
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from specdec_core.loop.speculation_budget import SpeculationBudget  # noqa: E402
+from specdec_core.model.model_runner import ModelRunner
 from tests.tiny_models import DigitsTokenizer, repetitive_prompt, tiny_llama  # noqa: E402
 
 # Real models' architectures (their config.json values), built with random weights.
@@ -58,8 +60,6 @@ def shaped_model(shape: str, device: str, dtype: torch.dtype):
 def shaped_runners(shape: str, device: str, dtype: torch.dtype, fast_forward: str) -> dict:
     """{label: ModelRunner} over one random model: the device's default forward, or (fast_forward "both") HF's
     modules and fast_forward.py side by side."""
-    from specdec_core.model.model_runner import ModelRunner
-
     if shape == "tiny" and device == "cpu" and dtype == torch.float32 and fast_forward == "default":
         return {"ours ar": tiny_llama()}
     model = shaped_model(shape, device, dtype)
@@ -97,8 +97,6 @@ def ours(runner, prompts: list[list[int]], new_tokens: int, batch_size: int) -> 
 def hf(runner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     """Seconds per decode step of HF `generate` over the left-padded batch (its prefill included, as it is one of
     new_tokens forwards)."""
-    from pipelines.hf_batch_peer import left_padded
-
     ids, mask = left_padded(prompts)  # [n, longest], padding id 0
     ids, mask = ids.to(runner.device), mask.to(runner.device)
     started = time.perf_counter()

@@ -20,11 +20,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
-
 from benchmarks.batch_bench import (  # noqa: E402
-    WORKLOADS, hardware, memory_seed_outputs, parse_method, run_hf, run_ours, warm_up, workload_items,
+    WORKLOADS,
+    hardware,
+    memory_seed_outputs,
+    parse_method,
+    run_hf,
+    run_ours,
+    warm_up,
+    workload_items,
 )
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
+from specdec_core.engine import Engine, EngineConfig
+from specdec_core.model.model_registry import resolve_model_path
 
 RESULT_PREFIX = "PEER_RESULT "
 DEFAULT_VLLM_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
@@ -90,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     if vllm_python is not None and not vllm_python.exists():
         parser.error(f"no vLLM venv at {vllm_python}: run `make peers`, or pass --vllm-python none")
 
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model.model_registry import resolve_model_path
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
     dtype, deterministic = engine.target.dtype_name, engine.target.deterministic

@@ -24,17 +24,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware, workload_items  # noqa: E402
+from pipelines.hf_batch_peer import left_padded
+from specdec_core.decode import DecodeParams
+from specdec_core.drafters.base import NoDrafter
+from specdec_core.engine import Engine, EngineConfig
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.prefix_cache import PrefixCache
+from specdec_core.loop.speculation_budget import SpeculationBudget
+from specdec_core.model.model_registry import DEFAULT_MODEL
 
 DEFAULT_WORKLOADS = ("open_questions:16", "summarization:8", "code_edit:8")
 
 
 def ours(engine, prompts: list[list[int]], budget: int | None, prefix_cache: bool) -> float:
     """Seconds to admit (prefill) every prompt in one decoder."""
-    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-    from specdec_core.decode import DecodeParams
-    from specdec_core.drafters.base import NoDrafter
-    from specdec_core.loop.prefix_cache import PrefixCache
-    from specdec_core.loop.speculation_budget import SpeculationBudget
 
     options = {} if budget is None else {"prefill_tokens": budget}
     decoder = BatchDecoder(engine.target, max_batch=len(prompts), budget=SpeculationBudget(enabled=False),
@@ -50,8 +53,6 @@ def ours(engine, prompts: list[list[int]], budget: int | None, prefix_cache: boo
 
 def hf_one_forward(engine, prompts: list[list[int]]) -> float:
     """Seconds of the model's own forward over the left-padded batch (last position's logits only)."""
-    from pipelines.hf_batch_peer import left_padded
-
     ids, mask = left_padded(prompts)  # [n, longest], padding id 0
     model = engine.target.model
     started = time.perf_counter()
@@ -62,8 +63,6 @@ def hf_one_forward(engine, prompts: list[list[int]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.model.model_registry import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)

@@ -29,14 +29,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.batch_bench import hardware
+from operators.perplexity import PerplexityScorer, pack_windows
+from operators.read_corpus import corpus_items, parse_item
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
+from specdec_core.model.model_runner import ModelRunner
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def corpus_tokens(source: str, limit: int, tokenizer, glob: str) -> list[list[int]]:
     """The first `limit` texts the job reads, tokenized as its scorer does (error rows dropped)."""
-    from operators.read_corpus import corpus_items, parse_item
-
     ids = []
     for item in corpus_items(source, glob):
         for row in parse_item(item):
@@ -50,7 +53,6 @@ def corpus_tokens(source: str, limit: int, tokenizer, glob: str) -> list[list[in
 def raw_forward_seconds(runner, token_lists, window: int, overlap: int, tokens_per_forward: int) -> float:
     import torch
 
-    from operators.perplexity import PerplexityScorer, pack_windows
 
     scorer = PerplexityScorer(runner, window, overlap, tokens_per_forward)
     batches = pack_windows(scorer.windows(token_lists), tokens_per_forward)
@@ -93,8 +95,6 @@ def main() -> int:
 
     import torch
 
-    from benchmarks.batch_bench import hardware
-    from specdec_core.model.model_runner import ModelRunner
 
     torch.set_num_threads(os.cpu_count() or 1)  # the job's one actor gets round(CPUs - 0.5) threads: all of them
     runner = ModelRunner.load(args.model, args.dtype, "cpu")

@@ -25,9 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.batch_bench import WORKLOADS, hardware, workload_items  # noqa: E402
+from benchmarks.greedy_replay import ReplayResult, replay_greedy
+from specdec_core.engine import Engine, EngineConfig
+from specdec_core.methods import MethodOptions, get_method
+from specdec_core.retrieval_index import check_index_tokenizer
 
 MANIFEST_FIELDS = ("source", "selection", "seed", "keep", "keep_fraction", "texts", "tokens", "max_kept_ppl")
 
@@ -43,8 +48,6 @@ def greedy_outputs(engine, items, batch_size: int) -> dict:
 
 
 def replay_index(items, outputs: dict, directory: str, max_new_tokens: int, tree_nodes: int) -> dict:
-    from benchmarks.greedy_replay import ReplayResult, replay_greedy
-    from specdec_core.methods import MethodOptions, get_method
 
     build = get_method("rest").build_drafter
     options = MethodOptions(retrieval_index=directory, tree_nodes=tree_nodes)
@@ -101,8 +104,6 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> int:
     import torch
 
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.retrieval_index import check_index_tokenizer
 
     parser = _parser()
     args = parser.parse_args()

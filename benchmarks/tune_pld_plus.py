@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.batch_bench import WORKLOADS, hardware, workload_items  # noqa: E402
+from specdec_core.engine import Engine, EngineConfig
+from specdec_core.methods import MethodOptions
 
 
 def run(engine, items, method: str, options, batch_size: int) -> dict:
@@ -43,8 +45,6 @@ def run(engine, items, method: str, options, batch_size: int) -> dict:
 def main() -> int:
     import torch
 
-    from specdec_core.engine import Engine, EngineConfig
-    from specdec_core.methods import MethodOptions
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", nargs="+", default=["code_edit", "summarization"], choices=WORKLOADS)

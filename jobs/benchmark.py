@@ -19,6 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.common import report_validation_error  # noqa: E402
+from pipelines.benchmark import DEFAULT_WORKLOADS, BenchmarkConfig, run_benchmark
+from specdec_core.cli import OneLineParser, add_batch_options
+from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
+from specdec_core.errors import SpecbatchError
+from specdec_core.methods import MethodOptions
+from specdec_core.model.model_registry import check_model_available
 
 
 def _counts(text: str) -> list[int]:
@@ -29,10 +35,6 @@ def _counts(text: str) -> list[int]:
 
 
 def build_parser():
-    from pipelines.benchmark import DEFAULT_WORKLOADS
-    from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
-    from specdec_core.cli import OneLineParser, add_batch_options
-
     parser = OneLineParser(prog="benchmark.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="bench_outputs", help="directory for runs and results")
@@ -74,11 +76,8 @@ def throughput_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    from specdec_core.errors import SpecbatchError
-    from specdec_core.methods import MethodOptions
 
     args = build_parser().parse_args(argv)
-    from pipelines.benchmark import BenchmarkConfig, run_benchmark
 
     values = {k: v for k, v in dict(output=args.output, workloads=args.workloads, per_workload=args.per_workload,
                                     methods=args.methods, model=args.model, dtype=args.dtype,
@@ -89,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = BenchmarkConfig(**values, method_options=MethodOptions(adaptive=args.adaptive,
                                                                         candidates=args.candidates))
-        from specdec_core.model.model_registry import check_model_available
 
         check_model_available(config.model)
     except (ValidationError, SpecbatchError) as exc:

@@ -11,6 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from pipelines.config import GenerationConfig
+from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option, shared_method_options
+from specdec_core.errors import SpecbatchError
+from specdec_core.methods import METHODS, MethodOptions, get_method
+from specdec_core.model.model_registry import check_model_available, resolve_model_path
+from specdec_core.retrieval_index import check_index_tokenizer, load_index
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -23,8 +30,6 @@ EXIT_TOO_MANY_ERRORS = 3  # everything was written, but more rows failed than --
 def build_parser(prog: str, description: str, default_input: str | None, default_methods: list[str],
                  default_max_new_tokens: int | None = None):
     """Every job's options, in three groups of --help: what to read and write, how to decode, how to run."""
-    from specdec_core.cli import OneLineParser
-
     parser = OneLineParser(prog=prog, description=description,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _input_output_options(parser.add_argument_group("input and output"), default_input)
@@ -35,8 +40,6 @@ def build_parser(prog: str, description: str, default_input: str | None, default
 
 def _default(name: str):
     """The run config's own default: argparse shows it, and never keeps a second copy."""
-    from pipelines.config import GenerationConfig
-
     return GenerationConfig.model_fields[name].default
 
 
@@ -56,9 +59,6 @@ def _input_output_options(group, default_input: str | None) -> None:
 
 
 def _decoding_options(group, default_methods: list[str], default_max_new_tokens: int | None) -> None:
-    from specdec_core.cli import add_batch_options, add_deterministic_option
-    from specdec_core.methods import METHODS
-
     group.add_argument("--method", action="append", dest="methods",
                        help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
     group.add_argument("--model", default=_default("model"), help="registry name, local HF directory or hub id")
@@ -111,9 +111,6 @@ def _running_options(group) -> None:
 
 def config_from_args(args, job: str, default_methods: list[str], task_template: str | None = None,
                      default_task: str | None = None):
-    from pipelines.config import GenerationConfig
-    from specdec_core.cli import shared_method_options
-    from specdec_core.methods import MethodOptions
 
     values = dict(
         input=args.input, output=args.output, recursive=args.recursive, job=job, methods=args.methods or default_methods, model=args.model,
@@ -142,7 +139,6 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
         values["run_id"] = args.run_id
     elif args.resume:
         from pipelines.outputs import latest_unfinished_run
-        from specdec_core.errors import SpecbatchError
 
         values["run_id"] = latest_unfinished_run(args.output)
         if values["run_id"] is None:
@@ -152,10 +148,7 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
 
 def preflight(config) -> None:
     from operators.read_requests import check_input_path
-    from specdec_core.model.model_registry import check_model_available
-
     from pipelines.outputs import run_dir
-    from specdec_core.errors import SpecbatchError
 
     described = check_input_path(config.input, config.recursive)
     if run_dir(config.output, config.run_id).exists() and not config.resume:
@@ -167,7 +160,6 @@ def preflight(config) -> None:
         check_drafter_vocabulary(config)
     if config.compression_model:
         check_model_available(config.compression_model)
-    from specdec_core.methods import get_method
 
     for method in config.methods:  # a method missing what it needs (an index) fails here, not on every row
         spec = get_method(method)
@@ -178,12 +170,9 @@ def preflight(config) -> None:
     if config.method_options.retrieval_index:  # before Ray starts: a missing or foreign index is one line
         from transformers import AutoTokenizer
 
-        from specdec_core.model.model_registry import resolve_model_path
-        from specdec_core.retrieval_index import check_index_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
         check_index_tokenizer(config.method_options.retrieval_index, tokenizer, config.model)
-        from specdec_core.retrieval_index import load_index
 
         try:
             load_index(config.method_options.retrieval_index)
@@ -199,8 +188,6 @@ def check_output_path(output: str, source: str) -> None:
     """An output that is a file, cannot be written, or lies inside the input: one line, before Ray starts. The
     directory is made (as the job would) and a probe file written and removed in it: the only sure test of write
     access, whoever runs the job."""
-    from specdec_core.errors import SpecbatchError
-
     path = Path(output).resolve()
     if path.exists() and not path.is_dir():
         raise SpecbatchError(f"output {output} is a file, not a directory")
@@ -223,7 +210,6 @@ def check_memory_from(config) -> None:
     from transformers import AutoTokenizer
 
     from specdec_core.job_memory import read_outputs
-    from specdec_core.model.model_registry import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
     own_output = os.path.abspath(config.output) == config.memory_from  # a nightly job's first night: nothing yet
@@ -237,8 +223,6 @@ def check_drafter_vocabulary(config) -> None:
         return
     from transformers import AutoTokenizer
 
-    from specdec_core.errors import SpecbatchError
-    from specdec_core.model.model_registry import resolve_model_path
 
     target = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
     drafter = AutoTokenizer.from_pretrained(resolve_model_path(config.drafter))
@@ -255,7 +239,6 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
     adds a job's own options."""
     from pydantic import ValidationError
 
-    from specdec_core.errors import SpecbatchError
 
     parser = build_parser(f"{job}.py", description, default_input, default_methods, default_max_new_tokens)
     if add_options is not None:
@@ -266,9 +249,7 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
         preflight(config)
     except (ValidationError, SpecbatchError) as exc:
         return report_validation_error(job, exc)
-    from pipelines.generate import init_ray, run_generation
-
-    from pipelines.generate import RunExistsError
+    from pipelines.generate import RunExistsError, init_ray, run_generation
     from pipelines.outputs import RunLockedError
 
     init_ray(args.address, output=config.output)

@@ -19,12 +19,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jobs.common  # noqa: E402,F401  (sets the offline environment before anything loads)
+from jobs.common import report_validation_error
+from operators.read_corpus import check_corpus_source
+from specdec_core.cli import OneLineParser
+from specdec_core.errors import SpecbatchError
+from specdec_core.model.model_registry import DEFAULT_MODEL, check_model_available, resolve_model_path
+from specdec_core.retrieval_index import tokenizer_fingerprint
 
 
 def build_parser():
-    from specdec_core.cli import OneLineParser
-    from specdec_core.model.model_registry import DEFAULT_MODEL
-
     parser = OneLineParser(prog="refine_corpus.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", required=True,
@@ -76,21 +79,16 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    from jobs.common import report_validation_error
-    from specdec_core.errors import SpecbatchError
 
     args = build_parser().parse_args(argv)
     try:
-        from operators.read_corpus import check_corpus_source
         from pipelines.refine import RefineConfig, check_output
-        from specdec_core.model.model_registry import check_model_available, resolve_model_path
 
         config = RefineConfig(**{k: v for k, v in vars(args).items() if k != "address"})
         check_corpus_source(config.input)
         check_model_available(config.model)
         from transformers import AutoTokenizer  # after the cheap checks: a bad argument fails in under a second
 
-        from specdec_core.retrieval_index import tokenizer_fingerprint
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
         settings = config.score_settings(tokenizer_fingerprint(tokenizer))

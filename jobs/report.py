@@ -16,7 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_core.cli import OneLineParser  # noqa: E402
 
 
 def _parameter(text: str) -> tuple[str, object]:
@@ -30,8 +32,6 @@ def _parameter(text: str) -> tuple[str, object]:
 
 
 def build_parser():
-    from specdec_core.cli import OneLineParser
-
     parser = OneLineParser(prog="report.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="outputs", help="the output directory a generation job wrote")
     parser.add_argument("--run-id", default=None, help="report on one run (default: every run)")

@@ -8,6 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from specdec_core.errors import SpecbatchError
+from specdec_core.model.model_registry import resolve_model_path
+from specdec_core.prompts import build_prompt_ids
+
 from .requests_schema import batch_rows, requests_table
 from .skip_done import todo_methods
 from .task_prompts import compose_prompt
@@ -57,7 +61,6 @@ class BuildPrompts:
         """seen_ids: the run's SeenIds actor (a Ray actor handle); None keeps a table of this stage's own."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from specdec_core.model.model_registry import resolve_model_path
 
         path = resolve_model_path(model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -85,8 +88,6 @@ class BuildPrompts:
         return compose_prompt(row, self.instruction, self.max_context_chars)
 
     def prompt_ids(self, row: dict) -> list[int]:
-        from specdec_core.prompts import build_prompt_ids
-
         if row.get("messages"):
             return build_prompt_ids(self.tokenizer, messages=json.loads(row["messages"]))
         return build_prompt_ids(self.tokenizer, prompt=row["prompt"])
@@ -139,8 +140,6 @@ class BuildPrompts:
         row["prompt_ids"] = ids
 
     def __call__(self, batch):
-        from specdec_core.errors import SpecbatchError
-
         rows = []
         batch = batch_rows(batch)
         self.mark_duplicates(batch)  # before the resume filter: a duplicate's own id is what was written

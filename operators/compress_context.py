@@ -7,6 +7,7 @@ uncut) and keeps 1/R of its tokens; the question and the `context` column (the c
 
 from __future__ import annotations
 
+from .context_compressor import SelfInformationCompressor
 from .requests_schema import batch_rows, requests_table
 
 
@@ -19,7 +20,6 @@ class CompressContext:
 
         from specdec_core.model.model_runner import ModelRunner
 
-        from .context_compressor import SelfInformationCompressor
 
         torch.set_num_threads(torch_threads)
         runner = ModelRunner.load(model, dtype=dtype, device="cpu")

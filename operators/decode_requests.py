@@ -17,6 +17,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from contract.decode_config import DecodeConfig
+from specdec_core.errors import BadRequestError
+from specdec_core.methods import METHODS
+
 from .crash_journal import BATCH_ATTEMPTS, batch_key
 from .hang_watchdog import HangWatchdog
 from .score_outputs import output_annotations
@@ -26,11 +30,9 @@ class DecodeRequests:
     def __init__(self, config: dict, torch_threads: int, journal=None):
         """journal: the run's CrashJournal actor (crash_journal.py); None decodes without poison-row isolation."""
         import torch
-
-        from contract.decode_config import DecodeConfig
-        from specdec_core.engine import Engine, EngineConfig
-
         from transformers.utils import logging as transformers_logging
+
+        from specdec_core.engine import Engine, EngineConfig
 
         # Ray sets OMP_NUM_THREADS=1 in actors; use the CPUs this actor was given instead.
         torch.set_num_threads(max(1, torch_threads))
@@ -83,8 +85,6 @@ class DecodeRequests:
         return DecodeParams(max_new_tokens=limit, sampling=sampling)
 
     def _base(self, row: dict, method: str, turn: int | None) -> dict:
-        from specdec_core.methods import METHODS
-
         cfg = self.config
         spec = METHODS[method]
         request_id = row["id"] if turn is None else f"{row['id']}#t{turn}"
@@ -254,8 +254,6 @@ class _MethodPass:
             self._submit_next_turn(entry, result["output_text"])
 
     def _submit_next_turn(self, entry: _Turn, answer: str) -> None:
-        from specdec_core.errors import BadRequestError
-
         limit = self.stage.config.max_prompt_tokens
         messages = entry.messages + [{"role": "assistant", "content": answer},
                                      {"role": "user", "content": entry.later[0]}]

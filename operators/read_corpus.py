@@ -13,6 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from corpora.retrieval_corpora import (
+    aclsum_paper_files,
+    aclsum_paper_texts,
+    check_named_corpus,
+    mtbench_answer_texts,
+    stdlib_files,
+)
 from specdec_core.errors import SpecbatchError
 
 HF_ROWS_PER_ITEM = 2000
@@ -21,7 +28,6 @@ HF_ROWS_PER_ITEM = 2000
 def check_corpus_source(source: str) -> None:
     """Fail fast, before Ray starts, on a source that cannot be read at all."""
     if source.startswith("corpus:"):
-        from corpora.retrieval_corpora import check_named_corpus
 
         check_named_corpus(source.split(":", 1)[1])
         return
@@ -36,12 +42,10 @@ def corpus_items(source: str, glob: str = "*.txt") -> list[dict]:
     if source.startswith("corpus:"):
         name = source.split(":", 1)[1]
         if name == "stdlib":
-            from corpora.retrieval_corpora import stdlib_files
 
             root, files = stdlib_files()
             return [{"kind": "file", "path": str(f), "root": str(root)} for f in files]
         if name == "aclsum":
-            from corpora.retrieval_corpora import aclsum_paper_files
 
             return [{"kind": "aclsum", "path": str(f)} for f in aclsum_paper_files()]
         return [{"kind": "mtbench"}]
@@ -101,11 +105,9 @@ def parse_item(item: dict, text_field: str = "text", id_field: str = "id") -> li
         if kind == "hf":
             return _hf_rows(item, text_field, id_field)
         if kind == "aclsum":
-            from corpora.retrieval_corpora import aclsum_paper_texts
 
             return [text_row(key, text, Path(item["path"]).name) for key, text in aclsum_paper_texts(item["path"])]
         if kind == "mtbench":
-            from corpora.retrieval_corpora import mtbench_answer_texts
 
             return [text_row(key, text, "mt_bench/reference_answer") for key, text in mtbench_answer_texts()]
     except Exception as exc:  # an unreadable file: one error row naming it

@@ -10,6 +10,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from corpora import aclsum, code_edit, mtbench, sample
 from specdec_core.errors import SpecbatchError
 
 from .requests_schema import normalize_row, requests_table
@@ -18,8 +19,6 @@ WORKLOADS = ("sample", "summarization", "rag", "code_edit", "humaneval", "multi_
 
 
 def workload_rows(name: str, limit: int | None) -> list[dict]:
-    from corpora import aclsum, code_edit, mtbench, sample
-
     loaders = {
         "sample": lambda: sample.sample_rows(),
         "summarization": lambda: aclsum.summarization_rows(limit),

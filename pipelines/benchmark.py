@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipelines.config import GenerationConfig
 from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
 from specdec_core.methods import MethodOptions, check_method_names
 
@@ -73,7 +74,6 @@ def write_request_set(config: BenchmarkConfig) -> Path:
 
 
 def run_pipeline(config: BenchmarkConfig, requests: Path, actors: int, run_id: str) -> dict:
-    from pipelines.config import GenerationConfig
     from pipelines.generate import run_generation
 
     generation = GenerationConfig(input=str(requests), output=config.output, job="benchmark", methods=config.methods,

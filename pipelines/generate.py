@@ -19,11 +19,26 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
+from operators.build_prompts import BuildPrompts, SeenIds
+from operators.compress_context import CompressContext
+from operators.crash_journal import CrashJournal, max_task_retries
+from operators.decode_requests import DecodeRequests
+from operators.read_requests import read_requests
+
 from .config import GenerationConfig
 from .outputs import (
-    RunLock, clean_temporary_files, count_rows, done_pairs, drop_duplicate_pairs, longest_warmup, mark_finished,
-    method_stats, run_dir, write_run_row,
+    RunLock,
+    clean_temporary_files,
+    count_rows,
+    done_pairs,
+    drop_duplicate_pairs,
+    longest_warmup,
+    mark_finished,
+    method_stats,
+    run_dir,
+    write_run_row,
 )
+from .progress import ErrorGate, RunProgress
 
 LIGHT_TASK_CPUS = 0.25
 
@@ -157,9 +172,6 @@ def build_pipeline(config: GenerationConfig, done: frozenset[str] = frozenset(),
 
 def _prompt_stages(config: GenerationConfig, done: frozenset[str]):
     """Read the requests, compress their context when asked, build the prompts -> a lazy Dataset of prompt rows."""
-    from operators.build_prompts import BuildPrompts, SeenIds
-    from operators.read_requests import read_requests
-
     # Blocks of one decode call's rows: a block flows through the stages as one unit (Ray Data merges a task's
     # outputs into one block), so its rows are written when that call finishes and a crash loses at most the calls
     # in flight. A whole JSONL file or Parquet row group in one block would be decoded and written all or nothing.
@@ -167,7 +179,6 @@ def _prompt_stages(config: GenerationConfig, done: frozenset[str]):
                              recursive=config.recursive)
     allow_ray_remote_args()
     if config.compress_context is not None:
-        from operators.compress_context import CompressContext
 
         # Its own actor with a scoring model (the prompt stage stays tokenizer-only); one forward per window of
         # context, small beside decoding a row with a small model.
@@ -186,8 +197,6 @@ def _decode_stage(prompts, config: GenerationConfig, journal):
     import ray
     import ray.data
 
-    from operators.crash_journal import max_task_retries
-    from operators.decode_requests import DecodeRequests
 
     actor_cpus = config.actor_cpus(float(ray.cluster_resources().get("CPU", 1)))
     return prompts.map_batches(
@@ -231,8 +240,6 @@ def one_light_actor(dataset, stage, config: GenerationConfig, kwargs: dict):
 def new_crash_journal():
     """The run's CrashJournal, on the driver's node (a job whose driver's node is gone is gone anyway). Restarted
     if it dies: it then forgets attempts, which costs extra attempts, never a row."""
-    from operators.crash_journal import CrashJournal
-
     return driver_actor(CrashJournal)
 
 
@@ -259,7 +266,6 @@ def run_generation(config: GenerationConfig) -> dict:
     import ray
 
     from .parquet_sink import STOP_FILE, RunPartitionSink, request_stop
-    from .progress import ErrorGate, RunProgress
 
     started_at = datetime.now(timezone.utc)
     started = time.perf_counter()
@@ -337,8 +343,6 @@ def _run_row(config: GenerationConfig, started_at: datetime, rows_in: int) -> di
 
 
 def _count_input(config: GenerationConfig) -> int:
-    from operators.read_requests import read_requests
-
     return read_requests(config.input, config.limit, LIGHT_TASK_CPUS, recursive=config.recursive).count()
 
 

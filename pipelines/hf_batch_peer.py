@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from specdec_core.prompts import build_prompt_ids
+
 
 def _batches(items: list, size: int):
     for start in range(0, len(items), size):
@@ -84,6 +86,4 @@ def run_peer(runner, requests: list[dict], batch_size: int) -> dict:
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    from specdec_core.prompts import build_prompt_ids
-
     return build_prompt_ids(tokenizer, messages=messages)

@@ -25,9 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, model_validator
 
+from operators.read_corpus import read_corpus
+from operators.score_perplexity import SCORES_SCHEMA, ScorePerplexity
 from specdec_core.errors import SpecbatchError
 from specdec_core.model.model_registry import DEFAULT_MODEL
+from specdec_core.retrieval_index import write_index
 
+from .generate import allow_ray_remote_args
+from .outputs import RunLock
 from .parquet_sink import TEMPORARY_PREFIX, KeyedPartSink, write_atomically
 
 LIGHT_TASK_CPUS = 0.25
@@ -119,8 +124,6 @@ def check_output(config: RefineConfig, settings: dict) -> None:
 
 def read_scores(output: str | Path, columns: list[str] | None = None) -> pa.Table:
     """All scored rows, one per key (a text scored twice keeps its successful score)."""
-    from operators.score_perplexity import SCORES_SCHEMA
-
     files = sorted((Path(output) / SCORES_DIR).glob("part-*.parquet"))
     names = columns or [n for n in SCORES_SCHEMA.names if n != "tokens"]
     if not files:
@@ -165,8 +168,6 @@ def select_kept(ppl: np.ndarray, keys: list[str], keep: int | None, keep_fractio
 
 def finish(config: RefineConfig, settings: dict) -> dict:
     """Select over all scores, write corpus.parquet and the index. -> the index manifest."""
-    from specdec_core.retrieval_index import write_index
-
     out = Path(config.output)
     scores = read_scores(out)
     keys = scores.column("key").to_pylist()
@@ -200,11 +201,7 @@ def run_refinement(config: RefineConfig, settings: dict) -> dict:
     import ray
     import ray.data
 
-    from operators.read_corpus import read_corpus
-    from operators.score_perplexity import ScorePerplexity
 
-    from .generate import allow_ray_remote_args
-    from .outputs import RunLock
 
     out = Path(config.output)
     started = time.perf_counter()

@@ -16,8 +16,13 @@ import argparse
 import json
 import sys
 
-from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
-from .errors import SpecbatchError
+from .corpus_texts import read_texts
+from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES
+from .errors import BadRequestError, SpecbatchError
+from .methods import METHODS, MethodOptions, get_method
+from .model.model_registry import DEFAULT_MODEL, MODEL_SPECS, check_model_available, install_model, resolve_model_path
+from .prompts import check_prompt_text, read_messages_file, read_text_file
+from .retrieval_index import MANIFEST_FILE, tokenizer_fingerprint, write_index
 
 EPILOG = """examples:
   specbatch --method copyspec --prompt-file doc.txt --max-new-tokens 256
@@ -38,8 +43,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
     """--deterministic [auto|on|off], for the CLI and the jobs alike."""
-    from .defaults import DEFAULT_DETERMINISTIC, DETERMINISM_MODES
-
     parser.add_argument(
         "--deterministic", nargs="?", const="on", default=DEFAULT_DETERMINISTIC, choices=DETERMINISM_MODES,
         help="every token computed the same way in any batch and step, so lossless methods give ar's exact tokens in "
@@ -49,9 +52,6 @@ def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .methods import METHODS
-    from .model.model_registry import DEFAULT_MODEL
-
     parser = OneLineParser(
         prog="specbatch",
         description="Decode one prompt with a speculative decoding method and report its speed statistics.",
@@ -136,8 +136,6 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
 
 
 def _options(args):
-    from .methods import MethodOptions
-
     return MethodOptions(gamma=args.gamma, copy_tokens=args.copy_tokens, lookup_tokens=args.lookup_tokens,
                          draft_tokens=args.draft_tokens, **shared_method_options(args))
 
@@ -192,10 +190,6 @@ def run_generate(argv: list[str]) -> int:
 def _checked_inputs(parser, args):
     """Everything that can be checked without loading a model, checked first: the method, the options, the input
     files and the models' packages -> (method spec, params, options, (prompt, messages, batch lines, context))."""
-    from .methods import get_method
-    from .model.model_registry import check_model_available
-    from .prompts import check_prompt_text, read_messages_file, read_text_file
-
     spec = get_method(args.method)
     if spec.needs_draft_model and not args.drafter:
         parser.error(f"method {args.method!r} needs --drafter")
@@ -222,8 +216,6 @@ def _checked_inputs(parser, args):
 def read_jsonl_requests(path: str) -> list[dict]:
     """Each line -> {id, prompt | messages, max_new_tokens?}, or {id?, error} for a line that cannot be a request
     (the batch goes on; the line still gets its output line)."""
-    from .errors import BadRequestError
-
     try:
         text = open(path, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as exc:
@@ -311,8 +303,6 @@ def _quiet_transformers() -> None:
 
 
 def run_install(argv: list[str]) -> int:
-    from .model.model_registry import MODEL_SPECS, install_model
-
     if len(argv) != 1:
         print(f"usage: specbatch install-model NAME   (NAME: {', '.join(MODEL_SPECS)})", file=sys.stderr)
         return 2
@@ -325,16 +315,12 @@ def run_install(argv: list[str]) -> int:
 
 
 def run_list_models(argv: list[str]) -> int:
-    from .model.model_registry import MODEL_SPECS
-
     for spec in MODEL_SPECS.values():
         print(f"{spec.name:22s} {spec.notes}  (packages: {' '.join(spec.packages[:2])}{' ...' if len(spec.packages) > 2 else ''})")
     return 0
 
 
 def run_list_methods(argv: list[str]) -> int:
-    from .methods import METHODS
-
     for spec in METHODS.values():
         flags = ("needs --drafter; " if spec.needs_draft_model else "") + ("lossless" if spec.lossless else "LOSSY")
         print(f"{spec.name:16s} {spec.description} [{flags}]")
@@ -343,8 +329,6 @@ def run_list_methods(argv: list[str]) -> int:
 
 def run_discover_heads(argv: list[str]) -> int:
     """PLD+ (a)'s one-off step per model: rank its induction heads and save them next to the model cache."""
-    from .model.model_registry import DEFAULT_MODEL
-
     parser = OneLineParser(prog="specbatch discover-heads", description=(
         "Find the target model's copying (induction) heads for pld_plus_a (PLD+ paper, section 4.2.1) and save "
         "the ranking next to the model cache; pld_plus_a also does this on first use."))
@@ -356,7 +340,6 @@ def run_discover_heads(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         from .induction_heads import heads_file, load_or_discover
-        from .model.model_registry import check_model_available
         from .model.model_runner import ModelRunner
 
         check_model_available(args.model)
@@ -377,8 +360,6 @@ def run_discover_heads(argv: list[str]) -> int:
 
 def run_build_index(argv: list[str]) -> int:
     """A retrieval corpus index for `rest` / `spectra+retrieval`, from texts as they are (no perplexity ranking)."""
-    from .model.model_registry import DEFAULT_MODEL
-
     parser = OneLineParser(prog="specbatch build-index", description=(
         "Tokenize a corpus with the target's tokenizer and save a suffix-array index that rest and "
         "spectra+retrieval read (--retrieval-index DIR). Texts are taken as they are; empty or undecodable ones "
@@ -392,12 +373,9 @@ def run_build_index(argv: list[str]) -> int:
     parser.add_argument("--limit", type=int, default=None, help="at most this many texts")
     args = parser.parse_args(argv)
     try:
-        from transformers import AutoTokenizer
-
-        from .corpus_texts import read_texts
-        from .model.model_registry import check_model_available, resolve_model_path
-        from .retrieval_index import MANIFEST_FILE, tokenizer_fingerprint, write_index
         from pathlib import Path
+
+        from transformers import AutoTokenizer
 
         output = Path(args.output)
         if output.exists() and any(output.iterdir()) and not (output / MANIFEST_FILE).exists():
@@ -426,7 +404,6 @@ def run_vocab_overlap(argv: list[str]) -> int:
     try:
         from transformers import AutoTokenizer
 
-        from .model.model_registry import check_model_available, resolve_model_path
         from .vocab_mapping import load_or_build_mapping
 
         for name in (args.drafter, args.model):
@@ -445,8 +422,6 @@ def run_vocab_overlap(argv: list[str]) -> int:
 
 def run_warm_up(argv: list[str]) -> int:
     """Compile this machine's kernels into the disk cache before the first job (make install runs it)."""
-    from .model.model_registry import DEFAULT_MODEL
-
     parser = OneLineParser(prog="specbatch warm-up", description=(
         "Compile (or load) every compiled CPU kernel the model's forwards and the methods use, into the kernel "
         "cache ($SPECBATCH_CACHE/numba), so that the first job on this machine does not wait for them. Jobs warm "
@@ -456,7 +431,6 @@ def run_warm_up(argv: list[str]) -> int:
     parser.add_argument("--method", action="append", default=None, help="repeatable (default: ar, copyspec, pld)")
     args = parser.parse_args(argv)
     from .engine import Engine, EngineConfig
-    from .methods import METHODS
     from .warm_up import warm_up
 
     unknown = [m for m in args.method or () if m not in METHODS]

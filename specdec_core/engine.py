@@ -12,20 +12,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .loop.batch_decode import BatchDecoder, DecodeRequest
 from .decode import DecodeParams, DecodeResult
+from .defaults import DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
-from .defaults import DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
 from .job_memory import JobMemory, read_outputs
+from .loop.batch_decode import BatchDecoder, DecodeRequest
+from .loop.prefix_cache import PrefixCache
+from .loop.speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 from .methods import MethodOptions, get_method
 from .model.hardware import INT8
 from .model.model_runner import ModelRunner
-from .loop.prefix_cache import PrefixCache
 from .prompts import build_prompt_ids
 from .retrieval_index import check_index_tokenizer
-from .loop.speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
+from .vocab_mapping import load_or_build_mapping
 
 
 @dataclass
@@ -168,7 +169,6 @@ class Engine:
     def vocab_mapping(self):
         """The drafter's and the target's shared tokens (built once per pair, cached on disk)."""
         if self._vocab_mapping is None:
-            from .vocab_mapping import load_or_build_mapping
 
             self._vocab_mapping = load_or_build_mapping(self.draft_model.tokenizer, self.target.tokenizer,
                                                         self.draft_model.vocab_size, self.target.vocab_size)

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
+from .drafters.base import NoDrafter
 from .model.attention_probe import attention_module, attention_window
 from .model.model_registry import cache_root
+from .prompts import build_prompt_ids
 
 FORMAT = 2  # 2: prompts from the standard library
 DISCOVERY_NEW_TOKENS = 64
@@ -38,8 +40,6 @@ def heads_file(model_name: str) -> Path:
 def discovery_prompts(tokenizer, count: int = 8) -> list[list[int]]:
     """Copy-heavy prompts built from the Python standard library, so that discovery needs no data package: half ask
     for a summary of a module's documentation, half for one of a module's functions again without its comments."""
-    from .prompts import build_prompt_ids
-
     summaries = [f"Summarize this documentation in a few sentences.\n\n{_module_doc(name)}" for name in DOC_MODULES]
     edits = [f"Output this Python function again with its comments removed, and nothing else.\n\n```python\n"
              f"{source}```" for source in filter(None, map(_first_function_source, CODE_MODULES))]
@@ -85,9 +85,8 @@ def copy_source(sequence: list[int], prompt_len: int, position: int) -> int | No
 @torch.inference_mode()
 def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_TOKENS) -> dict:
     """-> {"model", "format", "events", "heads": [[layer, head, hits], ...] best first}. Deterministic (greedy)."""
-    from .loop.batch_decode import BatchDecoder, DecodeRequest
     from .decode import DecodeParams
-    from .drafters.base import NoDrafter
+    from .loop.batch_decode import BatchDecoder, DecodeRequest
 
     config = runner.model.config
     num_heads = config.num_attention_heads

@@ -20,6 +20,9 @@ from pathlib import Path
 
 from .defaults import DEFAULT_MEMORY_TOKENS
 from .drafters.suffix_tree import Cursor, SuffixTree
+from .errors import SpecbatchError
+from .model.model_registry import resolve_model_path
+from .retrieval_index import tokenizer_fingerprint
 
 MEMORY_DEPTH = 24  # the suffix trees' depth: vLLM's suffix_decoding_max_tree_depth (see docs/decisions.md)
 
@@ -105,7 +108,6 @@ def read_outputs(path: str, tokenizer, model: str, max_tokens: int, missing_ok: 
     job seeds from its own --output, which the first night has not written yet (`missing_ok`)."""
     import pyarrow.dataset as pads
 
-    from .errors import SpecbatchError
 
     root = Path(path)
     if (root / "generations").is_dir():
@@ -140,8 +142,6 @@ def read_outputs(path: str, tokenizer, model: str, max_tokens: int, missing_ok: 
 def _same_tokenizer(model: str, tokenizer) -> bool:
     from transformers import AutoTokenizer
 
-    from .model.model_registry import resolve_model_path
-    from .retrieval_index import tokenizer_fingerprint
 
     try:
         other = AutoTokenizer.from_pretrained(resolve_model_path(model))

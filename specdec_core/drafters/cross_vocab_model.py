@@ -37,7 +37,7 @@ import torch
 
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
-from ..vocab_mapping import VocabMapping, special_ids, token_bytes
+from ..vocab_mapping import VocabMapping, load_or_build_first_tokens, special_ids, token_bytes
 from .base import Draft, RequestContext
 from .draft_model import DraftModelPool, PooledDrafter, choose_token
 from .frequent_tokens import FrequentTokens, RowTokensHead, frequent_tokens
@@ -63,8 +63,6 @@ class CrossVocabPool(DraftModelPool):
     @property
     def first_tokens(self) -> torch.Tensor:
         """[|D|] the first target token of each draft token's text (SLRS), -1 where none; built once per pair."""
-        from ..vocab_mapping import load_or_build_first_tokens
-
         derived = self.mapping.derived
         if "first_tokens" not in derived:  # (reading the cached file still hashes both tokenizers: ~0.7 s)
             derived["first_tokens"] = torch.as_tensor(load_or_build_first_tokens(

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import bf16_dot
-from .numba_kernels import LazyKernel, use_torch_threads
+from .numba_kernels import LazyKernel, numba_cache_dir, use_torch_threads
 from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
@@ -109,7 +109,6 @@ def _kernel_lines(name: str, load: str) -> list[str]:
 def _compile(dtype: torch.dtype):
     from numba.core import config
 
-    from .numba_kernels import numba_cache_dir
 
     folder = Path(os.environ.get("NUMBA_CACHE_DIR", numba_cache_dir()))
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fast_forward, grouped_attention
-from ..kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
-from .attention_masks import attention_masks
 from ..errors import SpecbatchError
-from .fast_forward import MODEL_TYPES, FastForward
-from .hardware import INT8, resolve_dtype, resolve_device
-from .int8_linear import quantize_int8
+from ..kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
 from ..loop.kv_cache import SlotKVCache
+from . import fast_forward, grouped_attention
+from .attention_masks import attention_masks
+from .attention_probe import capture_queries
+from .fast_forward import MODEL_TYPES, FastForward
+from .hardware import INT8, resolve_device, resolve_dtype
+from .int8_linear import quantize_int8
 from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
@@ -315,7 +316,6 @@ class ModelRunner:
             for layer in captured or ():
                 hooks.append(self._capture_hook(layer, captured))
             if query_heads:
-                from .attention_probe import capture_queries
 
                 hooks += capture_queries(self, query_heads, queries)
             out = self.base_model(
