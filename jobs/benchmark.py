@@ -18,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from analysis.reports import write_report_files
 from jobs.common import report_validation_error  # noqa: E402
 from pipelines.benchmark import DEFAULT_WORKLOADS, BenchmarkConfig, run_benchmark
+from pipelines.generate import init_ray
 from specdec_core.cli import OneLineParser, add_batch_options
 from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
 from specdec_core.errors import SpecbatchError
@@ -92,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         check_model_available(config.model)
     except (ValidationError, SpecbatchError) as exc:
         return report_validation_error("benchmark", exc)
-    from analysis.reports import write_report_files
-    from pipelines.generate import init_ray
 
     init_ray(args.address, output=config.output)
     result = run_benchmark(config, progress=lambda message: print(message, file=sys.stderr))

@@ -11,7 +11,17 @@ import os
 import sys
 from pathlib import Path
 
+from operators.read_requests import check_input_path
 from pipelines.config import GenerationConfig
+from pipelines.generate import RunExistsError, init_ray, run_generation
+from pipelines.outputs import (
+    RunLockedError,
+    common_errors,
+    latest_unfinished_run,
+    method_stats,
+    method_summary,
+    run_dir,
+)
 from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option, shared_method_options
 from specdec_core.errors import SpecbatchError
 from specdec_core.methods import METHODS, MethodOptions, get_method
@@ -138,7 +148,6 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
     if args.run_id:
         values["run_id"] = args.run_id
     elif args.resume:
-        from pipelines.outputs import latest_unfinished_run
 
         values["run_id"] = latest_unfinished_run(args.output)
         if values["run_id"] is None:
@@ -147,8 +156,6 @@ def config_from_args(args, job: str, default_methods: list[str], task_template: 
 
 
 def preflight(config) -> None:
-    from operators.read_requests import check_input_path
-    from pipelines.outputs import run_dir
 
     described = check_input_path(config.input, config.recursive)
     if run_dir(config.output, config.run_id).exists() and not config.resume:
@@ -249,8 +256,6 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
         preflight(config)
     except (ValidationError, SpecbatchError) as exc:
         return report_validation_error(job, exc)
-    from pipelines.generate import RunExistsError, init_ray, run_generation
-    from pipelines.outputs import RunLockedError
 
     init_ray(args.address, output=config.output)
     try:
@@ -265,7 +270,6 @@ def main_for(job: str, description: str, default_input: str | None, default_meth
 
 def error_exit_status(job: str, config, summary: dict) -> int:
     """Names the most common errors; EXIT_TOO_MANY_ERRORS when their share is over --max-error-fraction, else 0."""
-    from pipelines.outputs import common_errors
 
     rows, errors = summary["rows_out"], summary["errors"]
     if summary.get("stopped_early"):
@@ -305,7 +309,6 @@ def report_validation_error(job: str, exc: Exception) -> int:
 
 def print_method_summary(output: str, run_id: str, warmup_s: float | None = None) -> None:
     """Per method: job tokens/s over its timed passes and x ar, then the same split into prefill and decode."""
-    from pipelines.outputs import method_stats, method_summary
 
     accepted = {m["method"]: m["mean_accepted_length"] for m in method_summary(output, run_id)}
     stats = method_stats(output, run_id)

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jobs.common  # noqa: E402,F401  (sets the offline environment before anything loads)
 from jobs.common import report_validation_error
 from operators.read_corpus import check_corpus_source
+from pipelines.generate import init_ray
+from pipelines.outputs import RunLockedError
 from specdec_core.cli import OneLineParser
 from specdec_core.errors import SpecbatchError
 from specdec_core.model.model_registry import DEFAULT_MODEL, check_model_available, resolve_model_path
@@ -96,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, SpecbatchError, OSError) as exc:
         return report_validation_error("refine_corpus", exc)
 
-    from pipelines.generate import init_ray
-    from pipelines.outputs import RunLockedError
     from pipelines.refine import run_refinement
 
     init_ray(args.address, output=config.output)

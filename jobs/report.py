@@ -16,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from analysis.reports import markdown_table, write_report_files
+from analysis.views import QueryLimitError, QueryLimits, ReadOnlyQueryError, check_size, run_query
 from specdec_core.cli import OneLineParser  # noqa: E402
 
 
@@ -52,8 +53,6 @@ def build_parser():
 def print_query(output: str, sql: str, parameters: dict, fmt: str, limits) -> None:
     import pyarrow.csv as pacsv
 
-    from analysis.reports import markdown_table
-    from analysis.views import run_query
 
     table = run_query(output, sql, parameters, limits)
     if fmt == "json":
@@ -68,8 +67,6 @@ def print_query(output: str, sql: str, parameters: dict, fmt: str, limits) -> No
 def main(argv: list[str] | None = None) -> int:
     import duckdb
 
-    from analysis.reports import write_report_files
-    from analysis.views import QueryLimitError, QueryLimits, ReadOnlyQueryError, check_size
 
     parser = build_parser()
     args = parser.parse_args(argv)

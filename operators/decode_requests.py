@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from contract.decode_config import DecodeConfig
+from contract.schema import generations_table
 from specdec_core.errors import BadRequestError
 from specdec_core.methods import METHODS
 
@@ -163,7 +164,6 @@ class DecodeRequests:
     def __call__(self, batch):
         import ray
 
-        from contract.schema import generations_table
 
         rows = [_plain_row(row) for row in batch.to_dict("records")]
         if self.journal is None:

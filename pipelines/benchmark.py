@@ -11,7 +11,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from analysis.views import connect
+from operators.build_prompts import BuildPrompts
+from operators.read_requests import check_input_path, workload_rows
+from operators.requests_schema import normalize_row, requests_table
 from pipelines.config import GenerationConfig
+from pipelines.generate import run_generation
 from specdec_core.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL
 from specdec_core.methods import MethodOptions, check_method_names
 
@@ -45,7 +50,6 @@ class BenchmarkConfig(BaseModel):
     @field_validator("workloads")
     @classmethod
     def _known_workloads(cls, workloads: list[str]) -> list[str]:
-        from operators.read_requests import check_input_path
 
         for workload in workloads:
             check_input_path(f"workload:{workload}")  # raises SpecbatchError naming the choices
@@ -61,7 +65,6 @@ class BenchmarkConfig(BaseModel):
 
 def write_request_set(config: BenchmarkConfig) -> Path:
     """The first per_workload rows of each workload, as one JSONL input (each row's own limit capped)."""
-    from operators.read_requests import workload_rows
 
     path = Path(config.output) / "benchmark_requests.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,6 @@ def write_request_set(config: BenchmarkConfig) -> Path:
 
 
 def run_pipeline(config: BenchmarkConfig, requests: Path, actors: int, run_id: str) -> dict:
-    from pipelines.generate import run_generation
 
     generation = GenerationConfig(input=str(requests), output=config.output, job="benchmark", methods=config.methods,
                                   model=config.model, dtype=config.dtype, max_new_tokens=config.max_new_tokens,
@@ -89,7 +91,6 @@ def run_pipeline(config: BenchmarkConfig, requests: Path, actors: int, run_id: s
 
 def _select(output: str, sql: str, run_id: str) -> list[dict]:
     """Our own queries over the live views (no sandbox copy: they are not user SQL)."""
-    from analysis.views import connect
 
     with connect(output) as con:
         return con.sql(sql, params={"run": run_id}).to_arrow_table().to_pylist()
@@ -115,8 +116,6 @@ def method_throughput(output: str, run_id: str) -> list[dict]:
 
 def prepared_requests(config: BenchmarkConfig, requests: Path) -> list[dict]:
     """The request set through the pipeline's own normalize + prompt stages (same prompt ids), usable rows only."""
-    from operators.build_prompts import BuildPrompts
-    from operators.requests_schema import normalize_row, requests_table
 
     raw = [json.loads(line) for line in requests.read_text(encoding="utf-8").splitlines() if line.strip()]
     normalized = requests_table([normalize_row(r) for r in raw]).to_pandas()
