@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from benchmarks.batch_bench import hardware  # noqa: E402
 from specdec_core.kernels import panel_linear  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
+from specdec_core.model.step_batch import StepBatch  # noqa: E402
 
 
 def filled(runner: ModelRunner, rows: int, context: int):
@@ -38,9 +39,9 @@ def filled(runner: ModelRunner, rows: int, context: int):
     for _ in range(rows):
         row = cache.add_row()
         ids = torch.randint(100, runner.vocab_size - 100, (1, context), generator=generator)
-        runner.forward_slots(cache, ids, torch.arange(context)[None],
+        runner.forward_slots(cache, StepBatch(ids, torch.arange(context)[None],
                              torch.ones(context, context, dtype=torch.bool).tril()[None],
-                             torch.tensor([[0, context - 1]]), rows=[row])
+                             torch.tensor([[0, context - 1]]), rows=[row]))
         cache.set_length(row, context)
     return cache
 
@@ -73,7 +74,7 @@ def timed(variant, cache, inputs, repeats: int) -> tuple[list[float], torch.Tens
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        logits = runner.forward_slots(cache, *inputs)
+        logits = runner.forward_slots(cache, StepBatch(*inputs))
         times.append(time.perf_counter() - started)
     return times, logits
 

@@ -23,6 +23,7 @@ import torch
 from .drafters.base import NoDrafter
 from .model.attention_probe import attention_module, attention_window
 from .model.model_registry import cache_root
+from .model.step_batch import StepBatch
 from .prompts import build_prompt_ids
 
 FORMAT = 2  # 2: prompts from the standard library
@@ -106,9 +107,10 @@ def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_T
         row = cache.add_row()
         queries: dict[int, torch.Tensor] = {}
         size = len(sequence)
-        runner.forward_slots(cache, torch.tensor([sequence]), torch.arange(size)[None],
-                             torch.ones(size, size, dtype=torch.bool).tril()[None], torch.tensor([[0, size - 1]]),
-                             rows=[row], query_heads=every_head, queries=queries)
+        runner.forward_slots(cache, StepBatch(torch.tensor([sequence]), torch.arange(size)[None],
+                                              torch.ones(size, size, dtype=torch.bool).tril()[None],
+                                              torch.tensor([[0, size - 1]]), rows=[row], query_heads=every_head,
+                                              queries=queries))
         positions = [p for p in range(len(prompt), len(sequence))]
         sources = [copy_source(sequence, len(prompt), p) for p in positions]
         events_here = [(p - 1, r) for p, r in zip(positions, sources) if r is not None]  # (query, source)

@@ -23,6 +23,7 @@ import torch
 
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
+from ..model.step_batch import StepBatch
 from ..loop.sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
@@ -219,7 +220,7 @@ class DraftModelPool(DraftPool):
             visible[b, : len(tokens), : len(tokens)] = chain[: len(tokens), : len(tokens)]
         positions = lengths[:, None] + torch.arange(width)  # [b, T]
         index = torch.tensor([(b, len(t) - 1) for b, t in enumerate(new_tokens)])
-        logits = self.runner.forward_slots(self.cache, input_ids, positions, visible, index, rows=rows,
+        logits = self.runner.forward_slots(self.cache, StepBatch(input_ids, positions, visible, index, rows=rows),
                                            head=head.for_rows(rows) if head is not None else None)
         for row, tokens in zip(rows, new_tokens):
             self.cache.set_length(row, self.cache.lengths[row] + len(tokens))

@@ -101,15 +101,14 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
             for g in range(group):
                 out[r, t, h * group + g, :] = 0.0
         if last > first:
-            _attend_block(q[r], key_pack[r, h], value_pack[r, h], h, first, last, lengths[r], group, dim, scale,
-                          out[r])
+            _attend_block(q[r], key_pack[r, h], value_pack[r, h], h, first, last, lengths[r], group, scale, out[r])
 
 
 @njit(cache=True)
-def _attend_block(q, key_pack, value_pack, h, first, last, length, group, dim, scale, out):  # pragma: no cover
+def _attend_block(q, key_pack, value_pack, h, first, last, length, group, scale, out):  # pragma: no cover
     """One row's tokens first .. last - 1 for key/value head h's query heads (attend's task): q uint32 [T, H, d / 2]
     and out float32 [T, H, d] of that row; key_pack / value_pack its head's repacked keys and values."""
-    half = q.shape[2]
+    half, dim = q.shape[2], out.shape[2]
     columns = value_pack.shape[0]
     count = last - first
     n = length + last  # keys the block's last token sees; the others see a prefix of them

@@ -49,16 +49,16 @@ class RotateStore:
         tokens = rows.shape[0]
         if tokens >= PARALLEL_MIN_TOKENS:
             use_torch_threads()
-            self.run, self.span = parallel, ()
+            self.run = parallel
         else:
-            self.run, self.span = serial, (0, tokens)
+            self.run = serial
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor) -> torch.Tensor:
         """q [M, H, d], k / v [M, KV, d], key_cache / value_cache a layer's buffers [slots, KV, capacity, d]
         -> q rotated (in place); k rotated and v written into the cache."""
         q = q.contiguous()  # rotated in place: this tensor, not a copy of it
-        self.run(_array(q), _array(k), _array(v), *self.shared, _array(key_cache), _array(value_cache), *self.span)
+        self.run(_array(q), _array(k), _array(v), *self.shared, _array(key_cache), _array(value_cache))
         return q
 
 

@@ -9,12 +9,12 @@ from .layouts import ROPE_PARALLEL_CHUNKS as PARALLEL_CHUNKS
 
 
 @njit(cache=True)
-def rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, last):  # pragma: no cover
-    """Tokens first..last-1: q [M, H, d] rotated in place; k [M, KV, d] rotated into key_cache[rows[m], :,
+def rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover
+    """q [M, H, d] rotated in place; k [M, KV, d] rotated into key_cache[rows[m], :,
     places[m]]; v copied into value_cache there; cos / sin [M, d]; rows / places [M]."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, half = k.shape[1], dim // 2
-    for m in range(first, last):
+    for m in range(q.shape[0]):
         r, p = rows[m], places[m]
         for h in range(heads):
             for j in range(half):
@@ -37,16 +37,18 @@ def rotate_store_parallel(q, k, v, cos, sin, rows, places, key_cache, value_cach
     size = (tokens + PARALLEL_CHUNKS - 1) // PARALLEL_CHUNKS
     for chunk in prange(PARALLEL_CHUNKS):
         first = chunk * size
-        rotate_store(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))
+        last = min(tokens, first + size)
+        rotate_store(q[first:last], k[first:last], v[first:last], cos[first:last], sin[first:last], rows[first:last],
+                     places[first:last], key_cache, value_cache)
 
 
 @njit(cache=True)
-def rotate_store_bf16(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, last):  # pragma: no cover
+def rotate_store_bf16(q, k, v, cos, sin, rows, places, key_cache, value_cache):  # pragma: no cover
     """rotate_store for bf16 bits (uint16 arrays): each product and the sum rounded to bf16, as the eager bf16 ops
     round (x * cos, rotate_half(x) * sin, their sum), so the numbers are the eager ones bit for bit."""
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, half = k.shape[1], dim // 2
-    for m in range(first, last):
+    for m in range(q.shape[0]):
         r, p = rows[m], places[m]
         for h in range(heads):
             for j in range(half):
@@ -76,4 +78,6 @@ def rotate_store_bf16_parallel(q, k, v, cos, sin, rows, places, key_cache, value
     size = (tokens + PARALLEL_CHUNKS - 1) // PARALLEL_CHUNKS
     for chunk in prange(PARALLEL_CHUNKS):
         first = chunk * size
-        rotate_store_bf16(q, k, v, cos, sin, rows, places, key_cache, value_cache, first, min(tokens, first + size))
+        last = min(tokens, first + size)
+        rotate_store_bf16(q[first:last], k[first:last], v[first:last], cos[first:last], sin[first:last],
+                          rows[first:last], places[first:last], key_cache, value_cache)

@@ -32,6 +32,7 @@ from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, Draft
 from ..model.target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
 from ..model.model_runner import ModelRunner
+from ..model.step_batch import StepBatch
 from .prefill_plan import default_budget, next_forward, worth_reusing
 from .prefix_cache import PrefixCache, ScopedPrefixCache
 from .sampling import make_generator, select_token
@@ -280,9 +281,9 @@ class BatchDecoder:
                   if entry.done + chunk == len(entry.row.request.prompt_ids)]  # (batch row, its last node)
         signals = wanted([p.row.request.drafter for p in group])
         forward_started = time.perf_counter()
-        logits = self.target.forward_slots(self.cache, input_ids, positions, visible,
-                                           torch.tensor(ending, dtype=torch.long).view(-1, 2), rows=indices,
-                                           prefill=True, **signals.forward_kwargs())  # [len(ending), vocab]
+        batch = StepBatch(input_ids, positions, visible, torch.tensor(ending, dtype=torch.long).view(-1, 2),
+                          rows=indices, prefill=True, **signals.forward_kwargs())
+        logits = self.target.forward_slots(self.cache, batch)  # [len(ending), vocab]
         self.stats.prefill_s += time.perf_counter() - forward_started
         self._progress(time.perf_counter() - forward_started)
         for entry, chunk, index in zip(group, chunks, indices):
@@ -397,8 +398,8 @@ class BatchDecoder:
         # node reads is never used: it is fed as id 0 instead of indexing past the embedding.
         input_ids = step_ids.masked_fill(step_ids >= self.target.vocab_size, 0)
         signals = wanted([r.request.drafter for r in rows])
-        logits = self.target.forward_slots(self.cache, input_ids, positions, visible, logit_index,
-                                           **signals.forward_kwargs())  # [N, vocab]
+        batch = StepBatch(input_ids, positions, visible, logit_index, **signals.forward_kwargs())
+        logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
         count = len(rows)
         self._commit(rows, logits, signals, step_ids)
         return count, width, real

@@ -19,6 +19,7 @@ not cover (other architectures, int8 drafters, sliding windows) run HF's forward
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from . import grouped_attention
 from ..kernels import bf16_attention, invariant_attention, panel_linear, residual_norm, rope_store
 from ..kernels.packed_linear import PackedLinear
 from ..kernels.panel_linear import PanelLinear
+from .step_batch import AttentionPlan, StepBatch
 
 log = logging.getLogger(__name__)
 MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -138,6 +140,23 @@ def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass
+class _Tokens:
+    """One forward's per-token facts, computed once and read by every layer. M = the real tokens computed."""
+
+    cache: object  # the SlotKVCache, bound to the forward's b rows
+    attention: AttentionPlan
+    flat: torch.Tensor | None  # [M] indices into b x T of the real tokens (None: all b x T)
+    b: int
+    num_new: int  # T
+    cos: torch.Tensor  # [M, 1, d]
+    sin: torch.Tensor  # [M, 1, d]
+    rows: torch.Tensor  # [M] cache slot of each token's keys
+    places: torch.Tensor  # [M] their place in the slot
+    rotation: object  # rope_store's compiled RoPE and cache write, or None (eager)
+    queries: dict  # filled: {layer: [b, n, T, d] float32}
+
+
 class FastForward:
     """A model's decoder layers as stacked weights; `run` is one forward over a bound SlotKVCache."""
 
@@ -165,25 +184,16 @@ class FastForward:
         return None
 
     @torch.inference_mode()
-    def run(self, cache, input_ids: torch.Tensor, positions: torch.Tensor, mask, real: torch.Tensor | None,
-            logit_index: torch.Tensor, captured: dict | None = None, query_heads: dict | None = None,
-            queries: dict | None = None, invariant: tuple | None = None, chain: tuple | None = None,
-            step=None) -> torch.Tensor:
-        """cache     bound to the forward's rows (cache.bind)
-        input_ids  [b, T]; positions [b, T]
-        mask       [b, 1, T, L] float (0 / dtype-min), or None for one row fed causally from position 0
+    def run(self, cache, batch: StepBatch, attention: AttentionPlan, real: torch.Tensor | None) -> torch.Tensor:
+        """cache      bound to the forward's rows (cache.bind)
+        batch      the forward's tokens and what to record (step_batch.py); captured layers are filled with
+                   [b, T, hidden] float32 (0 = embeddings; padding rows are zeros)
+        attention  how it attends (step_batch.AttentionPlan); its mask on the forward's device
         real       [b, T] bool: compute only these tokens' per-token work (None: all b x T)
-        logit_index [N, 2] (row, t) whose hidden states are returned
-        captured   {layer: None} -> filled with [b, T, hidden] float32 (0 = embeddings; padding rows are zeros)
-        query_heads {layer: [heads]} -> queries[layer] = those heads' post-rotary queries [b, n, T, d] float32
-        invariant  (visible [b, T, T], lengths [b]): attend through invariant_attention.py (mask unused), so each
-                   token's result is the same in any forward
-        chain      (lengths [b], news [b]) for a bf16 forward whose rows are chains: attend through
-                   bf16_attention.py (mask unused)
-        step       a bf16_step_attention.Step for a bf16 decode or verify step: attend through it (mask unused)
-        -> [N, hidden] final-normed hidden states of the logit positions."""
-        b, num_new = input_ids.shape
-        device = input_ids.device
+        -> [N, hidden] final-normed hidden states of batch.logit_index's positions."""
+        b, num_new = batch.input_ids.shape
+        device = self.embed.weight.device
+        input_ids, positions = batch.input_ids.to(device), batch.positions.to(device)
         flat = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(device)  # [M] of b x T
         ids = input_ids.reshape(-1) if flat is None else input_ids.reshape(-1)[flat]  # [M]
         x = self.embed(ids)  # [M, hidden]
@@ -193,16 +203,17 @@ class FastForward:
             cos, sin = cos[flat], sin[flat]  # [M, 1, d]
         rows, places = cache.token_slots(flat)  # [M], [M]: where each token's keys go
         rotation = rope_store.prepare(cos, sin, rows, places, x, cache.keys[0])  # None: eager RoPE and cache writes
-        if captured is not None and 0 in captured:
+        tokens = _Tokens(cache, attention, flat, b, num_new, cos, sin, rows, places, rotation, batch.queries)
+        captured = batch.captured
+        if 0 in captured:
             captured[0] = self._padded(x, flat, b, num_new).float()
         delta = None  # the last MLP's output, added to x by the next layer's norm (one pass with it)
         for index, layer in enumerate(self.layers):
-            heads = (query_heads or {}).get(index)
-            x, delta = self._layer(index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new,
-                                   heads, queries, invariant, chain, step, rotation)
-            if captured is not None and index + 1 in captured:
+            x, delta = self._layer(index, layer, x, delta, tokens, batch.query_heads.get(index))
+            if index + 1 in captured:
                 x, delta = x + delta, None
                 captured[index + 1] = self._padded(x, flat, b, num_new).float()
+        logit_index = batch.logit_index
         wanted = (logit_index[:, 0] * num_new + logit_index[:, 1]).to(device)  # [N] of b x T
         if flat is not None:
             where = torch.full((b * num_new,), -1, dtype=torch.long, device=device)
@@ -211,11 +222,12 @@ class FastForward:
         last = x[wanted] if delta is None else x[wanted] + delta[wanted]  # [N, hidden]
         return _rms_norm(last, self.final_norm, self.final_eps)  # [N, hidden]
 
-    def _layer(self, index, layer, x, delta, cos, sin, rows, places, cache, mask, flat, b, num_new, heads, queries,
-               invariant, chain, step, rotation):
-        """x [M, hidden] the residual stream, delta [M, hidden] or None still to be added to it
-        -> (x, the MLP's output still to be added)."""
-        tokens = x.shape[0]  # M
+    def _layer(self, index: int, layer, x: torch.Tensor, delta: torch.Tensor | None, tokens: _Tokens,
+               heads: list[int] | None):
+        """x [M, hidden] the residual stream, delta [M, hidden] or None still to be added to it; heads: the query
+        heads of this layer to record -> (x, the MLP's output still to be added)."""
+        cache, attention, flat, b, num_new = tokens.cache, tokens.attention, tokens.flat, tokens.b, tokens.num_new
+        count = x.shape[0]  # M
         x, normed = _add_rms_norm(x, delta, layer.norm1, layer.eps1)  # [M, hidden] each
         if layer.qkv is not None and layer.on_gpu:  # views: each split dimension stays a view, no copy launches
             q, k, v = layer.qkv(normed).split(layer.qkv_widths, dim=1)
@@ -223,31 +235,32 @@ class FastForward:
             q, k, v = (part.contiguous() for part in layer.qkv(normed).split(layer.qkv_widths, dim=1))
         else:
             q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
-        q = q.view(tokens, self.heads, self.head_dim)  # [M, H, d]
-        k = k.view(tokens, self.kv_heads, self.head_dim)  # [M, KV, d]
-        v = v.view(tokens, self.kv_heads, self.head_dim)
-        if rotation is not None:
-            q = rotation(q, k, v, cache.keys[index], cache.values[index])
+        q = q.view(count, self.heads, self.head_dim)  # [M, H, d]
+        k = k.view(count, self.kv_heads, self.head_dim)  # [M, KV, d]
+        v = v.view(count, self.kv_heads, self.head_dim)
+        if tokens.rotation is not None:
+            q = tokens.rotation(q, k, v, cache.keys[index], cache.values[index])
         else:
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            cache.write_tokens(index, rows, places, k, v)
+            q, k = _rope(q, tokens.cos, tokens.sin), _rope(k, tokens.cos, tokens.sin)
+            cache.write_tokens(index, tokens.rows, tokens.places, k, v)
         query = self._padded(q, flat, b, num_new).view(b, num_new, self.heads, self.head_dim).transpose(1, 2)
         if heads:
-            queries[index] = query[:, heads].float()  # [b, n, T, d]
-        if invariant is not None:
-            visible, lengths = invariant
+            tokens.queries[index] = query[:, heads].float()  # [b, n, T, d]
+        if attention.invariant is not None:
+            visible, lengths = attention.invariant
             attended = invariant_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
                                                   lengths, visible, layer.scaling)  # [b, T, H, d]
-        elif step is not None:
-            attended = step.attend(query, cache.keys[index], cache.values[index], layer.scaling)  # [b, T, H, d]
-        elif chain is not None:
-            lengths, news = chain
+        elif attention.step is not None:
+            attended = attention.step.attend(query, cache.keys[index], cache.values[index],
+                                             layer.scaling)  # [b, T, H, d]
+        elif attention.chain is not None:
+            lengths, news = attention.chain
             attended = bf16_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
                                              lengths, news, layer.scaling)  # [b, T, H, d]
         else:
             keys, values = cache.bound_view(index)  # [b, KV, L, d] each
             attended, _ = grouped_attention.grouped_attention_forward(
-                layer.attn, query, keys, values, mask, scaling=layer.scaling)  # [b, T, H, d]
+                layer.attn, query, keys, values, attention.mask, scaling=layer.scaling)  # [b, T, H, d]
         attended = attended.reshape(b * num_new, self.heads * self.head_dim)
         if flat is not None:
             attended = attended[flat]  # [M, H d]

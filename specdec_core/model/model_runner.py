@@ -26,6 +26,7 @@ from .int8_linear import quantize_int8
 from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
+from .step_batch import AttentionPlan, StepBatch
 
 # "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 (bf16, batch 64, random weights in
 # SmolLM2's and Qwen2.5-1.5B's shapes) a decode step took 0.66-0.86x the time of HF's modules over the same cache
@@ -226,63 +227,41 @@ class ModelRunner:
         return SlotKVCache(config.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward_slots(
-        self,
-        cache: SlotKVCache,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        visible: torch.Tensor,
-        logit_index: torch.Tensor,
-        rows: list[int] | None = None,
-        captured: dict[int, torch.Tensor] | None = None,
-        query_heads: dict[int, list[int]] | None = None,
-        queries: dict[int, torch.Tensor] | None = None,
-        head: SubsetHead | None = None,
-        prefill: bool = False,
-    ) -> torch.Tensor:
-        """One forward over the cache's live rows (or `rows`); keys/values land at each row's length.
+    def forward_slots(self, cache: SlotKVCache, batch: StepBatch, head: SubsetHead | None = None) -> torch.Tensor:
+        """One forward over the cache's live rows (or `batch.rows`); keys/values land at each row's length.
 
-        input_ids  [b, T]     new tokens of each row, padded to the longest row's T
-        positions  [b, T]     their positions (chain: length + t; a tree node: length + depth)
-        visible    [b, T, T]  visible[r, t, i]: new token t of row r may attend new token i (chain: i <= t)
-        logit_index [N, 2]    (row, t) pairs whose next-token logits are wanted; nothing else goes through the head
-        captured   {layer: None} to fill with that layer's hidden states [b, T, hidden] float32 (layer l = the
-                   output of decoder layer l - 1, as HF's `hidden_states[l]`; 0 = the embeddings), captured by a
-                   hook during this same forward: no second forward, no `output_hidden_states` for every layer
-        query_heads {layer: [heads]}: fill `queries` with those heads' post-rotary queries [b, n, T, d] (for their
-                   attention weights, attention_probe.py)
+        batch      the new tokens, what may attend what, the logits wanted and what to record (step_batch.py).
+                   Hidden states of `batch.captured`'s layers (layer l = the output of decoder layer l - 1, as HF's
+                   `hidden_states[l]`; 0 = the embeddings) are captured during this same forward: no second forward,
+                   no `output_hidden_states` for every layer. `batch.query_heads`' post-rotary queries fill
+                   `batch.queries` (for their attention weights, attention_probe.py).
         head       the LM head restricted to some tokens (SubsetHead), or None for the whole vocabulary
-        prefill    the forward feeds prompt tokens (with --deterministic in bf16 they attend through
-                   bf16_attention.py, so a prompt's tokens always come from that kernel)
         -> [N, vocab] float32 logits. The rows' lengths are NOT advanced: the caller commits what it accepts.
         """
-        b, num_new = input_ids.shape
-        cache.bind(num_new, rows)
+        num_new = batch.input_ids.shape[1]
+        cache.bind(num_new, batch.rows)
         lengths = torch.tensor(cache.bound_lengths())  # [b]
-        real = visible.diagonal(dim1=1, dim2=2)  # [b, T]: a node sees itself; padding sees no new token
-        for layer in captured or ():
+        real = batch.real  # [b, T]
+        for layer in batch.captured:
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
-        chain, step, invariant, mask = self._attention_for(cache, lengths, positions, visible, prefill)
+        plan = self._attention_for(cache, lengths, batch)
         with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
             if self.fast is not None:
-                mask = mask["full_attention"] if isinstance(mask, dict) else mask
-                hidden = self.fast.run(cache, input_ids.to(self.device), positions.to(self.device),
-                                       None if mask is None else mask.to(self.device),
-                                       real if RaggedTokens.worth_it(real, self.gather_share) else None,
-                                       logit_index, captured, query_heads, queries, invariant, chain, step)
+                mask = plan.mask["full_attention"] if isinstance(plan.mask, dict) else plan.mask
+                plan.mask = None if mask is None else mask.to(self.device)
+                hidden = self.fast.run(cache, batch, plan,
+                                       real if RaggedTokens.worth_it(real, self.gather_share) else None)
             else:
-                hidden = self._hf_hidden(cache, input_ids, positions, mask, real, logit_index, captured, query_heads,
-                                         queries)
+                hidden = self._hf_hidden(cache, batch, plan.mask, real)
         return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
 
-    def _attention_for(self, cache: SlotKVCache, lengths: torch.Tensor, positions: torch.Tensor,
-                       visible: torch.Tensor, prefill: bool) -> tuple:
-        """Which attention a forward_slots call runs, and what it needs: (chain, step, invariant, mask), at most one
-        of the first three set. chain: (lengths, news) for bf16_attention.py (prompt chains in bf16); step: a
-        bf16_step_attention.Step (bf16 decode and verify steps); invariant: (visible, lengths) for
-        invariant_attention.py (--deterministic elsewhere, and short fp32 steps); else SDPA, with the padded mask
-        unless the forward is one plain prompt from position 0."""
+    def _attention_for(self, cache: SlotKVCache, lengths: torch.Tensor, batch: StepBatch) -> AttentionPlan:
+        """Which attention a forward_slots call runs, and what it needs: bf16_attention.py for prompt chains in bf16,
+        bf16_step_attention.py for bf16 decode and verify steps, invariant_attention.py for --deterministic elsewhere
+        and short fp32 steps; else SDPA, with the padded mask unless the forward is one plain prompt from
+        position 0."""
+        positions, visible, prefill = batch.positions, batch.visible, batch.prefill
         num_new = visible.shape[1]
         news = bf16_attention.chain_news(visible) if self._bf16_chain_attention(num_new, prefill) else None
         chain = (lengths, news) if news is not None else None
@@ -301,9 +280,9 @@ class ModelRunner:
         device = self.device
         mask = attention_masks(self.model.config, lengths.to(device), positions.to(device), visible.to(device),
                                cache.kv_length(), self.dtype) if masked else None
-        return chain, step, invariant, mask
+        return AttentionPlan(chain, step, invariant, mask)
 
-    def _hf_hidden(self, cache, input_ids, positions, mask, real, logit_index, captured, query_heads, queries):
+    def _hf_hidden(self, cache: SlotKVCache, batch: StepBatch, mask, real: torch.Tensor) -> torch.Tensor:
         """forward_slots through the model's own modules (architectures the fast forward does not cover): the
         ragged gather, our attention and the capture hooks hooked in for this forward only -> [N, hidden]."""
         hooks = []
@@ -313,21 +292,21 @@ class ModelRunner:
                 scope.enter_context(self.ragged.only(real))
             if self.grouped_attention:
                 scope.enter_context(self._attention(grouped_attention.NAME))
-            for layer in captured or ():
-                hooks.append(self._capture_hook(layer, captured))
-            if query_heads:
-
-                hooks += capture_queries(self, query_heads, queries)
+            for layer in batch.captured:
+                hooks.append(self._capture_hook(layer, batch.captured))
+            if batch.query_heads:
+                hooks += capture_queries(self, batch.query_heads, batch.queries)
             out = self.base_model(
-                input_ids=input_ids.to(self.device),
-                position_ids=positions.to(self.device),
+                input_ids=batch.input_ids.to(self.device),
+                position_ids=batch.positions.to(self.device),
                 attention_mask={k: m.to(self.device) for k, m in mask.items()} if isinstance(mask, dict)
                 else mask.to(self.device) if mask is not None else None,
                 past_key_values=cache,
                 use_cache=True,
-                cache_position=torch.arange(input_ids.shape[1], device=self.device),
+                cache_position=torch.arange(batch.input_ids.shape[1], device=self.device),
             )
-        return out.last_hidden_state[logit_index[:, 0].to(self.device), logit_index[:, 1].to(self.device)]
+        index = batch.logit_index.to(self.device)
+        return out.last_hidden_state[index[:, 0], index[:, 1]]
 
     @contextmanager
     def _attention(self, name: str):

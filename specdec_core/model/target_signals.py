@@ -23,7 +23,8 @@ class Signals:
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [b, len(heads[layer]), T, d]
 
     def forward_kwargs(self) -> dict:
-        return {"captured": self.hidden or None, "query_heads": self.heads or None, "queries": self.queries}
+        """StepBatch's recording fields: the forward fills `hidden`'s and `queries`' dicts in place."""
+        return {"captured": self.hidden, "query_heads": self.heads, "queries": self.queries}
 
 
 def wanted(drafters: list[Drafter]) -> Signals:

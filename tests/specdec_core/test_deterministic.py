@@ -9,6 +9,7 @@ from specdec_core.decode import DecodeParams
 from specdec_core.loop.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.model.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
+from specdec_core.model.step_batch import StepBatch
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_llama_64, tiny_qwen2
 
 SEQUENCE = repetitive_prompt(7, 40)
@@ -33,8 +34,8 @@ def feed(runner, pieces: list[int], others: list[int] = (), prefill: bool = Fals
     for seed, length in enumerate(others):  # the neighbours' caches, fed whole
         row = cache.add_row()
         ids = torch.tensor([repetitive_prompt(100 + seed, length)])
-        runner.forward_slots(cache, ids, torch.arange(length)[None], torch.ones(length, length, dtype=torch.bool).tril()[None],
-                             torch.tensor([[0, length - 1]]), rows=[row])
+        runner.forward_slots(cache, StepBatch(ids, torch.arange(length)[None], torch.ones(length, length, dtype=torch.bool).tril()[None],
+                             torch.tensor([[0, length - 1]]), rows=[row]))
         cache.set_length(row, length)
     logits, done = [], 0
     for size in pieces:
@@ -51,7 +52,7 @@ def feed(runner, pieces: list[int], others: list[int] = (), prefill: bool = Fals
         lengths = torch.tensor(cache.lengths)
         positions = lengths[:, None] + torch.arange(width)
         index = torch.tensor([(0, t) for t in range(size)])
-        logits.append(runner.forward_slots(cache, ids, positions, visible, index, prefill=prefill))
+        logits.append(runner.forward_slots(cache, StepBatch(ids, positions, visible, index, prefill=prefill)))
         done += size
         cache.set_length(0, done)
     return torch.cat(logits)
@@ -111,12 +112,12 @@ def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype, make):
         cache = runner.new_slot_cache()
         cache.fit(1, 64)
         cache.add_row()
-        runner.forward_slots(cache, torch.tensor([prefix]), torch.arange(20)[None],
-                             torch.ones(20, 20, dtype=torch.bool).tril()[None], torch.tensor([[0, 19]]))
+        runner.forward_slots(cache, StepBatch(torch.tensor([prefix]), torch.arange(20)[None],
+                             torch.ones(20, 20, dtype=torch.bool).tril()[None], torch.tensor([[0, 19]])))
         cache.set_length(0, 20)
         width = len(ids)
-        return runner.forward_slots(cache, torch.tensor([ids]), 20 + positions[None], visible[None],
-                                    torch.tensor([[0, t] for t in range(width)]))  # [width, vocab]
+        return runner.forward_slots(cache, StepBatch(torch.tensor([ids]), 20 + positions[None], visible[None],
+                                    torch.tensor([[0, t] for t in range(width)])))  # [width, vocab]
 
     tree = after_prefix([root, a, b, a2, b2], torch.tensor([0] + depths(parents)), ancestor_mask(parents, 5))
     for path, node in (([root, a, a2], 3), ([root, b, b2], 4), ([root, a], 1), ([root, b], 2)):

@@ -14,6 +14,7 @@ from specdec_core.model.fast_forward import unsupported
 from specdec_core.model.int8_linear import quantize_int8
 from specdec_core.model.model_runner import ModelRunner
 from specdec_core.kernels.packed_linear import PackedLinear, pack_linears
+from specdec_core.model.step_batch import StepBatch
 from tests.specdec_core.test_step_kernels import filled_cache
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
 
@@ -39,7 +40,7 @@ def step(runner, tree: bool, counts=(5, 1, 2), lengths=(13, 30, 21), **signals):
         positions[0, 1:] = lengths[0] + torch.tensor(depths(parents))
     index = torch.tensor([(b, t) for b, count in enumerate(counts) for t in range(count)])
     cache = filled_cache(runner, list(lengths))
-    return runner.forward_slots(cache, input_ids, positions, visible, index, **signals), cache
+    return runner.forward_slots(cache, StepBatch(input_ids, positions, visible, index, **signals)), cache
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, packed_llama], ids=["llama", "qwen2-biases", "packed"])

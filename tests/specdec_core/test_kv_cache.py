@@ -11,6 +11,7 @@ from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.loop.kv_cache import SlotKVCache
 from specdec_core.model.attention_masks import attention_masks
 from specdec_core.model.model_runner import UnsupportedArchitectureError, check_servable
+from specdec_core.model.step_batch import StepBatch
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
 
 LENGTHS = [5, 23, 11, 40, 17]
@@ -99,8 +100,8 @@ def test_rollback_leaves_each_row_as_a_fresh_forward_would(llama):
     # One more forward of each row's pending token, nothing committed.
     pending = torch.tensor([[row.state.tokens[-1]] for row in decoder.rows])
     lengths = torch.tensor(decoder.cache.lengths)
-    logits = llama.forward_slots(decoder.cache, pending, lengths[:, None], torch.ones(3, 1, 1, dtype=torch.bool),
-                                 torch.tensor([[b, 0] for b in range(3)]))
+    logits = llama.forward_slots(decoder.cache, StepBatch(pending, lengths[:, None], torch.ones(3, 1, 1, dtype=torch.bool),
+                                 torch.tensor([[b, 0] for b in range(3)])))
     for b, row in enumerate(decoder.rows):
         fresh = llama.forward(llama.new_cache(), row.state.tokens, 1).logits[0]
         assert torch.allclose(logits[b], fresh, atol=1e-4), (logits[b] - fresh).abs().max()

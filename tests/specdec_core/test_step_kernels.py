@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_core.model import grouped_attention
+from specdec_core.model.step_batch import StepBatch
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
 
 
@@ -52,9 +53,9 @@ def filled_cache(runner, lengths):
     for seed, length in enumerate(lengths):
         row = cache.add_row()
         prompt = torch.tensor([repetitive_prompt(seed, length)])
-        runner.forward_slots(cache, prompt, torch.arange(length)[None],
+        runner.forward_slots(cache, StepBatch(prompt, torch.arange(length)[None],
                              torch.ones(length, length, dtype=torch.bool).tril()[None], torch.tensor([[0, length - 1]]),
-                             rows=[row])
+                             rows=[row]))
         cache.set_length(row, length)
     return cache
 
@@ -92,7 +93,7 @@ def test_a_padded_step_on_real_tokens_only_gives_the_padded_forwards_logits_and_
         runner.ragged = ragged
         cache = filled_cache(runner, lengths)
         mlp_inputs.clear()
-        logits.append(runner.forward_slots(cache, input_ids, positions, visible, index))
+        logits.append(runner.forward_slots(cache, StepBatch(input_ids, positions, visible, index)))
         caches.append(cache)
         hidden = runner.model.config.hidden_size
         assert mlp_inputs == ([(1, 8, hidden)] if ragged else [(3, width, hidden)])
@@ -134,7 +135,7 @@ def test_short_verify_forwards_run_grouped_attention_and_match_sdpa_inside_the_m
             runner.grouped_attention = grouped
             cache = filled_cache(runner, lengths)
             calls.clear()
-            logits.append(runner.forward_slots(cache, input_ids, positions, visible, index))
+            logits.append(runner.forward_slots(cache, StepBatch(input_ids, positions, visible, index)))
             assert len(calls) == (runner.num_layers if grouped else 0)
     finally:
         AttentionInterface.register(grouped_attention.NAME, original)
