@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
 from .corpus_texts import read_texts
 from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES
@@ -84,50 +85,37 @@ def build_parser() -> argparse.ArgumentParser:
                              "cheaper and changes only what it proposes")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     add_deterministic_option(parser)
-    parser.add_argument("--gamma", type=int, default=3, help="CopySpec: suffix length γ")
-    parser.add_argument("--copy-tokens", type=int, default=10, help="CopySpec: tokens copied per match m")
-    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt lookup: tokens per match K")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="draft model: most tokens per step δ (default 4 for draft; 16 for slem/tli/union/slrs, "
-                             "whose confidence stop ends drafts)")
+    add_method_options(parser, CLI_METHOD_OPTIONS)
     add_batch_options(parser, batch_size_default=None, batch_size_help=(
         f"sequences decoded at once (default: {DEFAULT_BATCH_SIZE} with --prompts-file, else 1)"))
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and metrics")
     return parser
 
 
+# The MethodOptions fields the CLI and every job take as flags (the CLI adds CLI_METHOD_OPTIONS).
+SHARED_METHOD_OPTIONS = ("adaptive", "candidates", "hidden_layer", "similarity_threshold", "top_heads", "casd_delta",
+                         "casd_top_k", "retrieval_index", "spectra_n", "spectra_pool", "spectra_guesses", "spectra_tau",
+                         "suffix_spec_factor", "suffix_min_prob")
+CLI_METHOD_OPTIONS = ("gamma", "copy_tokens", "lookup_tokens", "draft_tokens")
+
+
+def add_method_options(parser, names) -> None:
+    """One flag per MethodOptions field, its type, default and help read from the field: the options' one home."""
+    for name in names:
+        field = MethodOptions.model_fields[name]
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, action="store_true", help=field.description)
+            continue
+        kind = next(t for t in (int, float, str) if t is field.annotation or t in get_args(field.annotation))
+        shown = "" if field.default is None else " (default %(default)s)"  # None: the description says what happens
+        parser.add_argument(flag, type=kind, default=field.default,
+                            help=field.description.replace("%", "%%") + shown)
+
+
 def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
     """The drafting and batching options the CLI and every job share (one definition, one help text)."""
-    parser.add_argument("--adaptive", action="store_true", help="adaptive draft lengths (still lossless)")
-    parser.add_argument("--candidates", type=int, default=1,
-                        help="copyspec/pld: earlier continuations drafted at once as a tree (lossless)")
-    parser.add_argument("--hidden-layer", type=int, default=None,
-                        help="pld_plus_h: the target layer whose hidden states rank the occurrences "
-                             "(default: 30%% of the model's depth)")
-    parser.add_argument("--similarity-threshold", type=float, default=0.0,
-                        help="pld_plus_h: draft only from occurrences more similar than this cosine (default 0.0)")
-    parser.add_argument("--top-heads", type=int, default=50,
-                        help="pld_plus_a: how many of the model's best induction heads rank the occurrences "
-                             "(default 50)")
-    parser.add_argument("--casd-delta", type=float, default=0.1,
-                        help="casd/casd_mixed (lossy): accept a context token when p > max(delta, p(EOS)) "
-                             "(default 0.1)")
-    parser.add_argument("--casd-top-k", type=int, default=5, help="casd_mixed: the token must be in the top k")
-    parser.add_argument("--retrieval-index", default=None, metavar="DIR",
-                        help="rest / spectra+retrieval: a corpus index directory (specdec_core.retrieval_index."
-                             "write_index builds one); an index built for another tokenizer is refused")
-    parser.add_argument("--spectra-n", type=int, default=5, help="spectra: n-gram length N (default 5)")
-    parser.add_argument("--spectra-pool", type=int, default=15,
-                        help="spectra: pool rows W the target extends in each verify forward (default 15; each adds "
-                             "N-1 tokens to the forward, so on a CPU fewer rows may pay better)")
-    parser.add_argument("--spectra-guesses", type=int, default=15, help="spectra: most guesses G per step (default 15)")
-    parser.add_argument("--spectra-tau", type=float, default=0.1,
-                        help="spectra: a pool row takes the target's plain argmax with probability tau, else its best "
-                             "token not yet in the forward dictionary (default 0.1)")
-    parser.add_argument("--suffix-spec-factor", type=float, default=1.0,
-                        help="suffix/auto: a draft tree has at most this x the matched suffix's length nodes")
-    parser.add_argument("--suffix-min-prob", type=float, default=0.1,
-                        help="suffix/auto: draft-tree branches whose estimated probability is below this are cut")
+    add_method_options(parser, SHARED_METHOD_OPTIONS)
     parser.add_argument("--batch-size", type=int, default=batch_size_default, help=batch_size_help)
     parser.add_argument("--token-budget", type=int, default=None,
                         help="most tokens one batched forward may verify (rows x width); default: no cap")
@@ -136,18 +124,12 @@ def add_batch_options(parser, batch_size_default, batch_size_help: str) -> None:
 
 
 def _options(args):
-    return MethodOptions(gamma=args.gamma, copy_tokens=args.copy_tokens, lookup_tokens=args.lookup_tokens,
-                         draft_tokens=args.draft_tokens, **shared_method_options(args))
+    return MethodOptions(**{name: getattr(args, name) for name in CLI_METHOD_OPTIONS}, **shared_method_options(args))
 
 
 def shared_method_options(args) -> dict:
     """The MethodOptions fields that add_batch_options defines (the CLI's and every job's)."""
-    return dict(adaptive=args.adaptive, candidates=args.candidates, hidden_layer=args.hidden_layer,
-                similarity_threshold=args.similarity_threshold, top_heads=args.top_heads, casd_delta=args.casd_delta,
-                casd_top_k=args.casd_top_k, spectra_n=args.spectra_n, spectra_pool=args.spectra_pool,
-                spectra_guesses=args.spectra_guesses, spectra_tau=args.spectra_tau,
-                retrieval_index=args.retrieval_index, suffix_spec_factor=args.suffix_spec_factor,
-                suffix_min_prob=args.suffix_min_prob)
+    return {name: getattr(args, name) for name in SHARED_METHOD_OPTIONS}
 
 
 def _params(args):

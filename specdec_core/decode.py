@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .defaults import DEFAULT_MAX_NEW_TOKENS
 from .errors import BadRequestError
 from .loop.metrics import RequestMetrics
 from .model.model_runner import ModelRunner
@@ -21,7 +22,7 @@ FINISH_LENGTH = "length"  # max_new_tokens or the model's context limit
 
 @dataclass(frozen=True)
 class DecodeParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: tuple[str, ...] = ()
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .decode import DecodeParams, DecodeResult
-from .defaults import DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
+from .defaults import (DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL,
+                       determinism_mode)
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
@@ -128,7 +129,8 @@ class Engine:
         """A request's separate context document in the target's tokens (as the prompt stage tokenizes it)."""
         return self.tokenizer(context, add_special_tokens=False)["input_ids"]
 
-    def decoder(self, batch_size: int = 1, token_budget: int | None = None, speculation_budget: bool = True,
+    def decoder(self, batch_size: int = DEFAULT_BATCH_SIZE, token_budget: int | None = None,
+                speculation_budget: bool = True,
                 row_timeout_s: float | None = None, method: str | None = None) -> BatchDecoder:
         """A batched decoder on this engine's models; with `method`, its budget starts from what earlier decoders
         of that method learned (and adds to it)."""
@@ -191,7 +193,7 @@ class Engine:
         items: Iterable[BatchItem],
         method: str = "ar",
         options: MethodOptions | None = None,
-        batch_size: int = 8,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         token_budget: int | None = None,
         speculation_budget: bool = True,
     ) -> Iterator[tuple[object, dict]]:

@@ -28,6 +28,7 @@ from ..decode import (
     DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
 )
 from .draft_tree import ancestor_mask, depths, prefix_depths
+from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.target_signals import Signals, hand_over, wanted
 from .metrics import TARGET_SOURCE
@@ -95,7 +96,7 @@ class BatchStats:
 class BatchDecoder:
     """Decodes requests with continuous batching on one target; each request brings its own drafter."""
 
-    def __init__(self, target: ModelRunner, max_batch: int = 8, budget: SpeculationBudget | None = None,
+    def __init__(self, target: ModelRunner, max_batch: int = DEFAULT_BATCH_SIZE, budget: SpeculationBudget | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES, max_draft: int = 64,
                  row_timeout_s: float | None = None, prefix_cache: PrefixCache | ScopedPrefixCache | None = None,
                  prefill_tokens: int | None = None, draft_pool=None, job_memory=None):
