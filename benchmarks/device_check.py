@@ -23,7 +23,7 @@ from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 def main() -> int:
     import torch
 
-    from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama
+    from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama  # lazy: the checkout's tests folder
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")

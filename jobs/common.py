@@ -216,7 +216,7 @@ def check_memory_from(config) -> None:
     """--memory-from that is not a job's output, or holds another tokenizer's outputs: one line, before Ray."""
     from transformers import AutoTokenizer
 
-    from specdec_core.job_memory import read_outputs
+    from specdec_core.drafters.job_memory import read_outputs  # lazy: numba (the suffix tree), only with --memory-from
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
     own_output = os.path.abspath(config.output) == config.memory_from  # a nightly job's first night: nothing yet

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        from pipelines.refine import RefineConfig, check_output
+        from pipelines.refine import RefineConfig, check_output  # lazy: ray
 
         config = RefineConfig(**{k: v for k, v in vars(args).items() if k != "address"})
         check_corpus_source(config.input)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, SpecbatchError, OSError) as exc:
         return report_validation_error("refine_corpus", exc)
 
-    from pipelines.refine import run_refinement
+    from pipelines.refine import run_refinement  # lazy: ray
 
     init_ray(args.address, output=config.output)
     try:

@@ -18,7 +18,7 @@ class CompressContext:
                  torch_threads: int = 1):
         import torch
 
-        from specdec_core.model.model_runner import ModelRunner
+        from specdec_core.model.model_runner import ModelRunner  # lazy: torch, in the actor only
 
 
         torch.set_num_threads(torch_threads)

@@ -33,7 +33,7 @@ class DecodeRequests:
         import torch
         from transformers.utils import logging as transformers_logging
 
-        from specdec_core.engine import Engine, EngineConfig
+        from specdec_core.engine import Engine, EngineConfig  # lazy: torch, in the actor only
 
         # Ray sets OMP_NUM_THREADS=1 in actors; use the CPUs this actor was given instead.
         torch.set_num_threads(max(1, torch_threads))
@@ -50,7 +50,7 @@ class DecodeRequests:
         first timed pass; its seconds go on each row this actor decodes (`actor_warmup_s`)."""
         import logging
 
-        from specdec_core.warm_up import warm_up
+        from specdec_core.warm_up import warm_up  # lazy: torch, in the actor only
 
         cfg = self.config
         try:
@@ -76,8 +76,8 @@ class DecodeRequests:
         self.warmup_s: float | None = None  # warm_up(), when this stage ran it
 
     def _params(self, max_new_tokens: int | None):
-        from specdec_core.decode import DecodeParams
-        from specdec_core.loop.sampling import SamplingParams
+        from specdec_core.decode import DecodeParams  # lazy: torch, in the actor only
+        from specdec_core.loop.sampling import SamplingParams  # lazy: torch, in the actor only
 
         cfg = self.config
         sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
@@ -211,7 +211,7 @@ class _MethodPass:
         self.out: list[dict] = []
 
     def submit(self, turn: _Turn) -> None:
-        from specdec_core.engine import BatchItem
+        from specdec_core.engine import BatchItem  # lazy: torch, in the actor only
 
         item = BatchItem(self.next_key, turn.prompt_ids, self.stage._params(turn.row.get("max_new_tokens")),
                          turn.row.get("context_ids"))

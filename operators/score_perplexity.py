@@ -23,9 +23,9 @@ class ScorePerplexity:
                  torch_threads: int = 1):
         import torch
 
-        from specdec_core.model.model_runner import ModelRunner
+        from specdec_core.model.model_runner import ModelRunner  # lazy: torch, in the actor only
 
-        from .perplexity import PerplexityScorer
+        from .perplexity import PerplexityScorer  # lazy: torch, in the actor only
 
         torch.set_num_threads(torch_threads)
         self.runner = ModelRunner.load(model, dtype=dtype, device=device)

@@ -135,8 +135,8 @@ def run_hf_peer(config: BenchmarkConfig, requests: Path, ar_outputs: dict[str, l
     """HF greedy generate at each batch size on the same requests, in this process with every CPU thread."""
     import torch
 
-    from pipelines.hf_batch_peer import run_peer
-    from specdec_core.model.model_runner import ModelRunner
+    from pipelines.hf_batch_peer import run_peer  # lazy: torch, for the HF peer only
+    from specdec_core.model.model_runner import ModelRunner  # lazy: torch, for the HF peer only
 
     torch.set_num_threads(os.cpu_count() or 1)
     runner = ModelRunner.load(config.model, config.dtype)

@@ -87,7 +87,7 @@ class GenerationConfig(DecodeConfig):
         another dtype (bf16 with avx512_bf16, fp32 without) redoes its rows instead of mixing two dtypes. Resolved
         here, on the driver: actors without GPUs run on the CPU, and on one machine (the embedded cluster) its CPU
         decides; on a cluster whose nodes differ, pass --dtype explicitly."""
-        from specdec_core.model.hardware import cpu_supports_bf16
+        from specdec_core.model.hardware import cpu_supports_bf16  # lazy: torch, only when the dtype is 'auto'
 
         device = self.device if self.device != "auto" else ("cuda" if self.num_gpus_per_actor > 0 else "cpu")
         if self.dtype != "auto":

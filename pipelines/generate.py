@@ -265,7 +265,7 @@ def run_generation(config: GenerationConfig) -> dict:
     """
     import ray
 
-    from .parquet_sink import STOP_FILE, RunPartitionSink, request_stop
+    from .parquet_sink import STOP_FILE, RunPartitionSink, request_stop  # lazy: ray
 
     started_at = datetime.now(timezone.utc)
     started = time.perf_counter()
@@ -317,7 +317,7 @@ def run_generation(config: GenerationConfig) -> dict:
 def _stop_quietly(directory: Path) -> None:
     """The error gate's stop: the run's sink ends the dataset, which Ray Data reports as a failed task with its
     traceback (three of them); the job prints its own line instead (jobs/common.py)."""
-    from .parquet_sink import request_stop
+    from .parquet_sink import request_stop  # lazy: ray
 
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     request_stop(directory)

@@ -48,7 +48,7 @@ def latest_unfinished_run(output: str | Path) -> str | None:
 
 def clean_temporary_files(output: str | Path, run_id: str) -> int:
     """Remove the half-written block files a killed run left in its directory (hidden `.part-*.tmp` names)."""
-    from .parquet_sink import TEMPORARY_PREFIX
+    from .parquet_sink import TEMPORARY_PREFIX  # lazy: ray (parquet_sink), kept out of a job's argument check
 
     removed = 0
     for stale in run_dir(output, run_id).rglob(f"{TEMPORARY_PREFIX}*.tmp"):
@@ -141,7 +141,7 @@ def drop_duplicate_pairs(output: str | Path, run_id: str) -> int:
     --resume listed what was done and decoded those pairs again (seen once in the driver-kill test). Both copies hold
     the same decode; the one in the file that sorts first is kept, and the other files are rewritten without theirs
     (atomically; a file left empty is removed). Rows of another decode key are another decode and stay."""
-    from .parquet_sink import write_atomically
+    from .parquet_sink import write_atomically  # lazy: ray (parquet_sink), kept out of a job's argument check
 
     seen: set[tuple] = set()
     removed = 0

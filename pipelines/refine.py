@@ -82,7 +82,7 @@ class RefineConfig(BaseModel):
 
     def resolved_device_and_dtype(self) -> tuple[str, str]:
         """What "auto" becomes in the actors: scores under another dtype are other scores (see GenerationConfig)."""
-        from specdec_core.model.hardware import cpu_supports_bf16
+        from specdec_core.model.hardware import cpu_supports_bf16  # lazy: torch, only when the dtype is 'auto'
 
         device = self.device if self.device != "auto" else ("cuda" if self.num_gpus_per_actor > 0 else "cpu")
         if self.dtype != "auto" or device.startswith("cuda"):

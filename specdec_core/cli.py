@@ -23,7 +23,8 @@ from .errors import BadRequestError, SpecbatchError
 from .methods import METHODS, MethodOptions, get_method
 from .model.model_registry import DEFAULT_MODEL, MODEL_SPECS, check_model_available, install_model, resolve_model_path
 from .prompts import check_prompt_text, read_messages_file, read_text_file
-from .retrieval_index import MANIFEST_FILE, tokenizer_fingerprint, write_index
+from .prompts import tokenizer_fingerprint
+from .retrieval_index import MANIFEST_FILE, write_index
 
 EPILOG = """examples:
   specbatch --method copyspec --prompt-file doc.txt --max-new-tokens 256
@@ -133,8 +134,8 @@ def shared_method_options(args) -> dict:
 
 
 def _params(args):
-    from .decode import DecodeParams
-    from .loop.sampling import SamplingParams
+    from .decode import DecodeParams  # lazy: torch, only for the command that needs it
+    from .loop.sampling import SamplingParams  # lazy: torch, only for the command that needs it
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return DecodeParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
@@ -148,7 +149,7 @@ def run_generate(argv: list[str]) -> int:
     try:
         spec, params, options, inputs = _checked_inputs(parser, args)
         _quiet_transformers()
-        from .engine import Engine, EngineConfig
+        from .engine import Engine, EngineConfig  # lazy: torch, only for the command that needs it
 
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                      drafter=args.drafter if spec.needs_draft_model else None,
@@ -226,7 +227,7 @@ def run_batch(engine, lines: list[dict], args, params, options, context: str | N
     replaces --context-file's for that line."""
     from dataclasses import replace
 
-    from .engine import BatchItem
+    from .engine import BatchItem  # lazy: torch, only for the command that needs it
 
     results: dict[int, dict] = {}
     batch = []
@@ -321,8 +322,8 @@ def run_discover_heads(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="discover again even if a saved ranking exists")
     args = parser.parse_args(argv)
     try:
-        from .induction_heads import heads_file, load_or_discover
-        from .model.model_runner import ModelRunner
+        from .induction_heads import heads_file, load_or_discover  # lazy: torch, only for the command that needs it
+        from .model.model_runner import ModelRunner  # lazy: torch, only for the command that needs it
 
         check_model_available(args.model)
         _quiet_transformers()
@@ -386,7 +387,7 @@ def run_vocab_overlap(argv: list[str]) -> int:
     try:
         from transformers import AutoTokenizer
 
-        from .vocab_mapping import load_or_build_mapping
+        from .vocab_mapping import load_or_build_mapping  # lazy: torch, only for the command that needs it
 
         for name in (args.drafter, args.model):
             check_model_available(name)
@@ -412,8 +413,8 @@ def run_warm_up(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (default %(default)s)")
     parser.add_argument("--method", action="append", default=None, help="repeatable (default: ar, copyspec, pld)")
     args = parser.parse_args(argv)
-    from .engine import Engine, EngineConfig
-    from .warm_up import warm_up
+    from .engine import Engine, EngineConfig  # lazy: torch, only for the command that needs it
+    from .warm_up import warm_up  # lazy: torch, only for the command that needs it
 
     unknown = [m for m in args.method or () if m not in METHODS]
     if unknown:

@@ -18,7 +18,7 @@ from .defaults import (DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MEMORY
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
 from .errors import BadRequestError
-from .job_memory import JobMemory, read_outputs
+from .drafters.job_memory import JobMemory, read_outputs
 from .loop.batch_decode import BatchDecoder, DecodeRequest
 from .loop.prefix_cache import PrefixCache
 from .loop.speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel

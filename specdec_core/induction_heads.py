@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from .decode import DecodeParams
 from .drafters.base import NoDrafter
+from .loop.batch_decode import BatchDecoder, DecodeRequest
 from .model.attention_probe import attention_module, attention_window
 from .model.model_registry import cache_root
 from .model.step_batch import StepBatch
@@ -86,8 +88,6 @@ def copy_source(sequence: list[int], prompt_len: int, position: int) -> int | No
 @torch.inference_mode()
 def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_TOKENS) -> dict:
     """-> {"model", "format", "events", "heads": [[layer, head, hits], ...] best first}. Deterministic (greedy)."""
-    from .decode import DecodeParams
-    from .loop.batch_decode import BatchDecoder, DecodeRequest
 
     config = runner.model.config
     num_heads = config.num_attention_heads

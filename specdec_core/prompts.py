@@ -1,7 +1,9 @@
-"""Turn a request (plain prompt or chat messages) into prompt token ids; read prompt files with strict UTF-8."""
+"""Turn a request (plain prompt or chat messages) into prompt token ids; read prompt files with strict UTF-8; a
+tokenizer's fingerprint, which says when two tokenizers give the same ids."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -63,3 +65,9 @@ def build_prompt_ids(tokenizer, prompt: str | None = None, messages: list[dict] 
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's vocabulary (token -> id): equal fingerprints mean equal token ids."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]

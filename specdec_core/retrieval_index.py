@@ -14,7 +14,6 @@ for another tokenizer is refused with one clear line instead of drafting wrong i
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -25,16 +24,11 @@ import numpy as np
 
 from .drafters.suffix_array import SuffixArray, build_suffix_array
 from .errors import BadRequestError
+from .prompts import tokenizer_fingerprint
 
 FORMAT = 1
 SEPARATOR = -1  # between texts: no match or continuation crosses it
 TOKENS_FILE, SUFFIXES_FILE, MANIFEST_FILE = "tokens.npy", "suffixes.npy", "manifest.json"
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's vocabulary (token -> id): equal fingerprints mean equal token ids."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
 def join_texts(texts: Iterable[Sequence[int]]) -> np.ndarray:

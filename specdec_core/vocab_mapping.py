@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .model.model_registry import cache_root
-from .retrieval_index import tokenizer_fingerprint
+from .prompts import tokenizer_fingerprint
 
 BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -16,6 +16,7 @@ import logging
 import time
 
 from .decode import DecodeParams
+from .engine import BatchItem
 from .kernels.numba_kernels import KERNELS, KernelUnavailableError
 from .loop.prefill_plan import default_budget
 
@@ -28,7 +29,6 @@ SENTENCE = "The lamp on the desk is green, and the book beside it is open at pag
 
 def warm_up(engine, methods: list[str], batch_size: int, options=None) -> float:
     """Decode a few synthetic prompts with each method (untimed), then engine.forget(); -> the seconds it took."""
-    from .engine import BatchItem
 
     started = time.perf_counter()
     items = [BatchItem(key, ids, DecodeParams(max_new_tokens=NEW_TOKENS))

@@ -18,7 +18,7 @@ import torch
 from ..loop.draft_tree import build_trie_with_origins, chain_parents, depths
 
 if TYPE_CHECKING:
-    from ..job_memory import JobMemory
+    from .job_memory import JobMemory
     from ..loop.speculation_budget import DraftPricing
 
 

@@ -30,7 +30,7 @@ import torch
 from ..model.model_registry import cache_root
 from ..model.lm_head import SubsetHead, head_bias_rows, head_rows
 from ..model.model_runner import ModelRunner
-from ..retrieval_index import tokenizer_fingerprint
+from ..prompts import tokenizer_fingerprint
 
 FREQUENT_TOKENS = 32_768  # at most this many frequent tokens (the sample has ~25.6k distinct Gemma 3 tokens)
 CORPUS_CHARS = 16_000_000  # of standard-library source read (all of it, tests left out: ~11 M characters)

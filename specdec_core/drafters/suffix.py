@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
+from .job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
 from .base import Draft, Drafter, RequestContext, empty_draft
 from .suffix_tree import Cursor, SuffixTree
 

@@ -28,7 +28,7 @@ def _compile():
 
 
 def _compile_bf16():
-    from . import rope_store_kernel
+    from . import rope_store_kernel  # imports numba: only here, when the kernel is first used
 
     return rope_store_kernel.rotate_store_bf16, rope_store_kernel.rotate_store_bf16_parallel
 

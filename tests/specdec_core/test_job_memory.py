@@ -10,7 +10,7 @@ from contract.schema import generations_table
 from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.suffix import MEMORY_SOURCE, SUFFIX_SOURCE, SuffixDrafter
 from specdec_core.errors import SpecbatchError
-from specdec_core.job_memory import JobMemory, read_outputs
+from specdec_core.drafters.job_memory import JobMemory, read_outputs
 
 
 def test_the_bound_holds_and_the_oldest_output_is_evicted_whole():

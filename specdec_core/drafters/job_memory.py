@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .defaults import DEFAULT_MEMORY_TOKENS
-from .drafters.suffix_tree import Cursor, SuffixTree
-from .errors import SpecbatchError
-from .model.model_registry import resolve_model_path
-from .retrieval_index import tokenizer_fingerprint
+from ..defaults import DEFAULT_MEMORY_TOKENS
+from .suffix_tree import Cursor, SuffixTree
+from ..errors import SpecbatchError
+from ..model.model_registry import resolve_model_path
+from ..prompts import tokenizer_fingerprint
 
 MEMORY_DEPTH = 24  # the suffix trees' depth: vLLM's suffix_decoding_max_tree_depth (see docs/decisions.md)
 
