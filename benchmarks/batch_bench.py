@@ -164,11 +164,10 @@ def run_hf(engine, items, size: int, max_new_tokens: int) -> tuple[dict, dict]:
 
 
 def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, batch_size: int = 1) -> None:
-    """Untimed: a process's first forwards are slow (a cold run measured 0.70x a warm one), and HF, timed first,
-    would pay for it; and the first use of a drafter's numba kernels on a machine compiles them (~10 s for suffix's
-    on a 2-core CPU, cached on disk after), which would land in that method's first timed pass. The first prefill of
-    a whole batch is slow too (`ar`, timed first, spent 0.30 of its pass in prefill against 0.16 a round later), so
-    `ar` also prefills `batch_size` of the prompts once."""
+    """Untimed: a process's first forwards are slow, and HF, timed first, would pay for it; and the first use of a
+    drafter's numba kernels on a machine compiles them (cached on disk after), which would land in that method's
+    first timed pass. The first prefill of a whole batch is slow too, so `ar` also prefills `batch_size` of the
+    prompts once (decisions.md: benchmarks/batch_bench.py)."""
 
     generate_batch(engine.target, [items[0].prompt_ids], [4])
     short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]

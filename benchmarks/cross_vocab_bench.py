@@ -1,4 +1,4 @@
-"""Drafters with another tokenizer (issue 11): our `slem`, `tli` and `union` against Hugging Face's universal
+"""Drafters with another tokenizer: our `slem`, `tli` and `union` against Hugging Face's universal
 assisted generation (`generate(assistant_model=..., tokenizer=..., assistant_tokenizer=...)`), all at batch 1, with
 plain greedy `generate` and our `ar` as the baselines; one run, side by side. (Batched: benchmarks/batch_bench.py
 --drafter D --methods slem@8 against HF batched greedy.)
@@ -143,8 +143,7 @@ def _hf(target, assistant, prompts: list[list[int]], max_new_tokens: int):
 
 
 def _warm_up(engine, prompt: list[int]) -> None:
-    """Untimed: the first forwards of a process are slow (a cold `ar` ran at 0.70x HF greedy, a warm one at 0.93x),
-    and the first system timed would pay for it."""
+    """Untimed: the first forwards of a process are slow, and the first system timed would pay for it."""
 
     warm = DecodeParams(max_new_tokens=4)
     engine.generate_ids(prompt, "ar", warm)

@@ -1,4 +1,4 @@
-"""--deterministic in bf16 (issue 33): do lossless methods give batch-1 `ar`'s exact tokens, and what does the switch
+"""--deterministic in bf16: do lossless methods give batch-1 `ar`'s exact tokens, and what does the switch
 cost? Side by side in one process.
 
   python benchmarks/deterministic_bench.py --workload summarization code_edit --requests 32 --batch-sizes 1 4 16

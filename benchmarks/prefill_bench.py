@@ -1,6 +1,6 @@
 """Prefill throughput: the batched loop's admission (prompts fed together in chunked forwards under a token budget,
 prefill_plan.py) against one large batched forward over the same prompts, side by side in one process, alternating,
-median of the rounds. Prompt tokens per second; the issue-29 target is ours >= 0.9x the one large forward.
+median of the rounds. Prompt tokens per second; the target is ours >= 0.9x the one large forward.
 
 - ours: BatchDecoder.admit() of every prompt at once (budget PREFILL_TOKENS), the prefix cache off and, separately,
   on (a fresh decoder each round, so only prompts of one admission share prefixes);

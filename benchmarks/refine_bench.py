@@ -1,5 +1,5 @@
 """Corpus refinement throughput: the whole refine_corpus.py job against the model's raw batched forward on the same
-texts (issue 10's target: the job reaches >= 80 % of it).
+texts (the target: the job reaches >= 80 % of it).
 
     python benchmarks/refine_bench.py --input corpus:aclsum --limit 1500 --output /tmp/refine_bench
 

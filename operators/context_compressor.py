@@ -5,7 +5,7 @@ copy drafter restores what compression dropped. LLMLingua-2 (a trained token cla
 this compressor stands in for it, after Selective Context (Li et al., 2023): a causal language model scores every
 context token's self-information -log p(x_t | x_<t); words (a run of non-space characters with its leading space)
 are ranked by their mean self-information per token and the best are kept, in their original order, until the kept
-words hold 1/R of the context's tokens. The result is measured by re-tokenizing it (± 10 % of the target is the
+words hold 1/R of the context's tokens. The result is counted by re-tokenizing it (± 10 % of the target is the
 contract; `compress` corrects its word budget when re-tokenizing drifts).
 """
 

@@ -9,9 +9,9 @@ and each token is scored exactly once. Windows of all texts in a call are sorted
 of at most `tokens_per_forward` padded tokens (right padding, so positions need no shift); the LM head runs only on
 the positions that are scored, in chunks, never on padding and never as one [batch, T, vocab] tensor.
 
-Forwards of ~1,024 padded tokens are the default: measured on a 2-core AVX2 CPU (SmolLM2-135M, fp32, ACLSum
-paragraphs), 512-1,024 tokens per forward scored 330-410 tok/s and 8,192 only 210-260 (the activations of a large
-forward fall out of the cache); a GPU wants far larger forwards (--tokens-per-forward).
+Forwards of ~1,024 padded tokens are the default: on a CPU much larger forwards score slower, as the activations of
+a large forward fall out of the cache (decisions.md: operators/perplexity.py); a GPU wants far larger forwards
+(--tokens-per-forward).
 """
 
 from __future__ import annotations

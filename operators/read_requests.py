@@ -249,7 +249,7 @@ def read_requests(source: str, limit: int | None = None, task_cpus: float = 0.25
     if rows_per_block is None:
         return normalized
     # Streaming repartition (no barrier). Its tasks would ask for a whole CPU, which a 2-CPU cluster whose decode
-    # actor holds 1.5 never frees (measured: the job hangs), and `repartition` takes no resource arguments, so the
+    # actor holds 1.5 never frees (the job hangs), and `repartition` takes no resource arguments, so the
     # logical operator gets the light stages' fraction of a CPU.
     blocks = normalized.repartition(target_num_rows_per_block=rows_per_block)
     remote_args = getattr(getattr(getattr(blocks, "_logical_plan", None), "dag", None), "ray_remote_args", None)

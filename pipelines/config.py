@@ -107,7 +107,7 @@ class GenerationConfig(DecodeConfig):
 
     def with_calls_for_every_actor(self, rows: int) -> "GenerationConfig":
         """Without --rows-per-call, a job of few rows would be one call that only one of several actors decodes
-        (measured: 64 rows, 2 actors on 2 CPUs ran 0.69x the 1-actor job): split it so each actor gets a call."""
+        (slower than one actor; decisions.md: pipelines/config.py): split it so each actor gets a call."""
         if self.rows_per_call is not None or self.num_actors == 1 or rows <= 0:
             return self
         share = -(-rows // self.num_actors)  # ceil
@@ -115,8 +115,8 @@ class GenerationConfig(DecodeConfig):
         return self.model_copy(update={"rows_per_call": calls})
 
     def actor_cpus(self, cluster_cpus: float) -> float:
-        """CPUs per actor. On a small machine a full CPU per actor starves the read tasks (measured deadlock with
-        2 actors x 1 CPU on 2 CPUs), so by default the actors share all but half a CPU."""
+        """CPUs per actor. On a small machine a full CPU per actor starves the read tasks (a deadlock), so by
+        default the actors share all but half a CPU."""
         if self.cpus_per_actor is not None:
             return self.cpus_per_actor
         if self.num_gpus_per_actor > 0:

@@ -101,10 +101,9 @@ def keep_logs_and_remove(temp_dir: str, logs_to: str | None) -> None:
 # What the embedded cluster changes from Ray's defaults, for the CPUs its actors share with Ray's own processes (on
 # 2 cores every CPU-second another process takes is a second an actor's 2-thread forward waits):
 # - worker_niceness 0: Ray starts workers at nice 15 so that its servers stay responsive on a busy node; here that let
-#   every nice-0 process (raylet, GCS, agents, the driver's executor) preempt the actors. A plain actor ran the refine
-#   benchmark's raw forward in 88.6 s at nice 15, 84.1 s at nice 0, against 80.4 s in the driver.
+#   every nice-0 process (raylet, GCS, agents, the driver's executor) preempt the actors.
 # - no metrics or event-loop statistics: the embedded cluster has no dashboard, so nobody reads them.
-# The refinement job's scoring stage (ACLSum, 892 texts): 114-117 s -> ~108 s without them -> 105 s at nice 0.
+# Each made the refinement job's scoring stage faster (decisions.md: pipelines/generate.py).
 QUIET_EMBEDDED_CLUSTER = {"enable_metrics_collection": False, "event_stats": False, "worker_niceness": 0}
 
 

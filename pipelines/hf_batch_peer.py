@@ -1,7 +1,7 @@
 """The batch-job peer: Hugging Face `generate` (greedy) over the same requests at a given batch size.
 
-A batch job is judged on throughput, and HF greedy gains from batching (DESIGN.md: 28 -> 99 tok/s from batch 1 to
-16 on a bf16 CPU), so this is the number the engine's own batched decoding has to beat later. Requests are sorted by
+A batch job is judged on throughput, and HF greedy gains from batching (decisions.md: pipelines/hf_batch_peer.py),
+so this is the number the engine's own batched decoding has to beat later. Requests are sorted by
 prompt length (less padding, as a careful user would do), left-padded, and decoded with the batch's largest
 max_new_tokens; each row's new tokens are counted up to its own limit or EOS (included, as in our outputs).
 Multi-turn requests decode turn by turn: every later turn's history holds the previous turn's HF output.

@@ -59,9 +59,8 @@ class RefineConfig(BaseModel):
     overlap: int = Field(128, ge=0)
     tokens_per_forward: int = Field(1024, ge=1)
     max_text_tokens: int = Field(1 << 20, ge=2)
-    # Texts per scoring call. Each call packs its texts by length into forwards, so a larger call pads less: on a
-    # 2-core CPU (1,984 ACLSum texts, benchmarks/refine_bench.py) 256 per call ran the job at 0.69-0.77x a raw forward
-    # of the same texts, 1,024 at 0.79-0.84x. A crash loses at most the calls in flight (~100 s of scoring there).
+    # Texts per scoring call. Each call packs its texts by length into forwards, so a larger call pads less; a crash
+    # loses at most the calls in flight (decisions.md: pipelines/refine.py).
     rows_per_call: int = Field(1024, ge=1)
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float | None = Field(None, gt=0)

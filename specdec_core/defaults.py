@@ -6,12 +6,12 @@ DEFAULT_MODEL = "smollm2-135m"
 # New tokens per request when neither the row nor the caller says (each job may choose its own: an edit job wants more).
 DEFAULT_MAX_NEW_TOKENS = 256
 
-# Rows decoded at once when the caller does not say: measured on 2-core CPUs (benchmarks/batch_bench.py), batched
-# decoding keeps gaining up to 16 rows; GPUs want far more (pass --batch-size).
+# Rows decoded at once when the caller does not say: on 2-core CPUs batched decoding keeps gaining up to 16 rows
+# (decisions.md: specdec_core/defaults.py); GPUs want far more (pass --batch-size).
 DEFAULT_BATCH_SIZE = 16
 
-# Output tokens a decode actor's job memory holds per method (suffix, auto): its suffix tree takes ~2 KB per token at
-# depth 24 (measured, docs/decisions.md), so ~200 MB.
+# Output tokens a decode actor's job memory holds per method (suffix, auto): its suffix trees stay a few hundred
+# megabytes (decisions.md: specdec_core/defaults.py).
 DEFAULT_MEMORY_TOKENS = 100_000
 
 # --deterministic: "auto" turns it on where it costs nothing (ModelRunner.determinism_costs_nothing).

@@ -2,7 +2,7 @@
 
 A process's first forwards pay for things no later forward pays for: numba compiling its kernels (or loading them
 from the disk cache), and the first batched prefill's allocations. A job that timed its first method through them
-reported that method slow and the next one fast (issue 51: `ar` 2.6 tok/s cold, 12.7 warm). So a decode actor warms
+reported that method slow and the next one fast (decisions.md: specdec_core/warm_up.py). So a decode actor warms
 up every method it will run, on synthetic prompts shaped like a job's (one prompt longer than a prefill forward,
 short ones beside it, text that repeats so drafts are verified), before its first timed pass.
 

@@ -137,7 +137,7 @@ class DraftPool(ABC):
     fills in place; outside it a propose drafts its own row at once."""
 
     collecting: bool = False
-    pricing: "DraftPricing | None" = None  # the decoder's measured prices (speculation_budget.py), given at creation
+    pricing: "DraftPricing | None" = None  # the decoder's running prices (speculation_budget.py), given at creation
 
     @contextmanager
     def collecting_proposals(self):

@@ -1,10 +1,10 @@
 """An index over a request's `context` (a separate document, e.g. RAG passages, up to ~1M tokens), built once per
 request, so that copy drafters can draw from it every step at a cost that does not grow with its size.
 
-For each window length n a drafter asks for, the hashes of every n-token window are computed and sorted once (numpy:
-~0.1 s per n for 1M tokens); a lookup is then two binary searches plus a comparison of the hits' tokens, O(log C +
-hits). This is the sorted-n-gram equivalent of a suffix array for the short, fixed n that PLD (1..3) and CopySpec
-(γ) match on; a drafter that needs the LONGEST match of any length (CASD) needs a real suffix array.
+For each window length n a drafter asks for, the hashes of every n-token window are computed and sorted once (numpy);
+a lookup is then two binary searches plus a comparison of the hits' tokens, O(log C + hits). This is the
+sorted-n-gram equivalent of a suffix array for the short, fixed n that PLD (1..3) and CopySpec (γ) match on; a
+drafter that needs the LONGEST match of any length (CASD) needs a real suffix array.
 """
 
 from __future__ import annotations

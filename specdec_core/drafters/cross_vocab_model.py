@@ -17,9 +17,9 @@ tokenizers share them by role or by text (vocab_mapping.py), and are dropped oth
 Token healing (SLEM): the drafter is not fed the last drafter token of the generated text; the first token it
 drafts must instead start with that token's bytes. The target splits text where the drafter's tokenizer never
 would: Qwen2.5 emits a 4-space indent before a docstring's quotes as "   " + ' ' + quotes, and Gemma 3, fed "\n" +
-"   ", reads a 3-space indent and drafts the quotes where its own tokenizer has "\n" + "    " + quotes. Measured
-(Qwen2.5-Coder-1.5B <- Gemma 3, HumanEval, batch 1): 7 of 80 steps drafted 4-7 tokens and had none accepted; the
-next step drafted the same tokens, shifted by one, and had all accepted. Healing lets the drafter pick "    ".
+"   ", reads a 3-space indent and drafts the quotes where its own tokenizer has "\n" + "    " + quotes: such a step had
+none of its draft accepted, and the next drafted the same tokens, shifted by one, and had all accepted
+(decisions.md: specdec_core/drafters/cross_vocab_model.py). Healing lets the drafter pick "    ".
 
 Draft text -> target tokens: the draft's text is appended to the text of the last few committed target tokens and
 encoded together; when that encoding starts with exactly those committed tokens, the rest is the draft (a boundary
@@ -64,7 +64,7 @@ class CrossVocabPool(DraftModelPool):
     def first_tokens(self) -> torch.Tensor:
         """[|D|] the first target token of each draft token's text (SLRS), -1 where none; built once per pair."""
         derived = self.mapping.derived
-        if "first_tokens" not in derived:  # (reading the cached file still hashes both tokenizers: ~0.7 s)
+        if "first_tokens" not in derived:  # (reading the cached file still hashes both tokenizers: slow)
             derived["first_tokens"] = torch.as_tensor(load_or_build_first_tokens(
                 self.runner.tokenizer, self.target_tokenizer, self.mapping, self.runner.vocab_size,
                 len(self.mapping.target_to_draft)))
@@ -152,7 +152,7 @@ class CrossVocabPool(DraftModelPool):
 @functools.lru_cache(maxsize=4)
 def _token_table(runner: ModelRunner) -> tuple[list[bytes | None], list[bytes], list[int]]:
     """A drafter's tokens' bytes by id, and its ordinary tokens' bytes sorted, with their ids: the tokens that start
-    with some bytes are one contiguous run of that order. Built once per draft model (~2 s for Gemma's 262k tokens),
+    with some bytes are one contiguous run of that order. Built once per draft model (slow for Gemma's 262k tokens),
     not per pool: a pool lives one decoder."""
     table = token_bytes(runner.tokenizer)[: runner.vocab_size]
     pairs = sorted((b, i) for i, b in enumerate(table) if b)
@@ -183,7 +183,7 @@ class CrossVocabDrafter(PooledDrafter):
                  confidence: float | str = 0.0):
         super().__init__(pool, num_tokens, adaptive, max_tokens)
         # Drafting stops once the draft model is less sure of the draft than this; "priced": than the decoder's
-        # measured price of one more drafted token (speculation_budget.DraftPricing).
+        # running price of one more drafted token (speculation_budget.DraftPricing).
         self.confidence = confidence
         self.prices_its_length = confidence == PRICED
         self._draft_probability = 1.0
@@ -234,8 +234,8 @@ class CrossVocabDrafter(PooledDrafter):
             healed[self._healing] = logits[self._healing]
             logits, self._healing = healed, None
         if self.request.sampling is None or self.request.sampling.greedy:
-            # The argmax and its probability from one pass in fp32: torch.argmax on Gemma's 262k bf16 logits and a
-            # softmax for one probability took 1.4 ms per drafted token against 0.5 ms (2 threads, avx512_bf16).
+            # The argmax and its probability from one pass in fp32: cheaper than torch.argmax on Gemma's 262k bf16
+            # logits and a softmax for one probability (decisions.md: specdec_core/drafters/cross_vocab_model.py).
             values = logits.float()
             top, index = values.max(dim=-1)
             token, floor = int(index), self.confidence_floor()
@@ -248,13 +248,13 @@ class CrossVocabDrafter(PooledDrafter):
     def sure_of(self, logits: torch.Tensor, token: int) -> bool:
         """Whether drafting may go on after `token`: while the draft model's probability of the whole draft so far
         (the product of its tokens' probabilities at temperature 1) stays at least `confidence_floor()` (the fixed
-        `confidence`, or by default the measured price of one more drafted token, DraftPricing). A draft goes on
-        only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule that
-        looks only at the drafter's side keeps every method lossless.
+        `confidence`, or by default the decoder's running price of one more drafted token, DraftPricing). A draft
+        goes on only while it is likely to be accepted, which saves drafter forwards and verified positions. Any rule
+        that looks only at the drafter's side keeps every method lossless.
 
         Why the whole draft's probability and not each token's (HF's assistant confidence threshold): every later
         token is accepted only if all before it were, so a run of tokens each at 0.5 is worth less than its last
-        token's 0.5 says (8-12 % faster passes: docs/decisions.md, "Cross-vocabulary drafting")."""
+        token's 0.5 says (faster passes: docs/decisions.md, "Cross-vocabulary drafting")."""
         floor = self.confidence_floor()
         if floor <= 0:
             return True

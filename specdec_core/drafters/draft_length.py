@@ -39,8 +39,8 @@ class DraftLength:
                 max(self.minimum, self.current - 1)
             return
         if accepted == drafted:
-            # A fully accepted draft suggests a long run (a copied block): verifying 2x the tokens costs far less
-            # than 2x on this hardware (32 tokens ~ 1.5x one), so double.
+            # A fully accepted draft suggests a long run (a copied block): verifying twice the tokens costs far less
+            # than twice as much on this hardware (decisions.md: specdec_core/drafters/draft_length.py), so double.
             self.current = min(self.maximum, self.current * 2)
         else:
             # Halve rather than reset: one mismatch (a renamed identifier) does not end a copied block.

@@ -174,8 +174,7 @@ def _cross_vocab(name: str, drafter_class, options: MethodOptions, draft_model: 
     if not isinstance(draft_model, CrossVocabPool):  # the target's own tokenizer: every token is shared
         return _draft_model_drafter(options, draft_model)
     # A drafter that stops on its own confidence may draft up to the most tokens: the stop, not the length, ends
-    # its drafts (measured, Gemma 3 for Qwen2.5-Coder-1.5B, batch 1: 16 tokens and the priced stop took 41 steps for
-    # 5 x 64 tokens against 63-70 with 8 tokens adapted and the plan's cap).
+    # its drafts, in fewer steps than an adapted length (decisions.md: specdec_core/drafters/factories.py).
     stops_itself = options.draft_confidence != 0
     length = options.draft_tokens or (options.max_draft_tokens if stops_itself else DEFAULT_DRAFT_TOKENS)
     return drafter_class(draft_model, length, options.adaptive, options.max_draft_tokens, options.draft_confidence)

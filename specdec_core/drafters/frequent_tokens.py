@@ -2,18 +2,17 @@
 its prompt and of its text so far). Frequency-ranked drafting (FR-Spec, Zhao et al. 2025) restricted to frequent
 tokens; adding the row's own tokens is ours, and is what makes a small set enough for copy-heavy prompts.
 
-Why: a small drafter's LM head is a large share of its forward. Gemma 3 270M's 262,144 x 640 head took 20 ms of a
-48 ms one-row decode forward (avx512_bf16 CPU, 2 threads, bf16); over ~26k tokens it takes 1.7 ms. Only what is
+Why: a small drafter's LM head is a large share of its forward, and a head over a tenth of the tokens costs a
+small part of it (decisions.md: specdec_core/drafters/frequent_tokens.py). Only what is
 proposed changes, never what is accepted: SLEM verifies its draft's text against the target's own choices, so a
 drafter that cannot name a rare token merely drafts something else there.
 
-Measured, teacher-forced over 12 HumanEval code-edit prompts and Qwen2.5-Coder-1.5B's own 64-token outputs (868
-Gemma 3 positions): the argmax over the frequent tokens alone (all tokens of the standard library sample, ~25.6k)
-equalled the whole head's at 97.9 % of the positions; with the row's prompt tokens added, at 100 %. The misses were
-the prompt's identifiers (a function name split into pieces the standard library never uses).
+Teacher-forced over code-edit prompts and the target's own outputs, the argmax over the frequent tokens alone
+missed the whole head's only at some of the prompt's identifiers (a function name split into pieces the standard
+library never uses); with the row's prompt tokens added, never.
 
 Frequent = the tokens the draft tokenizer produces on the Python standard library's own sources (tests left out),
-ranked by count and capped at FREQUENT_TOKENS; counted once per tokenizer (~6 s) and cached on disk. The standard
+ranked by count and capped at FREQUENT_TOKENS; counted once per tokenizer and cached on disk. The standard
 library is the one corpus every machine has; its docstrings and comments carry English too.
 """
 
@@ -109,8 +108,8 @@ class FrequentTokens:
 @functools.lru_cache(maxsize=4)
 def frequent_tokens(runner: ModelRunner) -> FrequentTokens:
     """One FrequentTokens per draft model, not per pool: a job builds a decoder (and a pool) per batch of rows and the
-    CLI one per prompt, and building it (the tokenizer's fingerprint, the cached list, the head's rows) took ~0.7 s
-    for Gemma 3: 7 % of a 3-prompt HumanEval pass."""
+    CLI one per prompt, and building it (the tokenizer's fingerprint, the cached list, the head's rows) was a
+    visible share of a short pass."""
     return FrequentTokens(runner)
 
 

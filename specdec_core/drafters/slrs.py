@@ -19,7 +19,7 @@ the drafter token with t's text when there is one.
 Not built: §3.3's deeper lookahead (sampling several draft tokens before choosing t). With the threshold lookahead
 psi(t) sums over every draft continuation of every length-<=K prefix of t's text, and the paper's cheaper stopping
 rule ("the first target token is determined") has no exact test for a BPE target, whose first token can change as
-text is appended; see issue 11's notes.
+text is appended (decisions.md: specdec_core/drafters/slrs.py).
 """
 
 from __future__ import annotations

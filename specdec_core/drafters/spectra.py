@@ -23,7 +23,7 @@ the prompt (as Lookahead); a row feeds the dictionaries only once all its tokens
 (earlier its n-grams hold the random seed tokens); a forward key keeps at most W continuations (newest kept,
 a repeat moves to the front; Appendix B's "W = 15 maintained per key"); dictionaries are per request. Pool rows
 whose last node a speculation budget cut from the step are not extended that step (a budget that refuses every
-draft therefore starves the pool: measured in the note of issue 10); rows take turns when not all fit. Probe
+draft therefore starves the pool); rows take turns when not all fit. Probe
 branches add nothing to the budget's expected gain or acceptance estimates (batch_decode._reach).
 """
 

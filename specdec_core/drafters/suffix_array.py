@@ -49,8 +49,7 @@ class SuffixArray:
         """[lo, hi) range of `order` whose suffixes start with `pattern` (lo == hi: none). Each probe compares the
         suffix cut to len(pattern) with the pattern as Python lists (a shorter piece that is a prefix of the pattern
         is smaller), on plain-ndarray views of memory-mapped arrays: patterns are a few tokens, where numpy's fixed
-        cost per comparison and memmap's per slice dominated (measured: 7.5 % of a spectra+retrieval pass at
-        batch 16, ~1.5 ms a lookup)."""
+        cost per comparison and memmap's per slice dominated."""
         pattern = np.asarray(pattern).tolist()
         m = len(pattern)
         tokens, order = self.tokens.view(np.ndarray), self.order.view(np.ndarray)
@@ -106,7 +105,7 @@ RECENT_LIMIT = 8
 
 def shared_suffix_array(tokens: Sequence[int]) -> SuffixArray:
     """The suffix array of `tokens`, shared by requests with the same document (a RAG set asks several questions of
-    one paper: measured, building the array for each of them cost casd_strict ~15 % of a fast pass); the few most
+    one paper, and building the array for each of them was a large share of casd_strict's pass); the few most
     recent documents are kept."""
     key = (len(tokens), hash(tuple(tokens)))
     found = _RECENT.get(key)

@@ -1,18 +1,16 @@
 """Attention of a long bf16 forward (a prefill chunk) on a CPU with AVX512_BF16: both products through the CPU's bf16
 dot-product instruction (vdpbf16ps, bf16_dot_kernel.py), each row over its own keys only.
 
-Why: PyTorch's CPU SDPA computes bf16 attention at ~110 GFLOP/s on an AMD avx512_bf16 CPU, where a bf16 matmul
-runs at ~630 and an fp32 one at ~180 (2 cores); it was 55 % of a bf16 summarisation job's prefill (SmolLM2, prompts
-of 700-1,700 tokens; linears 35 %). With a mask it also computes every masked score of a chunked prompt.
-Measured there (one layer, 9 query / 3 key-value heads): a 1,024-token prompt 14.9 -> 3.6 ms, a second chunk of 676
-tokens over 1,024 cached 19.2 -> 6.9 ms, three 330-token prompts 5.8 -> 1.5 ms.
+Why: PyTorch's CPU SDPA computes bf16 attention far below the rate of a bf16 matmul on the same CPU, and it was the
+largest part of a bf16 summarisation job's prefill. With a mask it also computes every masked score of a chunked
+prompt. This kernel is several times faster there (decisions.md: specdec_core/kernels/bf16_attention.py).
 
 How: a task is up to QUERY_BLOCK new tokens of one row and key/value head. It repacks the keys its last token sees
 into 16-key panels (the layout the dot kernel reads; O(keys x d), against O(tokens x keys x d) of arithmetic) and the
 values likewise, computes the scores of the group's query heads in one product, the softmax in fp32 over each
 token's own keys (its cached ones and the new tokens up to itself), rounds the weights to bf16 (as flash attention
 does before its second product) and multiplies them into the values. Against an fp32 reference it errs less than
-SDPA in bf16 (3e-3 against 9e-3 on random unit-scale inputs).
+SDPA in bf16.
 
 Chains only (each new token sees the ones before it): a prefill, or a verify of a chain draft. Trees and CPUs
 without the instruction keep their own paths.

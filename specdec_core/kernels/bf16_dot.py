@@ -1,10 +1,9 @@
 """bf16 linear layers on CPUs with AVX512_BF16, through the CPU's bf16 dot-product instruction (vdpbf16ps).
 
-Why: oneDNN's bf16 linear is not row-invariant (a row of SmolLM2's down projection, [M, 1536] x [1536, 576],
-changed from M = 14 rows on an AMD avx512_bf16 CPU), which --deterministic needs; the widening panel kernel
-(panel_linear.py's bf16 fallback) is, but computes in fp32 FMAs at half the rate: 0.3-0.7x oneDNN from 16 rows up.
-This kernel uses the instruction oneDNN uses, in one fixed order for every row, and on that CPU beat oneDNN at every
-row count measured (30 layers of SmolLM2's shapes: 2x at 1 row, 1.5x at 16, 1.35x at 64, 1.07x at 256).
+Why: oneDNN's bf16 linear is not row-invariant (a row's result changes with the number of rows), which
+--deterministic needs; the widening panel kernel (panel_linear.py's bf16 fallback) is, but computes in fp32 FMAs at
+half the rate. This kernel uses the instruction oneDNN uses, in one fixed order for every row, and beat oneDNN at
+every row count tried on an AMD avx512_bf16 CPU (decisions.md: specdec_core/kernels/bf16_dot.py).
 
 What is guaranteed: out[m, n] = bias[n] + the fp32 accumulation, over k-pairs (0, 1), (2, 3), ... in that order, of
 vdpbf16ps(x[m, 2i : 2i + 2], w[n, 2i : 2i + 2]) (the instruction adds both products to the lane, with its own fixed
@@ -13,7 +12,7 @@ numbers therefore depend on that row alone (tests/specdec_core/test_panel_linear
 
 Layout: the weight [out, in] is cut into 16-column panels of k-pairs, [P, in / 2, 16, 2] bf16: the 64 bytes one
 instruction reads. A task holds 8 rows x 2 panels (16 vector accumulators) while it walks k: fewer rows or columns
-leave the instruction's latency exposed, more spill registers (measured: 4x1 0.5x, 8x2 1.5x oneDNN at 16 rows).
+leave the instruction's latency exposed, more spill registers.
 
 numba has no vector types, so the k loop is written as LLVM IR (bf16_dot_kernel.py), called from a numba loop over
 (row block, panel pair); compiled once per machine, cached under $SPECBATCH_CACHE/numba.
@@ -50,7 +49,7 @@ def available() -> bool:
     return _cpu_has_it() and kernel() is not None
 
 
-@functools.cache  # asked every forward (bf16_attention.usable); llvmlite's feature query took ~0.3 ms a call
+@functools.cache  # asked every forward (bf16_attention.usable), and llvmlite's feature query is slow
 def _cpu_has_it() -> bool:
     if not torch.cpu._is_avx512_bf16_supported() or os.environ.get("NUMBA_CPU_NAME", "host") != "host":
         return False
@@ -82,7 +81,7 @@ def as_words(panels: torch.Tensor) -> np.ndarray:
 
 
 def matmul(x: torch.Tensor, panels: np.ndarray, rounded: bool = False) -> np.ndarray:
-    """[M, in] bf16 x pair panels (as_words) -> [M, P x 16] float32 sums, or (rounded) the sums rounded to bf16, as
+    """[M, in] bf16 @ pair panels (as_words) -> [M, P x 16] float32 sums, or (rounded) the sums rounded to bf16, as
     uint16 bits: no fp32 result to write, read back and convert (a bf16 linear without a bias)."""
     depth = panels.shape[1]
     if x.shape[1] != 2 * depth:  # an odd input width: one zero column, as the panels have

@@ -14,8 +14,7 @@ from .layouts import (DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL, DOT_ROW_BL
                       DOT_WIDTH as WIDTH)
 
 # k-steps (64-byte lines of a panel) to prefetch ahead. At 16 rows the kernel computes about as fast as memory
-# streams the weights, and without it did one after the other: 30 layers of SmolLM2 weights at 16 rows (out of
-# cache, AMD avx512_bf16) 9.1-11.8 -> 7.7-8.6 ms; 4 and 64 lines gained less.
+# streams the weights, and without it did one after the other (decisions.md: specdec_core/kernels/bf16_dot_kernel.py).
 PREFETCH = 32
 TO_BF16 = "llvm.x86.avx512bf16.cvtneps2bf16.512"
 
@@ -119,7 +118,7 @@ def _rows_kernel(rows: int, width: int):
 
 held_rows, one_row = _rows_kernel(ROWS, WIDTH), _rows_kernel(1, WIDTH)
 # The rows left over after the blocks of 8, all in one pass: one row at a time, each pass streaming the panels again
-# with 2 accumulators (latency-bound), a batch of 14 rows ran its linears at ~17 GB/s of weights.
+# with 2 accumulators, was latency-bound.
 rows_2, rows_3, rows_4, rows_5 = (_rows_kernel(n, WIDTH) for n in (2, 3, 4, 5))
 rows_6, rows_7 = _rows_kernel(6, WIDTH), _rows_kernel(7, WIDTH)
 

@@ -3,8 +3,8 @@ as bf16, through the CPU's bf16 dot-product instruction (vdpbf16ps).
 
 Why: a step feeds 1..8 tokens a row against hundreds or thousands of cached keys, so its attention is a read of the
 cache. The fp32 kernels widen every key and value first (invariant_attention.py copies them into an fp32 scratch)
-and reduce each fp32 dot product across vector lanes: on an AMD avx512_bf16 CPU a batch-16 SmolLM2 decode step
-at 1,100-1,700 cached keys spent 41 of its 64 ms there, ~15 GB/s of a ~50 GB/s memory.
+and reduce each fp32 dot product across vector lanes: on an AMD avx512_bf16 CPU that was most of a bf16 decode
+step, at a fraction of the memory's bandwidth (decisions.md: specdec_core/kernels/bf16_step_attention.py).
 
 How: a task is one row and key/value head. Its query rows (the group's heads x the step's tokens) take each key's
 scores in one pass over the keys (two instructions a key and query for head_dim 64, and one lane reduction); the
@@ -54,7 +54,7 @@ def takes(visible: torch.Tensor) -> bool:
 
 class Step:
     """One forward's rows as the kernel reads them, converted once for all of its layers (per layer, the checks and
-    conversions had cost ~2 ms of a 38 ms batch-16 decode step)."""
+    conversions were a visible share of a decode step)."""
 
     def __init__(self, visible: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, exact: bool = False):
         """visible [b, T, T] bool, each row's real tokens first (`takes`); lengths [b] cached keys; slots [b] each

@@ -70,8 +70,8 @@ def _reduce_one(builder, total):
 
 
 def _scores_kernel(rows: int, vectors: int):
-    """scores[i, j] = scale x q[i] . k[j] for i < rows, j < n: k uint32 [>= n, 16 x vectors] (one key's bf16 pairs
-    a row), q uint32 [>= rows, 16 x vectors], scores float32 [>= rows, >= n]. Keys in blocks of 16 (one transpose-
+    """scores[i, j] = scale x q[i] . k[j] for i < rows, j < n: k uint32 [>= n, vectors x 16] (one key's bf16 pairs
+    a row), q uint32 [>= rows, vectors x 16], scores float32 [>= rows, >= n]. Keys in blocks of 16 (one transpose-
     reduce a block and query row), then the last n % 16 one at a time."""
 
     def codegen(context, builder, signature, args):
@@ -149,9 +149,9 @@ def _scores_kernel(rows: int, vectors: int):
 
 
 def _weighted_sum_kernel(rows: int, vectors: int, carry: bool = False):
-    """out[i, :] = sum over j < n of weight[i, j] x v[j] for i < rows: v uint32 [>= n, 16 x vectors] (one value's
+    """out[i, :] = sum over j < n of weight[i, j] x v[j] for i < rows: v uint32 [>= n, vectors x 16] (one value's
     bf16 pairs a row), weights uint32 [>= rows, >= ceil(n / 2)] (bf16 weights of values 2c, 2c + 1 in word c), out
-    float32 [>= rows, 32 x vectors]. An odd n's last pair reads value n - 1 twice, the second time with weight 0.
+    float32 [>= rows, vectors x 32]. An odd n's last pair reads value n - 1 twice, the second time with weight 0.
     carry: the sums start from out's values (a sum split into two calls, carried through memory exactly) instead of 0."""
     interleave = [[(i // 2) + 16 * half + (32 if i % 2 else 0) for i in range(32)] for half in (0, 1)]
 

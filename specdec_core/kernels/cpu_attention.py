@@ -6,15 +6,14 @@ keys up to the longest row's length, and run at a fraction of the memory bandwid
 do not stream). This kernel runs one (row, key/value head) pair per task: it reads each of the row's real keys once
 for all the query heads that share it (the group) and all T queries, then each value once.
 
-Measured on this project's 2-core AVX2 CPU (fp32, 16 rows of 700-1,700 cached keys, 9 query / 3 key-value heads,
-one layer): 3.2 ms at T = 1 and 6.8 ms at T = 5, against 7.5 and 12.9 ms for grouped matmuls over the padded keys
-(grouped_attention.py), whose results it equals within 3e-7.
+On this project's AVX2 CPU it is faster than grouped matmuls over the padded keys (grouped_attention.py), whose
+results it equals within float rounding (decisions.md: specdec_core/kernels/cpu_attention.py).
 
 What each output depends on: its own query, its row's first `keys[r]` keys and values, its mask row, and how many
 keys the row attends (the vectorised sums split by that count). Not on the other rows or the batch size: a (row,
 head) task runs the same loops alone as in any batch.
 
-Compiled by numba once per machine (about 10 s) and cached under $SPECBATCH_CACHE/numba.
+Compiled by numba once per machine and cached under $SPECBATCH_CACHE/numba.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ kernel = LazyKernel(_compile, "compiled CPU attention", "; using batched matmuls
 def _whole(view: torch.Tensor) -> torch.Tensor:
     """A C-contiguous array for the kernel: a cache view [b, KV, L, d] cut from [b, KV, capacity, d] buffers is
     widened back to the buffer's capacity (no copy); anything else is copied. A strided array compiles to loops
-    numba cannot vectorise (measured 4x slower)."""
+    numba cannot vectorise, which run far slower."""
     view = view.detach()
     b, kv_heads, _, dim = view.shape
     stride = view.stride()

@@ -44,7 +44,7 @@ def exp_shifted(scores, n, peak):  # pragma: no cover - compiled
 def _vector_peak(typingctx, scores, whole):
     """max(scores[:whole]) of a contiguous float32 array, whole a positive multiple of LANES: LANES running maxima,
     one a lane, over vector loads, then reduced. numba does not vectorise a running max (a compare and a select a
-    value, 0.2-0.3 ns a value on an AMD EPYC, more than exp_shifted's exp and sum)."""
+    value, which cost more than exp_shifted's exp and sum)."""
     if not (isinstance(scores, types.Array) and scores.ndim == 1 and scores.layout == "C"
             and scores.dtype == types.float32):
         return None  # (vector loads need a contiguous float32 row)

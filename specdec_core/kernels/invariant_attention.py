@@ -1,9 +1,9 @@
 """Attention whose result for a token depends only on that token's query and the keys it may see: not on how many
 tokens its row feeds in the forward (1 for `ar`, k + 1 for a verify, a tree's nodes, a prefill chunk), not on the
 other rows, their lengths or the batch size. With it, a lossless method's tokens equal `ar`'s bit for bit in bf16
-too, as they do in fp32 (issue 33; `--deterministic`). It serves the switch in fp32, and in bf16 where the CPU has no
+too, as they do in fp32 (`--deterministic`). It serves the switch in fp32, and in bf16 where the CPU has no
 AVX512_BF16 or the head_dim does not suit the bf16 kernels; elsewhere bf16 prompts attend through bf16_attention.py
-and generated tokens through bf16_step_attention.py's exact kernel, with the same guarantee, ~3x faster.
+and generated tokens through bf16_step_attention.py's exact kernel, with the same guarantee, faster.
 
 What guarantees it: each query token's result comes from one function (`one_query`) over
 1. the list of keys its token sees, in position order: the row's cached keys 0..length-1, then the new tokens it may
@@ -16,8 +16,8 @@ What guarantees it: each query token's result comes from one function (`one_quer
 Only the list's length and contents enter the arithmetic, and for one token they are the same in every forward.
 A task is up to QUERY_BLOCK new tokens of one row and key/value head: the keys and values any of them sees are first
 copied into an fp32 scratch (bf16 widened exactly), once for the block, so a long prefill widens each key once per
-block rather than once per query head and token (measured on an avx512_bf16 CPU, SmolLM2, a 1,000-token bf16
-prefill: the attention took 0.83 s instead of 2.95 s); the copy changes no number, so the block never shows.
+block rather than once per query head and token (decisions.md: specdec_core/kernels/invariant_attention.py); the
+copy changes no number, so the block never shows.
 
 Compiled by numba once per machine (cached under $SPECBATCH_CACHE/numba).
 """

@@ -1,16 +1,15 @@
 """fp32 linear layers through oneDNN on a CPU, with weights reordered once into oneDNN's blocked layout.
 
 Why: a decode step of a small model at batch 16 is a few hundred [16, hidden] x [hidden, out] matmuls, and MKL's
-sgemm runs those far below the CPU's peak. Measured on this project's 2-core AVX2 CPU (AMD EPYC, fp32, [16, 576] x
-[576, 3072]): MKL 1.04-1.26 ms, oneDNN on the plain weight 0.88 ms, oneDNN on the reordered weight 0.62-0.74 ms;
-1.3-2x over MKL from 1 to 1,024 rows. The reordered weight also gives each row the same result whatever the number of
-rows (MKL's does not), so a row's numbers do not depend on its batch.
+sgemm runs those far below the CPU's peak. oneDNN on the reordered weight beat MKL and oneDNN on the plain weight
+at every row count tried (decisions.md: specdec_core/kernels/packed_linear.py). The reordered weight also gives each
+row the same result whatever the number of rows (MKL's does not), so a row's numbers do not depend on its batch.
 
-The LM head too: [16, 576] x [576, 49152] took 15.5 ms against 18.6 ms for oneDNN on the dense weight (MKL: ~36 ms
-for 11 rows), and only the reordered weight gives a row the same logits in any batch (--deterministic needs that).
+The LM head too: the reordered weight beat oneDNN on the dense one, and only the reordered weight gives a row the
+same logits in any batch (--deterministic needs that).
 
 The reordered weight is an opaque oneDNN tensor that replaces the dense one (one copy of the weights; a head tied to
-the embedding gets its own copy, 113 MB for SmolLM2); `weight` gives a dense copy to the few readers that need one
+the embedding gets its own copy); `weight` gives a dense copy to the few readers that need one
 (the attention probe's query rows, a subset head's rows).
 """
 
@@ -20,7 +19,7 @@ import os
 
 import torch
 
-ROWS_HINT = 16  # the row count the layout is chosen for (the default batch); others run as fast (measured 1-1,024)
+ROWS_HINT = 16  # the row count the layout is chosen for (the default batch); other row counts run as fast
 DISABLE_ENV = "SPECBATCH_ONEDNN"  # "0": keep every linear on PyTorch's default (MKL) path
 
 

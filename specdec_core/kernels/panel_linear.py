@@ -1,12 +1,12 @@
 """fp32 (and bf16) linear layers on a CPU through one numba kernel over weights cut into 16-column panels.
 
 bf16 weights go to bf16_dot.py's kernel (the CPU's bf16 dot product over k-pairs) where the CPU has AVX512_BF16;
-elsewhere this kernel reads them as bits widened exactly to fp32 and sums as below (row-invariant, but 0.3-0.7x
+elsewhere this kernel reads them as bits widened exactly to fp32 and sums as below (row-invariant, but slower than
 oneDNN's bf16 from 16 rows up). The rest of this note is about the fp32 kernel.
 
-Why: a decode step of a small model is a few hundred [16, hidden] x [hidden, out] products whose weights (540 MB for
-SmolLM2 in fp32) come from memory once a step. oneDNN's kernel on its reordered weight reads them at ~6 GB/s at 16
-rows, a third of what this machine streams, and those products were 70 % of a step. Here each panel is one
+Why: a decode step of a small model is a few hundred [16, hidden] x [hidden, out] products whose weights come from
+memory once a step. oneDNN's kernel on its reordered weight reads them far slower than this machine streams, and
+those products were most of a step. Here each panel is one
 contiguous [in, 16] block read front to back (the hardware prefetcher keeps up), while 4 rows x 16 columns of sums
 sit in registers. docs/decisions.md has the measurements.
 
@@ -18,7 +18,7 @@ what --deterministic needs of the linears, and it holds across prefill and decod
 
 The kernel's body (4 rows x 16 columns of scalar sums that LLVM's SLP vectorizer packs into AVX registers) is
 generated (`kernel_source`), written once under $SPECBATCH_CACHE/numba and imported from there, so numba's disk
-cache keeps the compiled code across processes (~8 s to compile on a 2-core machine, once). Without numba, or where
+cache keeps the compiled code across processes (it is compiled once). Without numba, or where
 it cannot compile, the linears stay on oneDNN (packed_linear.py).
 """
 
@@ -37,7 +37,7 @@ from .numba_kernels import LazyKernel, numba_cache_dir, use_torch_threads
 from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
-ROWS = 4  # rows whose sums are held in registers together (4 x 2 accumulators + 2 weights + 1 broadcast of 16)
+ROWS = 4  # rows whose sums are held in registers together (4 rows of 2 accumulators + 2 weights + 1 broadcast of 16)
 ROW_BLOCK = 128  # rows of x per task, so a long prefill's rows stay in L2 while every panel passes over them
 DISABLE_ENV = "SPECBATCH_PANEL_LINEAR"  # "0": keep every linear on oneDNN (packed_linear.py)
 MODULE_NAME = "specbatch_panel_kernel"
@@ -123,7 +123,7 @@ def _compile(dtype: torch.dtype):
     sys.modules[MODULE_NAME] = module  # numba's disk cache finds a function's globals through its module's name
     spec.loader.exec_module(module)
     use_torch_threads()
-    # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar (~7 GFLOP/s, not ~60).
+    # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar.
     # The flag is read when a function is compiled, so it is on for this one only.
     name, weight_type, _ = KERNELS[dtype]
     saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1

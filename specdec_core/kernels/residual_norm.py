@@ -12,9 +12,8 @@ What each output depends on: its own row's values and the norm's weight; a row's
 and any step. They are not bit-identical to the eager ops (whose mean sums in another order), so the fast forward's
 logits differ from Hugging Face's modules by float rounding (tests/specdec_core/test_fast_forward.py bounds it).
 
-bf16 (residual_norm_kernel.py) reads and writes bf16 bits and rounds where the eager ops round. Eagerly these ops
-were ~1.1 s of a 14.5 s bf16 summarisation run (SmolLM2, batch 16, AMD avx512_bf16), most of it converting between
-bf16 and fp32.
+bf16 (residual_norm_kernel.py) reads and writes bf16 bits and rounds where the eager ops round. Eagerly, most of
+these ops' time in bf16 went to converting between bf16 and fp32 (decisions.md: specdec_core/kernels/residual_norm.py).
 
 Compiled by numba once per machine (cached under $SPECBATCH_CACHE/numba); without numba, or for other dtypes and
 devices, the fast forward keeps the eager ops.

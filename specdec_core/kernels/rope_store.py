@@ -2,8 +2,8 @@
 as one compiled pass on an fp32 CPU.
 
 In eager PyTorch these are ~14 small ops a layer (two rotate-half RoPEs, then two advanced-indexing writes), each a
-dispatch and a parallel region. Measured in place (AVX2, fp32, SmolLM2, alternating): a shared prefill of 16 short
-prompts 7 % faster, a batch-16 decode step ~1 % (docs/decisions.md). The kernel does the same arithmetic in the same
+dispatch and a parallel region. One pass makes a shared prefill of short prompts faster, a decode step a little
+(decisions.md: specdec_core/kernels/rope_store.py). The kernel does the same arithmetic in the same
 order (x * cos, then + (-x2) * sin, no fused multiply-add), so its numbers are bit-identical to the eager ops
 (tests/specdec_core/test_step_kernels.py), and each token's result depends on that token alone.
 

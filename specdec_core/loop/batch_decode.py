@@ -166,8 +166,8 @@ class BatchDecoder:
         """Move waiting requests into free slots and prefill them together (prefill_plan.py).
 
         The requests admitted together are chosen first and the cache is fitted once for all of them: fitting per
-        admission reallocated (and copied) every live row's keys 16 times while a batch of 16 filled up, measured
-        6.3 s of a 182 s batch-16 summarization pass (SmolLM2, AVX2 fp32)."""
+        admission reallocated (and copied) every live row's keys once per admission while a batch filled up
+        (decisions.md: specdec_core/loop/batch_decode.py)."""
         admitted: list[DecodeRequest] = []
         capacity = max((self._capacity_for(r.request) for r in self.rows), default=0)
         while self.waiting and len(self.rows) + len(admitted) < self.max_batch:

@@ -5,7 +5,7 @@ overwritten by the next forward (as vLLM does with rejected slots).
 Layout: padded slots, not flattened ragged tokens. Stock Hugging Face attention (SDPA on CPU and GPU) takes dense
 `[batch, heads, kv_len, head_dim]` keys; a flattened ragged layout would need a varlen / paged attention kernel that
 those models do not have, or a gather of every row's keys into a padded tensor on every layer of every step
-(measured in the probe that preceded this file: the gather alone cost more than the attention it fed). With slots,
+(the gather alone cost more than the attention it fed). With slots,
 the rows of a step are the slot range [0, n) and the keys handed to attention are a *view* `buf[:n, :, :kv_len]` —
 no copy. The cost is padding: each row attends over `kv_len = max(lengths) + T` keys, the shorter rows' extra keys
 being masked. Attention is a small part of a small model's step (the MLPs and the LM head dominate at these

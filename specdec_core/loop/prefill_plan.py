@@ -9,9 +9,8 @@ the padded mask and attention of a wide forward grow with b x T x keys (measurem
 
 from __future__ import annotations
 
-# Padded tokens of one prefill forward. Measured against one whole prompt per forward, alternating in one process
-# (2-core AVX2 CPU, SmolLM2, fp32): 1.45-1.58x on 16 short questions, 1.07-1.12x on 8 summaries of 800-1,400
-# tokens, 1.0-1.03x on code edits; 512 gained less, 2,048 and 4,096 lost on short prompts (docs/decisions.md).
+# Padded tokens of one prefill forward: faster than one whole prompt per forward on every workload tried; smaller
+# budgets gained less, larger ones lost on short prompts (decisions.md: specdec_core/loop/prefill_plan.py).
 PREFILL_TOKENS = 1024
 # A GPU's forward of 1,024 tokens is launch-bound: a batch's prompts go in a few wide forwards instead (64 prompts of
 # 256 tokens in one; docs/decisions.md, session 5). The padded mask grows with b x T x keys.

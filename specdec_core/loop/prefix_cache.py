@@ -6,7 +6,7 @@ rest. Blocks are chained as vLLM's prefix cache chains them: a block's key is it
 key, so a hit always covers a whole prefix, never a block that happens to repeat elsewhere.
 
 Copy, not share: the engine's cache gives each row a contiguous slot (kv_cache.py), so a hit costs one copy of the
-prefix (30 layers x 16 tokens of SmolLM2 in fp32: 0.7 MB a block), which is what makes the slot layout cheap here.
+prefix (a block's keys and values in every layer), which is what makes the slot layout cheap here.
 The store is bounded (least recently used blocks go first) and lives as long as its engine: a job's actor reuses
 it over all its calls.
 

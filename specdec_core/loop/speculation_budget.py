@@ -1,5 +1,5 @@
 """The speculation budget: how many draft tokens each row verifies this step, from each row's acceptance and the
-measured cost of the forward, so that speculation shrinks to plain batched decoding where drafts don't pay.
+timed cost of the forward, so that speculation shrinks to plain batched decoding where drafts don't pay.
 
 The batched forward feeds a [B, T] block, T = 1 + the longest draft verified. Its cost depends on T and on the
 tokens it computes: B x T when padded, only the real ones when ragged_tokens.py skips the padding (a CPU, enough of
@@ -13,7 +13,7 @@ machine (`StepCostModel`). The step takes the plan with the most expected tokens
 always competes, so a batch whose drafts are not accepted decodes as batched `ar` does. An optional token budget
 caps B x T.
 
-Costs are measured, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
+Costs are timed, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
 learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024, 4,096, ... cached positions)). The
 context matters: a long cache makes every step pay for attention whatever its width, so extra tokens cost relatively
 less (what one table per batch bucket got wrong: docs/decisions.md).
@@ -32,7 +32,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward 
 
 
 def batch_bucket(rows: int) -> int:
-    """The power of two at or above `rows` (cost ratios are measured per bucket)."""
+    """The power of two at or above `rows` (cost ratios are learned per bucket)."""
     bucket = 1
     while bucket < rows:
         bucket *= 2
@@ -82,7 +82,7 @@ def critical_rows(left: list[int], saved_share: float) -> list[bool]:
 
     With a queue, every token a step emits is work done and the budget counts them all. With none, the pass lasts as
     long as its longest row, and a token accepted on a row far ahead of it shortens nothing: its verify only costs
-    (open questions, 16 requests at batch 16: speculation 0.93-0.96x `ar`, docs/decisions.md). A row within the
+    (decisions.md: specdec_core/loop/speculation_budget.py). A row within the
     margin may still become the longest one, so it keeps drafting."""
     if not left:
         return []
@@ -252,7 +252,7 @@ class MeasuredPayoff:
 
 @dataclass
 class DraftPricing:
-    """What one more drafted token costs and what a token is worth, in seconds, measured as the decoder runs: the
+    """What one more drafted token costs and what a token is worth, in seconds, timed as the decoder runs: the
     price a draft model's confidence stop (`draft_confidence="priced"`) compares its draft's probability with.
 
     A row drafting its (k+1)-th token pays one draft-model forward, shared by the rows still drafting at that
@@ -298,7 +298,7 @@ class DraftPricing:
 
     def floor(self) -> float | None:
         """The draft probability below which one more drafted token costs more than it returns (None: not yet
-        measured). At least 0.02; 1 or more = only a certain token would pay."""
+        timed). At least 0.02; 1 or more = only a certain token would pay."""
         if self.token_s is None or self.forward_s is None:
             return None
         return max(0.02, (self.forward_s / max(1, self.drafting_rows) + self.verify_s) / self.token_s)
@@ -368,7 +368,7 @@ class SpeculationBudget:
              left: list[int] | None = None) -> list[int]:
         """Draft nodes each row verifies this step (0 = none). reaches[r][n - 1] = the deepest path row r's draft
         cut to n nodes can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its
-        proposal. `context` = the longest live row's cached positions (costs are measured per context bucket).
+        proposal. `context` = the longest live row's cached positions (costs are learned per context bucket).
 
         Two kinds of plan compete for every width T: each row drafting min(proposal, T - 1), and the same with each
         row cut where its next node would add less than it costs. A node deepening row r's path to depth d adds
@@ -392,7 +392,7 @@ class SpeculationBudget:
         if not self.enabled:
             return [min(n, longest) for n in lengths]
         if self.check_payoff and (self.payoff.probe_due(rows) or not self.cost.knows_plain(rows, context)):
-            return [0] * rows  # a plain step now and then keeps the measured comparison (and the cost unit) current
+            return [0] * rows  # a plain step now and then keeps the timed comparison (and the cost unit) current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
         gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest)

@@ -12,7 +12,7 @@ It computes what HF's modules compute (RMSNorm in fp32, rotate-half RoPE from th
 SiLU gate) with the same linear layers (panel_linear.py). On an fp32 CPU each residual add and the RMSNorm after it,
 and the SiLU gate over gate and up computed in one call, are single compiled passes (residual_norm.py), so its
 logits equal HF's forward over the same cache within float rounding (tests/specdec_core/test_fast_forward.py), and
-each row's numbers stay its own. Measured in one process: benchmarks/forward_bench.py. Models it does
+each row's numbers stay its own. benchmarks/forward_bench.py compares the two in one process. Models it does
 not cover (other architectures, int8 drafters, sliding windows) run HF's forward: `FastForward.build` says why.
 """
 
@@ -76,7 +76,7 @@ class _Layer:
                 if type(mlp.gate_proj) is PanelLinear and type(mlp.up_proj) is PanelLinear
                 else _stack_dense(mlp.gate_proj, mlp.up_proj) if dense else None)
         self.gate_up = None if both is None else _Projection(both)
-        # q, k and v in one call: at batch 16 a decode step made ~180 kernel calls of ~10 us host work each
+        # q, k and v in one call: each kernel call costs host work (decisions.md: specdec_core/model/fast_forward.py)
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
         qkv = (panel_linear.stack(*projections) if all(type(p) is PanelLinear for p in projections)
                else _stack_dense(*projections) if dense else None)

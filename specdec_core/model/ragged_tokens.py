@@ -8,10 +8,8 @@ input are gathered into [N, H]; after, its [N, out] output is scattered back int
 itself still sees the padded [b, T] layout its kernels need, and padding nodes get zero projections: finite keys
 past the row's length, which the masks hide and the next step overwrites.
 
-Measured on this project's 2-core AVX2 CPU (SmolLM2 fp32, 16 rows, ~600 cached tokens, median step, with
-grouped_attention.py): 4 rows verifying 2 / 4 / 8 draft tokens beside 12 plain rows cost 218 / 279 / 441 ms padded
-and 178 / 215 / 320 ms this way, against 139 ms for a plain step. With no padding it is ~2 % slower (the gathers),
-so forwards with little padding skip it (`worth_it`).
+On this project's AVX2 CPU it makes padded verify steps much cheaper; with no padding it is a little slower (the
+gathers), so forwards with little padding skip it (`worth_it`; decisions.md: specdec_core/model/ragged_tokens.py).
 
 Why hooks rather than wrapper modules: the modules keep their identity and weights (the attention probe reads
 q_proj.weight; captured hidden states come from the decoder layers' outputs, untouched). They are registered for one
