@@ -36,9 +36,9 @@ from operators.context_compressor import SelfInformationCompressor
 from operators.read_requests import workload_rows
 from operators.task_prompts import DEFAULT_MAX_CONTEXT_CHARS, compose_prompt
 from pipelines.hf_batch_peer import generate_batch
-from specdec_core.decode import DecodeParams
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 from specdec_core.engine import BatchItem, Engine, EngineConfig
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.methods import MethodOptions
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

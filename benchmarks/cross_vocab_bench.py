@@ -21,15 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.batch_bench import hardware, workload_items  # noqa: E402
 from corpora.code_edit import humaneval_rows  # noqa: E402
-from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.engine import BatchItem, Engine, EngineConfig  # noqa: E402
+from specdec_core.loop.requests import DecodeParams  # noqa: E402
 from specdec_core.loop.sampling import SamplingParams  # noqa: E402
 from specdec_core.methods import MethodOptions  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

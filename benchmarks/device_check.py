@@ -11,12 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.base import NoDrafter  # noqa: E402
 from specdec_core.drafters.copyspec import CopySpecDrafter  # noqa: E402
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
+from specdec_core.loop.requests import DecodeParams  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 
 

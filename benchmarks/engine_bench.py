@@ -23,17 +23,16 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from corpora.aclsum import summarization_rows  # noqa: E402
 from corpora.code_edit import stdlib_rename_tasks  # noqa: E402
-from specdec_core.decode import DecodeParams  # noqa: E402
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 from specdec_core.drafters.copyspec_index import CopyIndex  # noqa: E402
 from specdec_core.drafters.prompt_lookup import find_prompt_lookup_draft  # noqa: E402
 from specdec_core.engine import Engine, EngineConfig  # noqa: E402
+from specdec_core.loop.requests import DecodeParams  # noqa: E402
 from specdec_core.methods import MethodOptions  # noqa: E402
 
 # label -> (method, options); HF peers are labelled hf_*

@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
-
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
+from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 from specdec_core.kernels import panel_linear  # noqa: E402
+from specdec_core.loop.kv_cache import new_slot_cache
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 from specdec_core.model.step_batch import StepBatch  # noqa: E402
 
 
 def filled(runner: ModelRunner, rows: int, context: int):
     """A cache of `rows` rows holding `context` tokens each (random ids)."""
-    cache = runner.new_slot_cache()
+    cache = new_slot_cache(runner)
     cache.fit(rows, context + 64)
     generator = torch.Generator().manual_seed(0)
     for _ in range(rows):
@@ -58,7 +58,7 @@ def step_inputs(cache, counts: list[int]):
 
 
 def prefill_inputs(runner, prompts: int, length: int):
-    cache = runner.new_slot_cache()
+    cache = new_slot_cache(runner)
     cache.fit(prompts, length + 64)
     rows = [cache.add_row() for _ in range(prompts)]
     ids = torch.randint(100, 20000, (prompts, length), generator=torch.Generator().manual_seed(2))

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
 from pipelines.hf_batch_peer import left_padded
-from specdec_core.decode import DecodeParams  # noqa: E402
 from specdec_core.drafters.base import NoDrafter  # noqa: E402
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
+from specdec_core.loop.requests import DecodeParams  # noqa: E402
 from specdec_core.loop.speculation_budget import SpeculationBudget  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner
 from tests.tiny_models import DigitsTokenizer, repetitive_prompt, tiny_llama  # noqa: E402

@@ -25,11 +25,11 @@ import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware, workload_items  # noqa: E402
 from pipelines.hf_batch_peer import left_padded
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.engine import Engine, EngineConfig
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.loop.prefix_cache import PrefixCache
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from specdec_core.model.model_registry import DEFAULT_MODEL
 

@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.batch_bench import WORKLOADS, hardware, workload_items  # noqa: E402
 from benchmarks.greedy_replay import ReplayResult, replay_greedy
+from specdec_core.drafters.retrieval_index import check_index_tokenizer
 from specdec_core.engine import Engine, EngineConfig
 from specdec_core.methods import MethodOptions, get_method
-from specdec_core.retrieval_index import check_index_tokenizer
 
 MANIFEST_FIELDS = ("source", "selection", "seed", "keep", "keep_fraction", "texts", "tokens", "max_kept_ppl")
 

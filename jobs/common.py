@@ -23,10 +23,10 @@ from pipelines.outputs import (
     run_dir,
 )
 from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option, shared_method_options
+from specdec_core.drafters.retrieval_index import check_index_tokenizer, load_index
 from specdec_core.errors import SpecbatchError
 from specdec_core.methods import METHODS, MethodOptions, get_method
 from specdec_core.model.model_registry import check_model_available, resolve_model_path
-from specdec_core.retrieval_index import check_index_tokenizer, load_index
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

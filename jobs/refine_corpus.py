@@ -26,7 +26,7 @@ from pipelines.outputs import RunLockedError
 from specdec_core.cli import OneLineParser
 from specdec_core.errors import SpecbatchError
 from specdec_core.model.model_registry import DEFAULT_MODEL, check_model_available, resolve_model_path
-from specdec_core.retrieval_index import tokenizer_fingerprint
+from specdec_core.prompts import tokenizer_fingerprint
 
 
 def build_parser():

@@ -76,7 +76,7 @@ class DecodeRequests:
         self.warmup_s: float | None = None  # warm_up(), when this stage ran it
 
     def _params(self, max_new_tokens: int | None):
-        from specdec_core.decode import DecodeParams  # lazy: torch, in the actor only
+        from specdec_core.loop.requests import DecodeParams  # lazy: torch, in the actor only
         from specdec_core.loop.sampling import SamplingParams  # lazy: torch, in the actor only
 
         cfg = self.config

@@ -6,7 +6,7 @@ parts; then, on the driver, keep the lowest-perplexity texts of the whole corpus
       scores/part-*.parquet   one file per finished scoring call (key, id, source, token_count, scored_tokens,
                               nll_sum, ppl, tokens, error); a killed job loses only the calls in flight
       corpus.parquet          the scored corpus: key, id, source, token_count, ppl, kept, error
-      index/                  the retrieval index of the kept texts (specdec_core/retrieval_index.py) + manifest
+      index/                  the retrieval index of the kept texts (specdec_core/drafters/retrieval_index.py) + manifest
       _SUCCESS                written last
 
 A resumed job scores only texts without a score; the selection and the index are always rebuilt from all scores, so
@@ -27,9 +27,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from operators.read_corpus import read_corpus
 from operators.score_perplexity import SCORES_SCHEMA, ScorePerplexity
+from specdec_core.drafters.retrieval_index import write_index
 from specdec_core.errors import SpecbatchError
 from specdec_core.model.model_registry import DEFAULT_MODEL
-from specdec_core.retrieval_index import write_index
 
 from .generate import allow_ray_remote_args
 from .outputs import RunLock

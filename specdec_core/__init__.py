@@ -7,16 +7,16 @@ tokenizing workers) does not import torch.
 from importlib import import_module
 
 _EXPORTS = {
-    "BatchDecoder": "batch_decode",
-    "DecodeRequest": "batch_decode",
-    "DecodeParams": "decode",
-    "DecodeResult": "decode",
+    "BatchDecoder": "loop.batch_decode",
+    "DecodeRequest": "loop.batch_decode",
+    "DecodeParams": "loop.requests",
+    "DecodeResult": "loop.requests",
     "Engine": "engine",
     "EngineConfig": "engine",
     "METHODS": "methods",
     "MethodOptions": "methods",
     "get_method": "methods",
-    "SamplingParams": "sampling",
+    "SamplingParams": "loop.sampling",
 }
 __all__ = sorted(_EXPORTS)
 

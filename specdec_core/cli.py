@@ -19,12 +19,11 @@ from typing import get_args
 
 from .corpus_texts import read_texts
 from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES
+from .drafters.retrieval_index import MANIFEST_FILE, write_index
 from .errors import BadRequestError, SpecbatchError
 from .methods import METHODS, MethodOptions, get_method
 from .model.model_registry import DEFAULT_MODEL, MODEL_SPECS, check_model_available, install_model, resolve_model_path
-from .prompts import check_prompt_text, read_messages_file, read_text_file
-from .prompts import tokenizer_fingerprint
-from .retrieval_index import MANIFEST_FILE, write_index
+from .prompts import check_prompt_text, read_messages_file, read_text_file, tokenizer_fingerprint
 
 EPILOG = """examples:
   specbatch --method copyspec --prompt-file doc.txt --max-new-tokens 256
@@ -134,7 +133,7 @@ def shared_method_options(args) -> dict:
 
 
 def _params(args):
-    from .decode import DecodeParams  # lazy: torch, only for the command that needs it
+    from .loop.requests import DecodeParams  # lazy: torch, only for the command that needs it
     from .loop.sampling import SamplingParams  # lazy: torch, only for the command that needs it
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -322,7 +321,10 @@ def run_discover_heads(argv: list[str]) -> int:
     parser.add_argument("--force", action="store_true", help="discover again even if a saved ranking exists")
     args = parser.parse_args(argv)
     try:
-        from .induction_heads import heads_file, load_or_discover  # lazy: torch, only for the command that needs it
+        from .drafters.induction_heads import (  # lazy: torch, only for the command that needs it
+            heads_file,
+            load_or_discover,
+        )
         from .model.model_runner import ModelRunner  # lazy: torch, only for the command that needs it
 
         check_model_available(args.model)
@@ -387,7 +389,7 @@ def run_vocab_overlap(argv: list[str]) -> int:
     try:
         from transformers import AutoTokenizer
 
-        from .vocab_mapping import load_or_build_mapping  # lazy: torch, only for the command that needs it
+        from .drafters.vocab_mapping import load_or_build_mapping  # lazy: torch, only for the command that needs it
 
         for name in (args.drafter, args.model):
             check_model_available(name)

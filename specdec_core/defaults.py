@@ -1,5 +1,8 @@
 """Defaults that the CLI, the jobs and their configs read without importing the engine (torch, transformers)."""
 
+import os
+from pathlib import Path
+
 # The model a job, the CLI and the engine load when none is named: the smallest in the registry (model_registry.py).
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -27,3 +30,8 @@ def determinism_mode(value: str | bool) -> str:
     if value not in DETERMINISM_MODES:
         raise ValueError(f"deterministic must be one of {', '.join(DETERMINISM_MODES)}, not {value!r}")
     return value
+
+
+def cache_root() -> Path:
+    """Where installed models, compiled kernels, head rankings and vocabulary maps are kept: $SPECBATCH_CACHE."""
+    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))

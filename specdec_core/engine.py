@@ -12,22 +12,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .decode import DecodeParams, DecodeResult
-from .defaults import (DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL,
-                       determinism_mode)
+from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MEMORY_TOKENS, DEFAULT_MODEL, determinism_mode
 from .drafters.cross_vocab_model import CrossVocabPool
 from .drafters.draft_model import DraftModelPool
-from .errors import BadRequestError
 from .drafters.job_memory import JobMemory, read_outputs
+from .drafters.retrieval_index import check_index_tokenizer
+from .drafters.vocab_mapping import load_or_build_mapping
+from .errors import BadRequestError
 from .loop.batch_decode import BatchDecoder, DecodeRequest
 from .loop.prefix_cache import PrefixCache
+from .loop.requests import DecodeParams, DecodeResult
 from .loop.speculation_budget import AcceptanceEstimate, DraftPricing, MeasuredPayoff, SpeculationBudget, StepCostModel
 from .methods import MethodOptions, get_method
 from .model.hardware import INT8
 from .model.model_runner import ModelRunner
 from .prompts import build_prompt_ids
-from .retrieval_index import check_index_tokenizer
-from .vocab_mapping import load_or_build_mapping
 
 
 @dataclass

@@ -56,7 +56,7 @@ class MethodOptions(BaseModel):
                                                           "the continuations kept per forward key)")
     spectra_guesses: int = Field(15, ge=1, le=64, description="SPECTRA: most guesses G per step")
     retrieval_index: str | None = Field(None, description="rest / spectra+retrieval: a corpus index directory "
-                                                          "(specdec_core/retrieval_index.py)")
+                                                          "(specdec_core/drafters/retrieval_index.py)")
     spectra_tau: float = Field(0.1, ge=0.0, le=1.0, description="SPECTRA: a pool row takes the plain argmax when "
                                                                 "r <= tau, else the best token not yet a forward key")
     suffix_spec_factor: float = Field(1.0, gt=0.0, description="suffix: a draft tree has at most this x the matched "

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import time
 
-from .decode import DecodeParams
 from .engine import BatchItem
 from .kernels.numba_kernels import KERNELS, KernelUnavailableError
 from .loop.prefill_plan import default_budget
+from .loop.requests import DecodeParams
 
 log = logging.getLogger(__name__)
 

@@ -115,8 +115,8 @@ LOSSLESS_MAX_NEW = {name: {"summary_paper": 24, "no_repetition_facts": 12}.get(n
 
 def lossless_items(engine):
     """The lossless cases as batch items, each with its LOSSLESS_MAX_NEW."""
-    from specdec_core.decode import DecodeParams
     from specdec_core.engine import BatchItem
+    from specdec_core.loop.requests import DecodeParams
 
     return [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=LOSSLESS_MAX_NEW[name]))
             for name, messages in LOSSLESS_CASES.items()]

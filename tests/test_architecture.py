@@ -10,6 +10,10 @@ ABOVE_THE_ENGINE = {"corpora", "operators", "pipelines", "jobs", "analysis", "be
 MAX_TOP_LEVEL_MODULES = 15
 MAX_PARAMETERS = 10
 MAX_FUNCTION_LEVEL_IMPORTS = 40
+# Rooms, lowest first: a module may import its own room, a lower one, or the base (modules that import nothing of ours
+# but each other). loop/ and drafters/ are peers.
+RANKS = {"kernels": 0, "model": 1, "loop": 2, "drafters": 2, "top": 3}
+BASE = {"specdec_core.errors", "specdec_core.defaults", "specdec_core.prompts"}
 
 
 def _sources(*packages):
@@ -77,6 +81,27 @@ def test_specdec_core_has_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANKS else "top"
+
+
+def test_imports_run_down_the_rooms():
+    """top -> loop / drafters -> model -> kernels, with errors, defaults and prompts below them all."""
+    graph = _engine_graph()
+    upward = [f"{module} -> {target}" for module, targets in sorted(graph.items()) for target in sorted(targets)
+              if target not in BASE and RANKS[_room(target)] > RANKS[_room(module)]]
+    assert not upward, upward
+    assert not any(graph[module] - BASE for module in BASE), {module: graph[module] for module in BASE}
+
+
+def test_the_packages_public_names_resolve():
+    import specdec_core
+
+    for name in specdec_core.__all__:
+        assert getattr(specdec_core, name) is not None, name
 
 
 def test_specdec_core_imports_nothing_built_on_it():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vocab_mapping import VocabMapping
+from .vocab_mapping import VocabMapping
 
 
 def _target_index(mapping: VocabMapping, device) -> tuple[torch.Tensor, torch.Tensor]:

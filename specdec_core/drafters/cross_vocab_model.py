@@ -37,10 +37,10 @@ import torch
 
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
-from ..vocab_mapping import VocabMapping, load_or_build_first_tokens, special_ids, token_bytes
 from .base import Draft, RequestContext
 from .draft_model import DraftModelPool, PooledDrafter, choose_token
 from .frequent_tokens import FrequentTokens, RowTokensHead, frequent_tokens
+from .vocab_mapping import VocabMapping, load_or_build_first_tokens, special_ids, token_bytes
 
 SOURCE = "draft_model"
 LOOK_BEHIND = 8  # committed target tokens re-encoded with the draft text to find the token boundary

@@ -12,19 +12,19 @@ steps where another drafter (CopySpec in `copyspec+draft`) drafted and this one 
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import time
-
 import torch
 
+from ..loop.kv_cache import new_slot_cache
+from ..loop.sampling import logits_to_probs
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
-from ..loop.sampling import logits_to_probs
 from .base import Draft, Drafter, DraftPool, RequestContext
 from .draft_length import DraftLength
 
@@ -78,7 +78,7 @@ class DraftModelPool(DraftPool):
     def __init__(self, runner: ModelRunner, pricing: "DraftPricing | None" = None):
         self.runner = runner
         self.pricing = pricing  # the decoder's (its budget's): the confidence stop reads it, the pool times into it
-        self.cache = runner.new_slot_cache()
+        self.cache = new_slot_cache(runner)
         self.owners: list[PooledDrafter] = []  # owners[i] holds cache row i
         self.slots: list[_SlotTokens] = []  # slots[i]: what cache row i holds
         self._pending: list[DraftRequest] = []

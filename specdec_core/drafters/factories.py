@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from ..errors import UnknownMethodError
 from ..loop.verification import ConditionalRule
-from ..retrieval_index import load_index
 from .base import Drafter, NoDrafter
 from .cascade import CascadeDrafter
 from .casd import ContextTreeDrafter
@@ -20,6 +19,7 @@ from .fallback import FallbackDrafter
 from .pld_plus import AttentionLookupDrafter, HiddenStateLookupDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .retrieval import RetrievalTreeDrafter
+from .retrieval_index import load_index
 from .slrs import SlrsDrafter
 from .spectra import SpectraDrafter
 from .suffix import SuffixDrafter

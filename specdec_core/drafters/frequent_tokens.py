@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..model.model_registry import cache_root
+from ..defaults import cache_root
 from ..model.lm_head import SubsetHead, head_bias_rows, head_rows
 from ..model.model_runner import ModelRunner
 from ..prompts import tokenizer_fingerprint

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..induction_heads import load_or_discover, top_heads
 from .base import ATTENTION, HIDDEN_STATES, Draft, Drafter, empty_draft
 from .draft_length import DraftLength
+from .induction_heads import load_or_discover, top_heads
 
 HIDDEN_LOOKUP_SOURCE = "lookup"
 

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..model.model_registry import cache_root
+from ..defaults import cache_root
 
 log = logging.getLogger(__name__)
 

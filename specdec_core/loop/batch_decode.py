@@ -17,27 +17,34 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import ExitStack
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-from ..decode import (
-    DecodeParams, DecodeResult, SequenceState, check_prompt, draft_budget, emit, final_text,
-)
-from .draft_tree import ancestor_mask, depths, prefix_depths
 from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
-from ..model.target_signals import Signals, hand_over, wanted
-from .metrics import TARGET_SOURCE
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
+from .draft_tree import ancestor_mask, depths, prefix_depths
+from .kv_cache import new_slot_cache
+from .metrics import TARGET_SOURCE
 from .prefill_plan import default_budget, next_forward, worth_reusing
 from .prefix_cache import PrefixCache, ScopedPrefixCache
+from .requests import (
+    DecodeParams,
+    DecodeResult,
+    SequenceState,
+    check_prompt,
+    draft_budget,
+    emit,
+    final_text,
+)
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
+from .target_signals import Signals, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, check_rule, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
@@ -108,7 +115,7 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.budget = budget or SpeculationBudget.for_target(target)
         self.cache_budget_bytes = cache_budget_bytes
-        self.cache = target.new_slot_cache()
+        self.cache = new_slot_cache(target)
         self.rows: list[Row] = []  # rows[i] lives in cache row i
         self.waiting: deque[DecodeRequest] = deque()
         self.finished: deque[tuple[DecodeRequest, DecodeResult | str]] = deque()

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..model.model_runner import ModelRunner, check_servable
+
 GROW_QUANTUM = 256  # capacity grows in steps of this many positions, so a run does not reallocate every admission
 
 
@@ -221,3 +223,13 @@ class SlotKVCache(Cache):
 
     def __repr__(self) -> str:
         return f"SlotKVCache(rows={len(self.lengths)}, slots={self.slots}, capacity={self.capacity})"
+
+
+def new_slot_cache(runner: ModelRunner) -> SlotKVCache:
+    """An empty engine-owned cache for this model (rows are added by the batched loop)."""
+    check_servable(runner.model.config)
+    config = runner.model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return SlotKVCache(config.num_hidden_layers, kv_heads, head_dim, runner.dtype, runner.device)

@@ -12,7 +12,6 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..defaults import DEFAULT_MODEL  # noqa: F401  (re-exported: the registry's default)
+from ..defaults import DEFAULT_MODEL, cache_root  # noqa: F401  (DEFAULT_MODEL re-exported: the registry's default)
 from ..errors import ChecksumMismatchError, ModelPackageMissingError, UnknownModelError
 
 
@@ -78,10 +77,6 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         ),
     )
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))
 
 
 def install_command(name: str) -> list[str]:

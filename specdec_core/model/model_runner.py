@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import SpecbatchError
 from ..kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
-from ..loop.kv_cache import SlotKVCache
 from . import fast_forward, grouped_attention
 from .attention_masks import attention_masks
 from .attention_probe import capture_queries
@@ -27,6 +27,9 @@ from .lm_head import SubsetHead, head_weight
 from .model_registry import resolve_model_path
 from .ragged_tokens import MAX_REAL_SHARE, RaggedTokens
 from .step_batch import AttentionPlan, StepBatch
+
+if TYPE_CHECKING:
+    from ..loop.kv_cache import SlotKVCache
 
 # "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 its decode step took less time
 # than HF's modules over the same cache (decisions.md: specdec_core/model/model_runner.py).
@@ -216,15 +219,6 @@ class ModelRunner:
         return ForwardOutput(logits=logits, hidden=hidden)
 
     # ------------------------------------------------------------------------------------------- the owned cache
-    def new_slot_cache(self) -> SlotKVCache:
-        """An empty engine-owned cache for this model (rows are added by the batched loop)."""
-        check_servable(self.model.config)
-        config = self.model.config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return SlotKVCache(config.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device)
-
     @torch.inference_mode()
     def forward_slots(self, cache: SlotKVCache, batch: StepBatch, head: SubsetHead | None = None) -> torch.Tensor:
         """One forward over the cache's live rows (or `batch.rows`); keys/values land at each row's length.

@@ -3,15 +3,16 @@ trees, and refuses drafters that read the target."""
 
 import pytest
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
+from benchmarks.greedy_replay import replay_greedy
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
 from specdec_core.drafters.retrieval import RetrievalTreeDrafter
+from specdec_core.drafters.retrieval_index import load_index, write_index
 from specdec_core.drafters.spectra import SpectraDrafter
-from benchmarks.greedy_replay import replay_greedy
-from specdec_core.retrieval_index import load_index, tokenizer_fingerprint, write_index
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
+from specdec_core.prompts import tokenizer_fingerprint
 from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama
 
 NEW_TOKENS = 30

@@ -30,8 +30,9 @@ def assert_index_holds(directory, kept_ids) -> None:
     (each followed by the separator -1)."""
     from transformers import AutoTokenizer
 
+    from specdec_core.drafters.retrieval_index import load_index, read_manifest
     from specdec_core.model.model_registry import resolve_model_path
-    from specdec_core.retrieval_index import load_index, read_manifest, tokenizer_fingerprint
+    from specdec_core.prompts import tokenizer_fingerprint
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
     manifest = read_manifest(directory)
@@ -44,7 +45,7 @@ def assert_index_holds(directory, kept_ids) -> None:
 
 
 def test_refinement_scores_keeps_the_lowest_builds_the_index_and_resumes(ray_cluster, tmp_path):
-    from specdec_core.retrieval_index import read_manifest
+    from specdec_core.drafters.retrieval_index import read_manifest
 
     corpus = tmp_path / "corpus.jsonl"
     lines = [json.dumps({"id": f"doc{i}", "text": t}).encode() for i, t in enumerate(TEXTS)]

@@ -46,9 +46,9 @@ def test_the_default_limit_follows_the_slowest_forward_of_any_pass_with_a_floor(
 
 
 def test_the_decoder_reports_progress_after_each_forward():
-    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-    from specdec_core.decode import DecodeParams
     from specdec_core.drafters.base import NoDrafter
+    from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+    from specdec_core.loop.requests import DecodeParams
     from tests.tiny_models import repetitive_prompt, tiny_llama
 
     decoder = BatchDecoder(tiny_llama(), max_batch=2)

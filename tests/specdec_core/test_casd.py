@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_core.decode import DecodeParams
-from specdec_core.loop.draft_tree import frequency_trie
 from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.casd import ContextTreeDrafter
 from specdec_core.drafters.suffix_array import SuffixArray, build_suffix_array
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
+from specdec_core.loop.draft_tree import frequency_trie
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.sampling import SamplingParams
 from specdec_core.loop.verification import ConditionalRule, verify_conditional
 from tests.tiny_models import tiny_llama
@@ -112,8 +112,8 @@ def test_drafter_retrieves_a_tree_from_the_context():
 def test_the_lossy_methods_spec_chooses_the_rule_and_it_refuses_sampling():
     """casd and casd_mixed verify by the conditional rule their spec builds from the options (the drafter only
     retrieves, as casd_strict's does); the engine gives it the target's EOS ids; a sampling request is refused."""
-    from specdec_core.methods import MethodOptions, get_method
     from specdec_core.loop.verification import check_rule
+    from specdec_core.methods import MethodOptions, get_method
 
     options = MethodOptions(casd_delta=0.2, casd_top_k=3)
     assert get_method("casd").verification(options) == ConditionalRule(0.2)

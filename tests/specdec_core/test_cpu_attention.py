@@ -4,12 +4,12 @@ rounding, a row's result bit-identical alone and in any batch, and the batched l
 import pytest
 import torch
 
-from specdec_core.model import grouped_attention
-from specdec_core.kernels import cpu_attention
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.kernels import cpu_attention
 from specdec_core.kernels.numba_kernels import LazyKernel
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
+from specdec_core.model import grouped_attention
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama
 
 

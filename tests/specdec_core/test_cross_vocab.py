@@ -6,15 +6,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec_core.drafters.cross_vocab import (
-    acceptance_rate, outside_id, tli_distribution, union_distribution, union_token,
-)
 from specdec_core.drafters.base import Draft, RequestContext
+from specdec_core.drafters.cross_vocab import (
+    acceptance_rate,
+    outside_id,
+    tli_distribution,
+    union_distribution,
+    union_token,
+)
 from specdec_core.drafters.slrs import SlrsDrafter
 from specdec_core.drafters.tli import TliDrafter, UnionDrafter
+from specdec_core.drafters.vocab_mapping import VocabMapping, build_mapping, load_or_build_mapping, token_bytes
 from specdec_core.loop.sampling import SamplingParams, make_generator
 from specdec_core.loop.verification import verify_speculative_sampling
-from specdec_core.vocab_mapping import VocabMapping, build_mapping, load_or_build_mapping, token_bytes
 from tests.specdec_core.test_verification import chi2_p_value
 
 # Target T = 6 tokens; draft D = 7 tokens. D's 0..3 are T's 2, 0, 5, 1; D's 4..6 are not in T; T's 3, 4 not in D.

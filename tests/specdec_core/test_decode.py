@@ -5,12 +5,12 @@ test_kv_cache.py's; every method on the real model is test_lossless.py's.)"""
 import pytest
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import RequestContext
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.errors import BadRequestError
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.sampling import SamplingParams
 from tests.tiny_models import noisy_llama, repetitive_prompt, tiny_llama
 

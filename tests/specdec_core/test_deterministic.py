@@ -5,9 +5,10 @@ length), in fp32 and in bf16; so every lossless method's tokens equal batch-1 `a
 import pytest
 import torch
 
-from specdec_core.decode import DecodeParams
-from specdec_core.loop.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
+from specdec_core.loop.draft_tree import ancestor_mask, depths
+from specdec_core.loop.kv_cache import new_slot_cache
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.model.model_runner import DeterminismUnavailableError, ModelRunner, tune_for_cpu
 from specdec_core.model.step_batch import StepBatch
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_llama_64, tiny_qwen2
@@ -28,7 +29,7 @@ def feed(runner, pieces: list[int], others: list[int] = (), prefill: bool = Fals
     """SEQUENCE fed in chunks of the given sizes to row 0, each forward also feeding a chunk to rows of other
     lengths (`others`: their cached lengths), as prefill forwards or steps -> [len(SEQUENCE), vocab] logits of row 0
     at every position."""
-    cache = runner.new_slot_cache()
+    cache = new_slot_cache(runner)
     cache.fit(1 + len(others), len(SEQUENCE) + 64)
     cache.add_row()
     for seed, length in enumerate(others):  # the neighbours' caches, fed whole
@@ -109,7 +110,7 @@ def test_a_tree_node_equals_the_same_token_fed_as_a_chain(dtype, make):
     parents = [-1, -1, 0, 1]
 
     def after_prefix(ids: list[int], positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        cache = runner.new_slot_cache()
+        cache = new_slot_cache(runner)
         cache.fit(1, 64)
         cache.add_row()
         runner.forward_slots(cache, StepBatch(torch.tensor([prefix]), torch.arange(20)[None],
@@ -147,8 +148,8 @@ def test_without_the_switch_bf16_decode_steps_attend_through_the_compiled_kernel
     """Without --deterministic a bf16 CPU forward of at most MAX_QUERIES tokens a row still attends through
     invariant_attention.py (SDPA's flash kernel was ~4x slower at decode), a prefill through SDPA; fp32 keeps its
     own kernels."""
-    from specdec_core.model import grouped_attention
     from specdec_core.kernels import invariant_attention
+    from specdec_core.model import grouped_attention
 
     runner = runner_in(dtype)
     runner.deterministic = False
@@ -186,8 +187,8 @@ def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
     """--deterministic auto (the default): on for a bf16 CPU model the bf16 kernels run (avx512_bf16, no AMX, head_dim
     64 or 128), off in fp32, for head sizes the bf16 kernels do not take, and with AMX; "on" still errors where it
     cannot run, "off" stays off."""
-    from specdec_core.kernels import bf16_attention, bf16_step_attention
     from specdec_core.defaults import determinism_mode
+    from specdec_core.kernels import bf16_attention, bf16_step_attention
 
     assert [determinism_mode(v) for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]
     with pytest.raises(ValueError, match="auto, on, off"):

@@ -5,15 +5,15 @@ through the whole loop; models it does not cover keep HF's forward."""
 import pytest
 import torch
 
-from specdec_core.decode import DecodeParams
-from specdec_core.loop.draft_tree import ancestor_mask, depths
 from specdec_core.engine import BatchItem, Engine
-from specdec_core.model import fast_forward
 from specdec_core.kernels import residual_norm, rope_store
+from specdec_core.kernels.packed_linear import PackedLinear, pack_linears
+from specdec_core.loop.draft_tree import ancestor_mask, depths
+from specdec_core.loop.requests import DecodeParams
+from specdec_core.model import fast_forward
 from specdec_core.model.fast_forward import unsupported
 from specdec_core.model.int8_linear import quantize_int8
 from specdec_core.model.model_runner import ModelRunner
-from specdec_core.kernels.packed_linear import PackedLinear, pack_linears
 from specdec_core.model.step_batch import StepBatch
 from tests.specdec_core.test_step_kernels import filled_cache
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2

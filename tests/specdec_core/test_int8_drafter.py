@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.engine import Engine, EngineConfig
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.model.int8_linear import quantize_int8
 from specdec_core.model.lm_head import SubsetHead
 from specdec_core.model.model_runner import ModelRunner

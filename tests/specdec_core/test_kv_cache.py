@@ -4,11 +4,11 @@ rollback is a length change, rows move when others retire, sliding-window layers
 import pytest
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.loop.kv_cache import SlotKVCache
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.model.attention_masks import attention_masks
 from specdec_core.model.model_runner import UnsupportedArchitectureError, check_servable
 from specdec_core.model.step_batch import StepBatch

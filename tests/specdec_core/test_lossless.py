@@ -68,7 +68,8 @@ def test_every_lossless_method_is_checked_on_the_real_model():
 def index(engine, reference, tmp_path_factory):
     """A corpus index for the default model: the later parts of the answers but the last case's, and unrelated
     text."""
-    from specdec_core.retrieval_index import tokenizer_fingerprint, write_index
+    from specdec_core.drafters.retrieval_index import write_index
+    from specdec_core.prompts import tokenizer_fingerprint
 
     directory = tmp_path_factory.mktemp("index") / "index"
     texts = [reference[name]["output_token_ids"][12:] for name in list(reference)[:-1]]

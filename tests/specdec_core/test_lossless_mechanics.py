@@ -7,12 +7,13 @@ once on the real model."""
 
 import pytest
 
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import Drafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.drafters.retrieval_index import write_index
 from specdec_core.engine import BatchItem, Engine
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.methods import MethodOptions
-from specdec_core.retrieval_index import tokenizer_fingerprint, write_index
+from specdec_core.prompts import tokenizer_fingerprint
 from tests.tiny_models import DigitsTokenizer, hf_greedy, noisy_llama, repetitive_prompt, tiny_llama
 
 LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]  # the longest is 10x the shortest

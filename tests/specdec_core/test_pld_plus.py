@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import ATTENTION, HIDDEN_STATES, Draft, Drafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter, default_hidden_layer, rank_by_hidden_state
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import repetitive_prompt, tiny_llama
 
@@ -145,8 +145,8 @@ def test_a_layer_past_the_model_is_one_row_error(runner):
 
 
 # ----------------------------------------------------------------------------------------------------- PLD+ (a)
+from specdec_core.drafters.induction_heads import copy_source, top_heads  # noqa: E402
 from specdec_core.drafters.pld_plus import AttentionLookupDrafter, rank_by_attention  # noqa: E402
-from specdec_core.induction_heads import copy_source, top_heads  # noqa: E402
 
 
 def test_attention_ranking_picks_the_most_attended_occurrence():
@@ -251,7 +251,7 @@ def check_pairs(runner, pairs, heads):
 
 def test_head_discovery_is_deterministic_and_saved_once(runner, tmp_path, monkeypatch):
     """Two discoveries rank the heads identically; the saved ranking is read back instead of discovered again."""
-    from specdec_core import induction_heads
+    from specdec_core.drafters import induction_heads
 
     prompts = [repetitive_prompt(seed, 30 + 7 * seed) for seed in range(2)]
     first = induction_heads.discover(runner, prompts, new_tokens=16)
@@ -271,7 +271,7 @@ def test_head_discovery_is_deterministic_and_saved_once(runner, tmp_path, monkey
 def test_head_discovery_finds_copying_heads_in_the_default_model(engine):
     """On the real model (one prompt), discovery sees copy events and its best heads attend to the copied
     token's source."""
-    from specdec_core import induction_heads
+    from specdec_core.drafters import induction_heads
 
     prompts = induction_heads.discovery_prompts(engine.tokenizer, count=1)  # one code edit
     found = induction_heads.discover(engine.target, prompts, new_tokens=16)

@@ -5,14 +5,21 @@ fails alone."""
 import pytest
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
-from specdec_core.loop.prefill_plan import (GPU_PREFILL_TOKENS, MIN_HIT_SHARE, PREFILL_TOKENS, default_budget, next_forward,
-                                      worth_reusing)
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.kv_cache import new_slot_cache
+from specdec_core.loop.prefill_plan import (
+    GPU_PREFILL_TOKENS,
+    MIN_HIT_SHARE,
+    PREFILL_TOKENS,
+    default_budget,
+    next_forward,
+    worth_reusing,
+)
 from specdec_core.loop.prefix_cache import PrefixCache
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_llama
 
@@ -114,7 +121,7 @@ def test_the_store_stays_within_its_budget_and_forgets_a_chain_from_its_tail(lla
     """A row's new blocks share one allocation (a span). Eviction takes the least recently used chain's blocks
     tail first; a span left half empty moves its live blocks to a smaller one, so the store's bytes are what it
     holds and a kept head block does not pin its whole span."""
-    block_bytes = llama.new_slot_cache().bytes_for(1, 16)  # one row's keys and values over 16 positions
+    block_bytes = new_slot_cache(llama).bytes_for(1, 16)  # one row's keys and values over 16 positions
     store = PrefixCache(budget_bytes=3 * block_bytes)
     first, second = repetitive_prompt(1, 49), repetitive_prompt(2, 33)
     decode(llama, [first], prefix_cache=store)  # 3 blocks, one span
@@ -161,7 +168,7 @@ def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exa
     """Blocks are cut from one slice per layer (not one per block and layer); a chain whose middle block is missing
     stores just that block; copy_into writes every block back bit for bit."""
     prompt = repetitive_prompt(5, 70)  # 4 whole blocks
-    cache = llama.new_slot_cache()
+    cache = new_slot_cache(llama)
     cache.fit(2, 80)
     source, target = cache.add_row(), cache.add_row()
     generator = torch.Generator().manual_seed(0)

@@ -6,14 +6,19 @@ import json
 import numpy as np
 import pytest
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.retrieval import RetrievalTreeDrafter
+from specdec_core.drafters.retrieval_index import (
+    SEPARATOR,
+    check_index_tokenizer,
+    load_index,
+    tokenizer_fingerprint,
+    write_index,
+)
 from specdec_core.drafters.spectra import SpectraDrafter
 from specdec_core.errors import BadRequestError
-from specdec_core.retrieval_index import (SEPARATOR, check_index_tokenizer, load_index, tokenizer_fingerprint,
-                                          write_index)
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama
 

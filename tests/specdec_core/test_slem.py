@@ -5,10 +5,10 @@ refuses such a drafter."""
 
 import pytest
 
-from specdec_core.decode import DecodeParams
-from specdec_core.loop.sampling import SamplingParams
 from specdec_core.drafters.cross_vocab_model import CrossVocabPool, SlemDrafter
 from specdec_core.engine import BatchItem, Engine, EngineConfig
+from specdec_core.loop.requests import DecodeParams
+from specdec_core.loop.sampling import SamplingParams
 from specdec_core.methods import MethodOptions
 from tests.prompts import ARTICLE, CODE_RENAME
 

@@ -4,11 +4,11 @@ greedy equals HF's `generate` in a batch mixed with other drafters, seeded sampl
 
 import torch
 
-from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
-from specdec_core.decode import DecodeParams
 from specdec_core.drafters.base import NoDrafter, RequestContext
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
 from specdec_core.drafters.spectra import NgramDictionaries, SpectraDrafter
+from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.sampling import SamplingParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama

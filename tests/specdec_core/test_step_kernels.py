@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec_core.loop.kv_cache import new_slot_cache
 from specdec_core.model import grouped_attention
 from specdec_core.model.step_batch import StepBatch
 from tests.tiny_models import repetitive_prompt, tiny_gemma3, tiny_llama, tiny_qwen2
@@ -48,7 +49,7 @@ def test_grouped_attention_leaves_long_or_unmasked_forwards_to_sdpa(monkeypatch)
 
 
 def filled_cache(runner, lengths):
-    cache = runner.new_slot_cache()
+    cache = new_slot_cache(runner)
     cache.fit(len(lengths), max(lengths) + 16)
     for seed, length in enumerate(lengths):
         row = cache.add_row()
@@ -164,8 +165,8 @@ def test_only_dense_per_token_modules_are_hooked_and_only_during_a_ragged_forwar
 @pytest.mark.parametrize("tokens", [1, 16, 300])  # 300: the parallel loop (rope_store.PARALLEL_MIN_TOKENS)
 def test_the_compiled_rope_and_cache_write_equal_the_eager_ops_bit_for_bit(tokens, dtype):
     """fp32, and bf16 rounded where each eager bf16 op rounds."""
-    from specdec_core.model import fast_forward
     from specdec_core.kernels import rope_store
+    from specdec_core.model import fast_forward
 
     generator = torch.Generator().manual_seed(tokens)
     heads, kv_heads, dim, slots, capacity = 9, 3, 64, 4, 400

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention_probe import head_attention
 from ..drafters.base import ATTENTION, HIDDEN_STATES, Drafter
+from ..model.attention_probe import head_attention
 
 
 @dataclass

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .defaults import DEFAULT_MAX_NEW_TOKENS
-from .errors import BadRequestError
-from .loop.metrics import RequestMetrics
-from .model.model_runner import ModelRunner
-from .loop.sampling import SamplingParams
+from ..defaults import DEFAULT_MAX_NEW_TOKENS
+from ..errors import BadRequestError
+from ..model.model_runner import ModelRunner
+from .metrics import RequestMetrics
+from .sampling import SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens or the model's context limit

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from .decode import DecodeParams
-from .drafters.base import NoDrafter
-from .loop.batch_decode import BatchDecoder, DecodeRequest
-from .model.attention_probe import attention_module, attention_window
-from .model.model_registry import cache_root
-from .model.step_batch import StepBatch
-from .prompts import build_prompt_ids
+from ..defaults import cache_root
+from ..loop.batch_decode import BatchDecoder, DecodeRequest
+from ..loop.kv_cache import new_slot_cache
+from ..loop.requests import DecodeParams
+from ..model.attention_probe import attention_module, attention_window
+from ..model.step_batch import StepBatch
+from ..prompts import build_prompt_ids
+from .base import NoDrafter
 
 FORMAT = 2  # 2: prompts from the standard library
 DISCOVERY_NEW_TOKENS = 64
@@ -102,7 +103,7 @@ def discover(runner, prompts: list[list[int]], new_tokens: int = DISCOVERY_NEW_T
         if isinstance(outputs[index], str):
             continue  # a prompt that could not be decoded teaches nothing
         sequence = list(prompt) + outputs[index].token_ids
-        cache = runner.new_slot_cache()
+        cache = new_slot_cache(runner)
         cache.fit(1, len(sequence))
         row = cache.add_row()
         queries: dict[int, torch.Tensor] = {}

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafters.suffix_array import SuffixArray, build_suffix_array
-from .errors import BadRequestError
-from .prompts import tokenizer_fingerprint
+from ..errors import BadRequestError
+from ..prompts import tokenizer_fingerprint
+from .suffix_array import SuffixArray, build_suffix_array
 
 FORMAT = 1
 SEPARATOR = -1  # between texts: no match or continuation crosses it

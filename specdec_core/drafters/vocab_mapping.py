@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .model.model_registry import cache_root
-from .prompts import tokenizer_fingerprint
+from ..defaults import cache_root
+from ..prompts import tokenizer_fingerprint
 
 BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
