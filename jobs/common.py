@@ -24,6 +24,7 @@ from pipelines.outputs import (
 )
 from specdec_core.cli import OneLineParser, add_batch_options, add_deterministic_option, shared_method_options
 from specdec_core.drafters.retrieval_index import check_index_tokenizer, load_index
+from specdec_core.defaults import DRAFTER_DTYPE_CHOICES, DTYPE_CHOICES
 from specdec_core.errors import SpecbatchError
 from specdec_core.methods import METHODS, MethodOptions, get_method
 from specdec_core.model.model_registry import check_model_available, resolve_model_path
@@ -73,7 +74,7 @@ def _decoding_options(group, default_methods: list[str], default_max_new_tokens:
                        help=f"repeatable; one of {', '.join(METHODS)} (default: {' '.join(default_methods)})")
     group.add_argument("--model", default=_default("model"), help="registry name, local HF directory or hub id")
     group.add_argument("--drafter", default=None, help="draft model for draft / copyspec+draft")
-    group.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+    group.add_argument("--drafter-dtype", default=None, choices=DRAFTER_DTYPE_CHOICES,
                        help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
                             "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                             "cheaper and changes only what it proposes")
@@ -83,7 +84,7 @@ def _decoding_options(group, default_methods: list[str], default_max_new_tokens:
     group.add_argument("--top-p", type=float, default=_default("top_p"), help="nucleus sampling's probability mass")
     group.add_argument("--top-k", type=int, default=_default("top_k"), help="sample among the k likeliest (0: all)")
     group.add_argument("--seed", type=int, default=None, help="a sampling run's seed: the same tokens run after run")
-    group.add_argument("--dtype", default=_default("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default=_default("dtype"), choices=DTYPE_CHOICES)
     group.add_argument("--device", default=_default("device"))
     add_deterministic_option(group)
     add_batch_options(group, _default("batch_size"), "sequences decoded at once per actor (continuous batching)")

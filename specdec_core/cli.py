@@ -18,7 +18,8 @@ import sys
 from typing import get_args
 
 from .corpus_texts import read_texts
-from .defaults import DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES
+from .defaults import (DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES,
+                       DRAFTER_DTYPE_CHOICES, DTYPE_CHOICES)
 from .drafters.retrieval_index import MANIFEST_FILE, write_index
 from .errors import BadRequestError, SpecbatchError
 from .methods import METHODS, MethodOptions, get_method
@@ -78,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampler")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--drafter-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16", "int8"],
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--drafter-dtype", default=None, choices=DRAFTER_DTYPE_CHOICES,
                         help="the draft model's dtype (default: int8 for a bf16 target on a CPU, else the target's); "
                              "int8 (CPU only) quantizes its linear layers, which makes a small drafter's tokens "
                              "cheaper and changes only what it proposes")
@@ -315,7 +316,7 @@ def run_discover_heads(argv: list[str]) -> int:
         "Find the target model's copying (induction) heads for pld_plus_a (PLD+ paper, section 4.2.1) and save "
         "the ranking next to the model cache; pld_plus_a also does this on first use."))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name, local HF directory or hub id")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--top", type=int, default=10, help="heads to print (default 10)")
     parser.add_argument("--force", action="store_true", help="discover again even if a saved ranking exists")
