@@ -7,6 +7,7 @@ that only read and tokenize rows never import the engine.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -135,6 +136,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
 )}
 
 
+@functools.cache
 def _factories():
     # Lazy: keeps torch out of a job's argument check, --help and the Ray Data workers that only read and tokenize.
     from .drafters import factories
