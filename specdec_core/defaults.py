@@ -17,7 +17,7 @@ DEFAULT_BATCH_SIZE = 16
 # megabytes (decisions.md: specdec_core/defaults.py).
 DEFAULT_MEMORY_TOKENS = 100_000
 
-# --dtype: "auto" picks bf16 where the CPU computes in it, else fp32 (model/hardware.py); a draft model may also be int8.
+# --dtype: "auto" picks bf16 where the CPU computes in it, else fp32 (model/hardware.py); a draft model may be int8.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..loop.draft_tree import frequency_trie
+from ..method_options import DEFAULTS
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, empty_draft
 from .suffix_array import SuffixArray, shared_suffix_array
 
@@ -25,7 +26,7 @@ PROMPT_POOL_SOURCE = "copy"  # a row without a context retrieves from its own pr
 
 class ContextTreeDrafter(Drafter):
 
-    def __init__(self, node_budget: int = 32, depth: int = 10, max_match: int = 16, min_match: int = 2,
+    def __init__(self, node_budget: int = DEFAULTS.tree_nodes, depth: int = 10, max_match: int = 16, min_match: int = 2,
                  max_occurrences: int = 64):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")

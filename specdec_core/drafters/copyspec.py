@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..method_options import DEFAULTS
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, copy_draft
 from .context_index import ContextIndex
 from .copyspec_index import CopyIndex
@@ -26,8 +27,9 @@ class CopySpecDrafter(Drafter):
 
     SOURCES = (COPY_SOURCE, CONTEXT_SOURCE)
 
-    def __init__(self, gamma: int = 3, copy_tokens: int = 10, adaptive: bool = False, max_copy_tokens: int = 64,
-                 candidates: int = 1):
+    def __init__(self, gamma: int = DEFAULTS.gamma, copy_tokens: int = DEFAULTS.copy_tokens,
+                 adaptive: bool = DEFAULTS.adaptive, max_copy_tokens: int = DEFAULTS.max_copy_tokens,
+                 candidates: int = DEFAULTS.candidates):
         self.gamma = gamma
         self.candidates = candidates
         self.length = DraftLength(copy_tokens, adaptive=adaptive, minimum=copy_tokens, maximum=max_copy_tokens)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..method_options import DEFAULT_DRAFT_TOKENS, DEFAULTS
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
 from .base import Draft, RequestContext
@@ -179,7 +180,8 @@ class CrossVocabDrafter(PooledDrafter):
     # only for drafters whose draft is read as text (SLEM); TLI/union/SLRS verify the drafter's own tokens' q.
     heals_boundary: bool = False
 
-    def __init__(self, pool: CrossVocabPool, num_tokens: int = 4, adaptive: bool = False, max_tokens: int = 16,
+    def __init__(self, pool: CrossVocabPool, num_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 adaptive: bool = DEFAULTS.adaptive, max_tokens: int = DEFAULTS.max_draft_tokens,
                  confidence: float | str = 0.0):
         super().__init__(pool, num_tokens, adaptive, max_tokens)
         # Drafting stops once the draft model is less sure of the draft than this; "priced": than the decoder's

@@ -22,6 +22,7 @@ import torch
 
 from ..loop.kv_cache import new_slot_cache
 from ..loop.sampling import logits_to_probs
+from ..method_options import DEFAULT_DRAFT_TOKENS, DEFAULTS
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
@@ -278,8 +279,8 @@ class PooledDrafter(Drafter):
 
 
 class DraftModelDrafter(PooledDrafter):
-    def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = 4, adaptive: bool = False,
-                 max_tokens: int = 16):
+    def __init__(self, draft_model: "ModelRunner | DraftModelPool", num_tokens: int = DEFAULT_DRAFT_TOKENS,
+                 adaptive: bool = DEFAULTS.adaptive, max_tokens: int = DEFAULTS.max_draft_tokens):
         pool = draft_model if isinstance(draft_model, DraftModelPool) else DraftModelPool(draft_model)
         super().__init__(pool, num_tokens, adaptive, max_tokens)
 

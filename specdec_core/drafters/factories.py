@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import UnknownMethodError
 from ..loop.verification import ConditionalRule
+from ..method_options import DEFAULT_DRAFT_TOKENS
 from .base import Drafter, NoDrafter
 from .cascade import CascadeDrafter
 from .casd import ContextTreeDrafter
@@ -26,9 +27,7 @@ from .suffix import SuffixDrafter
 from .tli import TliDrafter, UnionDrafter
 
 if TYPE_CHECKING:
-    from ..methods import MethodOptions
-
-DEFAULT_DRAFT_TOKENS = 4  # a draft model's tokens per step when the method has no stop of its own (δ)
+    from ..method_options import MethodOptions
 
 # The factory's second argument is the decoder's draft-model pool (None without a draft model): every draft-model
 # drafter of one decoder shares it, so the draft model steps all their rows in one forward.

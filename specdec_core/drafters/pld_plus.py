@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..method_options import DEFAULTS
 from .base import ATTENTION, HIDDEN_STATES, Draft, Drafter, empty_draft
 from .draft_length import DraftLength
 from .induction_heads import load_or_discover, top_heads
@@ -117,8 +118,8 @@ class HiddenStateLookupDrafter(RankedLookupDrafter):
 
     reads = frozenset({HIDDEN_STATES})
 
-    def __init__(self, hidden_layer: int | None = None, num_tokens: int = 10, threshold: float | None = 0.0,
-                 adaptive: bool = False):
+    def __init__(self, hidden_layer: int | None = DEFAULTS.hidden_layer, num_tokens: int = DEFAULTS.lookup_tokens,
+                 threshold: float | None = DEFAULTS.similarity_threshold, adaptive: bool = DEFAULTS.adaptive):
         if hidden_layer is not None and hidden_layer < 0:
             raise ValueError(f"hidden layer must be >= 0, got {hidden_layer}")
         super().__init__(num_tokens, adaptive)
@@ -170,7 +171,8 @@ class AttentionLookupDrafter(RankedLookupDrafter):
 
     reads = frozenset({ATTENTION})
 
-    def __init__(self, num_tokens: int = 10, top_heads: int = 50, adaptive: bool = False):
+    def __init__(self, num_tokens: int = DEFAULTS.lookup_tokens, top_heads: int = DEFAULTS.top_heads,
+                 adaptive: bool = DEFAULTS.adaptive):
         if top_heads < 1:
             raise ValueError(f"top heads must be >= 1, got {top_heads}")
         super().__init__(num_tokens, adaptive)

@@ -13,6 +13,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..kernels.numba_kernels import LazyKernel
+from ..method_options import DEFAULTS
 from .base import CONTEXT_SOURCE, Draft, Drafter, RequestContext, copy_draft, empty_draft
 from .context_index import ContextIndex
 from .draft_length import DraftLength
@@ -101,8 +102,9 @@ class PromptLookupDrafter(Drafter):
 
     SOURCES = (LOOKUP_SOURCE, CONTEXT_SOURCE)
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, adaptive: bool = False,
-                 candidates: int = 1):
+    def __init__(self, num_tokens: int = DEFAULTS.lookup_tokens, max_ngram: int = DEFAULTS.max_ngram,
+                 min_ngram: int = DEFAULTS.min_ngram, adaptive: bool = DEFAULTS.adaptive,
+                 candidates: int = DEFAULTS.candidates):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.length = DraftLength(num_tokens, adaptive=adaptive)

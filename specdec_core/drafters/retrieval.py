@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ..method_options import DEFAULTS
 from .base import Draft, Drafter, RequestContext
 from .casd import ContextTreeDrafter
 
@@ -19,8 +20,8 @@ RETRIEVAL_SOURCE = "retrieval"
 
 class RetrievalTreeDrafter(ContextTreeDrafter):
 
-    def __init__(self, corpus, node_budget: int = 32, depth: int = 10, max_match: int = 16, min_match: int = 2,
-                 max_occurrences: int = 64):
+    def __init__(self, corpus, node_budget: int = DEFAULTS.tree_nodes, depth: int = 10, max_match: int = 16,
+                 min_match: int = 2, max_occurrences: int = 64):
         super().__init__(node_budget, depth, max_match, min_match, max_occurrences)
         self.corpus = corpus
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from ..loop.draft_tree import build_trie_with_origins
+from ..method_options import DEFAULTS
 from .base import DRAFT_LOGITS, Draft, Drafter, RequestContext, empty_draft
 from .retrieval import RETRIEVAL_SOURCE
 
@@ -80,7 +81,8 @@ class NgramDictionaries:
 class SpectraDrafter(Drafter):
     reads = frozenset({DRAFT_LOGITS})
 
-    def __init__(self, n: int = 5, pool_rows: int = 15, max_guesses: int = 15, tau: float = 0.1,
+    def __init__(self, n: int = DEFAULTS.spectra_n, pool_rows: int = DEFAULTS.spectra_pool,
+                 max_guesses: int = DEFAULTS.spectra_guesses, tau: float = DEFAULTS.spectra_tau,
                  force_unseen_probability: float | None = None, seed: int = 0, retriever=None):
         if n < 2:
             raise ValueError("SPECTRA needs n-grams of at least 2 tokens")

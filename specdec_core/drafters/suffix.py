@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
+from ..method_options import DEFAULTS
 from .base import Draft, Drafter, RequestContext, empty_draft
+from .job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
 from .suffix_tree import Cursor, SuffixTree
 
 SUFFIX_SOURCE = "suffix"  # drafted from the request's own tree
@@ -21,7 +22,8 @@ MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
 class SuffixDrafter(Drafter):
 
-    def __init__(self, factor: float = 1.0, min_prob: float = 0.1, depth: int = MEMORY_DEPTH):
+    def __init__(self, factor: float = DEFAULTS.suffix_spec_factor, min_prob: float = DEFAULTS.suffix_min_prob,
+                 depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth
         self.own: SuffixTree | None = None  # built in start(), per request
         self.own_cursor: Cursor | None = None
