@@ -33,7 +33,7 @@ EPILOG = """examples:
   specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
   specbatch --method pld --context-file passages.txt --prompt "Question: ..."   copy from a separate document
 other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads |
-  specbatch build-index | specbatch vocab-overlap"""
+  specbatch build-index | specbatch vocab-overlap | specbatch warm-up | specbatch kernels (time the linear kernels)"""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -429,9 +429,56 @@ def run_warm_up(argv: list[str]) -> int:
     return 0
 
 
+def run_kernels(argv: list[str]) -> int:
+    """Time the linear kernels this CPU can run on the model's linear shapes (the measuring half of issue 52)."""
+    parser = OneLineParser(prog="specbatch kernels", description=(
+        "Time every linear kernel this CPU can run, on the model's linear shapes (random weights) and a few row "
+        "counts, and print each one's GFLOP/s and the fastest per shape and row count, also among the row-invariant "
+        "ones that --deterministic needs. The engine does not read these timings yet: it picks its linears by the "
+        "CPU's flags."))
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a registry name (default %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512, 2048],
+                        help="row counts M (default %(default)s)")
+    parser.add_argument("--seconds", type=float, default=0.05,
+                        help="time spent on each candidate, shape and row count (default %(default)s)")
+    args = parser.parse_args(argv)
+    if min(args.rows) < 1 or args.seconds <= 0:
+        parser.error("--rows must be >= 1 and --seconds > 0")
+    try:
+        check_model_available(args.model)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(resolve_model_path(args.model))
+    except (SpecbatchError, OSError, ValueError) as exc:
+        print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    from .kernels import linear_plan  # lazy: torch, only for the command that needs it
+    from .model.hardware import resolve_dtype  # lazy: torch, only for the command that needs it
+
+    dtype = resolve_dtype(args.dtype, "cpu")
+    shapes = linear_plan.model_shapes(config)
+    timings = linear_plan.measure(shapes, sorted(set(args.rows)), dtype, args.seconds)
+    names = [c.name for c in linear_plan.CANDIDATES if c.name in {t.candidate for t in timings}]
+    invariant_names = {t.candidate for t in timings if t.row_invariant}
+    print(f"# {args.model}, {str(dtype).removeprefix('torch.')}, {linear_plan.cpu_description()}; GFLOP/s, the best "
+          "of repeated calls (* row-invariant)")
+    print("| shape | out x in | rows | " + " | ".join(n + ("*" if n in invariant_names else "") for n in names)
+          + " | fastest | fastest row-invariant |")
+    print("|---" * (len(names) + 5) + "|")
+    best, best_invariant = linear_plan.fastest(timings, False), linear_plan.fastest(timings, True)
+    for (shape, rows), top in best.items():
+        cells = {t.candidate: f"{t.gflops:.0f}" for t in timings if (t.shape, t.rows) == (shape, rows)}
+        invariant = best_invariant.get((shape, rows))
+        print(f"| {shape} | {top.out_features} x {top.in_features} | {rows} | "
+              + " | ".join(cells.get(n, "") for n in names)
+              + f" | {top.candidate} | {invariant.candidate if invariant else '-'} |")
+    return 0
+
+
 COMMANDS = {"install-model": run_install, "models": run_list_models, "methods": run_list_methods,
             "discover-heads": run_discover_heads, "build-index": run_build_index, "vocab-overlap": run_vocab_overlap,
-            "warm-up": run_warm_up}
+            "warm-up": run_warm_up, "kernels": run_kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

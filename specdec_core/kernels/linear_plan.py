@@ -1,0 +1,146 @@
+"""The linear kernels a CPU could run a model's linears with, timed on this machine: for each weight shape and row
+count, every candidate's GFLOP/s and whether its rows are invariant (what --deterministic needs).
+
+The dispatch does not read these timings yet: it still picks by the CPU's flags (model_runner.bf16_linears_on_panels).
+This is the measuring half of a plan chosen per machine (issue 52); `python -m specdec_core kernels` prints it.
+
+Every candidate takes and returns the model's dtype, so a candidate that computes in fp32 pays its conversions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import bf16_dot, packed_linear, panel_linear
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    row_invariant: bool  # a row's result depends on that row alone (--deterministic may use it)
+    dtypes: tuple[torch.dtype, ...]  # the model dtypes it serves
+    usable: Callable[[], bool]
+    build: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight [out, in] -> x [M, in] -> y
+
+
+def _onednn(weight: torch.Tensor):
+    return lambda x: F.linear(x, weight)
+
+
+def _onednn_fp32(weight: torch.Tensor):
+    wide = weight.float()  # a second copy of the weights, in fp32
+    return lambda x: F.linear(x.float(), wide).to(weight.dtype)
+
+
+def _onednn_fp32_packed(weight: torch.Tensor):
+    source = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    source.weight.data = weight.float()
+    packed = packed_linear.PackedLinear(source)
+    return lambda x: packed.project(x.float()).to(weight.dtype)
+
+
+def _bf16_dot(weight: torch.Tensor):
+    array = bf16_dot.as_words(bf16_dot.to_pair_panels(weight))
+    return lambda x: panel_linear.linear(x, array, None, weight.shape[0], torch.bfloat16)
+
+
+def _panel(weight: torch.Tensor):
+    """The panel kernel over the weight's own dtype (bf16 panels are widened to fp32 as they are read)."""
+    array = panel_linear.as_kernel_array(panel_linear.to_panels(weight))
+    return lambda x: panel_linear.linear(x, array, None, weight.shape[0], weight.dtype)
+
+
+def _panel_fp32(weight: torch.Tensor):
+    array = panel_linear.as_kernel_array(panel_linear.to_panels(weight.float()))
+    return lambda x: panel_linear.linear(x.float(), array, None, weight.shape[0]).to(weight.dtype)
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+CANDIDATES = (
+    Candidate("onednn", False, (BF16, FP32), lambda: True, _onednn),
+    Candidate("onednn_fp32", False, (BF16,), lambda: True, _onednn_fp32),
+    Candidate("onednn_fp32_packed", False, (BF16, FP32), packed_linear.available, _onednn_fp32_packed),
+    Candidate("bf16_dot", True, (BF16,), bf16_dot.available, _bf16_dot),
+    Candidate("panel", True, (BF16, FP32), lambda: panel_linear.available(BF16) and panel_linear.available(FP32),
+              _panel),
+    Candidate("panel_fp32", True, (BF16,), lambda: panel_linear.available(FP32), _panel_fp32),
+)
+
+
+@dataclass(frozen=True)
+class Timing:
+    shape: str  # the weight's role, e.g. "gate_up"
+    out_features: int
+    in_features: int
+    rows: int  # M
+    candidate: str
+    row_invariant: bool
+    gflops: float
+
+
+def time_call(call: Callable[[], object], seconds: float) -> float:
+    """The best of repeated calls' wall times, after one untimed call, within about `seconds`."""
+    call()
+    best, spent = float("inf"), 0.0
+    while spent < seconds or best == float("inf"):
+        started = time.perf_counter()
+        call()
+        took = time.perf_counter() - started
+        best, spent = min(best, took), spent + took
+    return best
+
+
+def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dtype,
+            seconds_each: float = 0.05) -> list[Timing]:
+    """shapes {role: (out_features, in_features)} -> one Timing per (shape, rows, usable candidate)."""
+    timings = []
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for role, (out_features, in_features) in shapes.items():
+            weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
+            for candidate in (c for c in CANDIDATES if dtype in c.dtypes and c.usable()):
+                run = candidate.build(weight)
+                for count in rows:
+                    x = torch.randn(count, in_features, generator=generator).to(dtype)
+                    seconds = time_call(lambda: run(x), seconds_each)
+                    gflops = 2 * count * out_features * in_features / seconds / 1e9
+                    timings.append(Timing(role, out_features, in_features, count, candidate.name,
+                                          candidate.row_invariant, gflops))
+    return timings
+
+
+def fastest(timings: list[Timing], deterministic: bool) -> dict[tuple[str, int], Timing]:
+    """{(shape, rows): the fastest timing}, among row-invariant candidates only when `deterministic`."""
+    best: dict[tuple[str, int], Timing] = {}
+    for timing in timings:
+        if deterministic and not timing.row_invariant:
+            continue
+        key = (timing.shape, timing.rows)
+        if key not in best or timing.gflops > best[key].gflops:
+            best[key] = timing
+    return best
+
+
+def cpu_description() -> str:
+    """The CPU's model name, the flags that decide its kernels, and torch's threads."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return f"CPU ?, threads {torch.get_num_threads()}"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in info)
+    return f"{name}, flags {flags}, threads {torch.get_num_threads()}"
+
+
+def model_shapes(config) -> dict[str, tuple[int, int]]:
+    """The decoder layer's linears as the fast forward runs them (q, k, v stacked; gate and up stacked)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * config.intermediate_size, hidden), "down": (hidden, config.intermediate_size)}

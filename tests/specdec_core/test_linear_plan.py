@@ -1,0 +1,63 @@
+"""The linear candidates `specbatch kernels` times: each computes the linear, the ones marked row-invariant are, and
+the command prints a row per shape and row count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_core import cli
+from specdec_core.kernels import linear_plan
+
+
+def _usable(dtype):
+    return [c for c in linear_plan.CANDIDATES if dtype in c.dtypes and c.usable()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_usable_candidate_computes_the_linear(dtype):
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(40, 70, generator=generator) * 0.05).to(dtype)  # widths that fill no panel exactly
+    x = torch.randn(9, 70, generator=generator).to(dtype)
+    expected = F.linear(x.float(), weight.float())
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    assert _usable(dtype), "no candidate runs here"
+    for candidate in _usable(dtype):
+        got = candidate.build(weight)(x)
+        assert got.dtype == dtype and got.shape == (9, 40), candidate.name
+        assert torch.allclose(got.float(), expected, atol=tolerance, rtol=tolerance), candidate.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_candidates_marked_row_invariant_give_a_row_the_same_bits_in_any_batch(dtype):
+    generator = torch.Generator().manual_seed(4)
+    weight = (torch.randn(48, 96, generator=generator) * 0.05).to(dtype)
+    x = torch.randn(33, 96, generator=generator).to(dtype)
+    for candidate in (c for c in _usable(dtype) if c.row_invariant):
+        run = candidate.build(weight)
+        together = run(x)
+        for row in (0, 5, 32):
+            assert torch.equal(run(x[row:row + 1])[0], together[row]), (candidate.name, row)
+
+
+def test_fastest_keeps_to_row_invariant_candidates_when_deterministic():
+    timings = [linear_plan.Timing("o", 8, 8, 16, "onednn", False, 300.0),
+               linear_plan.Timing("o", 8, 8, 16, "bf16_dot", True, 150.0),
+               linear_plan.Timing("o", 8, 8, 16, "panel", True, 90.0)]
+    assert linear_plan.fastest(timings, False)[("o", 16)].candidate == "onednn"
+    assert linear_plan.fastest(timings, True)[("o", 16)].candidate == "bf16_dot"
+
+
+def test_the_kernels_command_prints_each_shape_and_row_count(capsys):
+    assert cli.main(["kernels", "--rows", "1", "3", "--seconds", "0.001", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "float32" in out and "threads" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| shape")]
+    assert len(rows) == 4 * 2  # qkv, o, gate_up, down x 2 row counts
+    assert all(line.split(" | ")[-2] and line.split(" | ")[-1].strip(" |") != "-" for line in rows)
+
+
+def test_the_kernels_command_refuses_bad_row_counts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["kernels", "--rows", "0"])
+    assert exit_info.value.code == 2
+    assert "--rows must be >= 1" in capsys.readouterr().err
