@@ -430,7 +430,7 @@ def run_warm_up(argv: list[str]) -> int:
 
 
 def run_kernels(argv: list[str]) -> int:
-    """Time the linear kernels this CPU can run on the model's linear shapes (the measuring half of issue 52)."""
+    """Time the linear kernels this CPU can run on the model's linear shapes."""
     parser = OneLineParser(prog="specbatch kernels", description=(
         "Time every linear kernel this CPU can run, on the model's linear shapes (random weights) and a few row "
         "counts, and print each one's GFLOP/s and the fastest per shape and row count, also among the row-invariant "

@@ -1,8 +1,8 @@
 """The linear kernels a CPU could run a model's linears with, timed on this machine: for each weight shape and row
-count, every candidate's GFLOP/s and whether its rows are invariant (what --deterministic needs).
+count, every candidate's speed and whether its rows are invariant (what --deterministic needs).
 
 The dispatch does not read these timings yet: it still picks by the CPU's flags (model_runner.bf16_linears_on_panels).
-This is the measuring half of a plan chosen per machine (issue 52); `python -m specdec_core kernels` prints it.
+This is the measuring half of a kernel plan chosen per machine; `python -m specdec_core kernels` prints it.
 
 Every candidate takes and returns the model's dtype, so a candidate that computes in fp32 pays its conversions.
 """
