@@ -38,6 +38,7 @@ from operators.task_prompts import DEFAULT_MAX_CONTEXT_CHARS, compose_prompt
 from pipelines.hf_batch_peer import generate_batch
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 from specdec_core.engine import BatchItem, Engine, EngineConfig
+from specdec_core.kernels.linear_plan import cpu_description
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.methods import MethodOptions
 
@@ -52,12 +53,7 @@ def hardware(device: str) -> str:
 
     if device.startswith("cuda"):
         return f"GPU {torch.cuda.get_device_name()}"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "CPU flags ?"
-    found = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags)
-    return f"CPU flags: {found}, threads {torch.get_num_threads()}"
+    return cpu_description()
 
 
 INDEXES: dict[str, str] = {}  # --index NAME=DIR: the retrieval indexes methods name with index=NAME

@@ -18,9 +18,8 @@ import time
 
 sys.path.insert(0, os.getcwd())  # the checkout run from, not the one this file is in
 
-import torch  # noqa: E402
-
 import specdec_core  # noqa: E402
+from benchmarks.batch_bench import hardware  # noqa: E402  (the same line in any checkout)
 from corpora.code_edit import stdlib_rename_tasks  # noqa: E402
 from specdec_core import DecodeParams, Engine, EngineConfig  # noqa: E402
 from specdec_core.engine import BatchItem  # noqa: E402
@@ -49,9 +48,8 @@ def timed_pass(engine, prompts: list[list[int]], method: str, args) -> tuple[flo
 def main() -> int:
     args = _parser().parse_args()
     engine = Engine(EngineConfig())
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in open("/proc/cpuinfo").read()]
-    print(f"# checkout {os.path.dirname(specdec_core.__file__)}; dtype {engine.target.dtype}; CPU flags "
-          f"{' '.join(flags)}; threads {torch.get_num_threads()}", flush=True)
+    print(f"# checkout {os.path.dirname(specdec_core.__file__)}; dtype {engine.target.dtype}; {hardware('cpu')}",
+          flush=True)
     prompts = [engine.prompt_ids(row["prompt"], None, False) for row in stdlib_rename_tasks(args.requests)]
     for method in args.methods:
         timed_pass(engine, prompts, method, args)  # untimed: compiles, first allocations

@@ -131,10 +131,10 @@ def cpu_description() -> str:
     try:
         info = open("/proc/cpuinfo").read()
     except OSError:
-        return f"CPU ?, threads {torch.get_num_threads()}"
+        return f"CPU ?, CPU flags: ?, threads {torch.get_num_threads()}"
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in info)
-    return f"{name}, flags {flags}, threads {torch.get_num_threads()}"
+    return f"{name}, CPU flags: {flags}, threads {torch.get_num_threads()}"
 
 
 def model_shapes(config) -> dict[str, tuple[int, int]]:
