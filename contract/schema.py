@@ -70,6 +70,11 @@ GENERATIONS_SCHEMA = pa.schema([
     # The decode actor's warm-up before its first timed pass (warm_up.py: kernels compiled or loaded, the first
     # forwards run), in seconds; in no pass's wall time. Null where the stage did not warm up.
     ("actor_warmup_s", pa.float64()),
+    # The decode actor's kernel plan for the target's linears (kernel_plan.py: which kernel at which row counts,
+    # null where none is followed), and the seconds spent timing it at the model's load (0: read from the cache);
+    # in neither the warm-up nor any pass's wall time.
+    ("kernel_plan", pa.string()),
+    ("kernel_plan_s", pa.float64()),
 ])
 
 METHOD_STATS = pa.struct([

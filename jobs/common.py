@@ -18,6 +18,7 @@ from pipelines.outputs import (
     RunLockedError,
     common_errors,
     latest_unfinished_run,
+    kernel_plans,
     method_stats,
     method_summary,
     run_dir,
@@ -321,6 +322,10 @@ def print_method_summary(output: str, run_id: str, warmup_s: float | None = None
     def number(value, digits=1):
         return "-" if value is None else f"{value:.{digits}f}"
 
+    plans = kernel_plans(output, run_id)
+    timed = f" (timed at load in {plans['kernel_plan_s']:.1f} s)" if plans["kernel_plan_s"] else ""
+    for plan in plans["kernel_plans"]:
+        print(f"linear kernel {plan}{timed}", file=sys.stderr)
     if warmup_s is not None:
         print(f"warm-up before timing (kernels, first forwards): {warmup_s:.1f} s", file=sys.stderr)
     for m in stats:

@@ -74,6 +74,11 @@ class DecodeRequests:
         # In a Ray job (a journal to count crashes) a hung forward ends this actor's process: see hang_watchdog.py.
         self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
         self.warmup_s: float | None = None  # warm_up(), when this stage ran it
+        plan = engine.target.kernel_plan
+        aside = plan is not None and plan.routed and engine.target.deterministic  # its routes are not row-invariant
+        self.kernel_plan = {"kernel_plan": None if plan is None else plan.describe() + ("; set aside by --deterministic"
+                                                                                         if aside else ""),
+                            "kernel_plan_s": None if plan is None else plan.seconds}
 
     def _params(self, max_new_tokens: int | None):
         from specdec_core.loop.requests import DecodeParams  # lazy: torch, in the actor only
@@ -97,6 +102,7 @@ class DecodeRequests:
             "actor_id": self.actor_id, "started_at": datetime.now(timezone.utc), "task": row.get("task"),
             "turn": turn, "batch_size": cfg.batch_size, "deterministic": self.engine.target.deterministic,
             "decode_key": cfg.decode_keys.get(method), "node_id": self.node_id, "actor_warmup_s": self.warmup_s,
+            **self.kernel_plan,
         }
 
     def _error_rows(self, row: dict, method: str, error: str, first_turn: int = 1) -> list[dict]:

@@ -235,6 +235,17 @@ def longest_warmup(output: str | Path, run_id: str) -> float | None:
     return pc.max(column).as_py()
 
 
+def kernel_plans(output: str | Path, run_id: str) -> dict:
+    """The run's kernel plans (each actor's, kernel_plan.py) and the longest time an actor spent timing its plan."""
+    path = generations_dir(output) / f"run_id={run_id}"
+    if not path.exists():
+        return {"kernel_plans": [], "kernel_plan_s": None}
+    table = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
+        columns=["kernel_plan", "kernel_plan_s"])
+    return {"kernel_plans": sorted(set(table.column("kernel_plan").drop_null().to_pylist())),
+            "kernel_plan_s": pc.max(table.column("kernel_plan_s")).as_py()}
+
+
 def method_stats(output: str | Path, run_id: str) -> list[dict]:
     """Per method of one run, the runs row's `method_stats`: job throughput from the decoder passes' wall times.
 

@@ -19,7 +19,7 @@ from typing import get_args
 
 from .corpus_texts import read_texts
 from .defaults import (DEFAULT_BATCH_SIZE, DEFAULT_DETERMINISTIC, DEFAULT_MAX_NEW_TOKENS, DETERMINISM_MODES,
-                       DRAFTER_DTYPE_CHOICES, DTYPE_CHOICES)
+                       DRAFTER_DTYPE_CHOICES, DTYPE_CHOICES, cache_root)
 from .drafters.retrieval_index import MANIFEST_FILE, write_index
 from .errors import BadRequestError, SpecbatchError
 from .methods import METHODS, MethodOptions, get_method
@@ -430,20 +430,22 @@ def run_warm_up(argv: list[str]) -> int:
 
 
 def run_kernels(argv: list[str]) -> int:
-    """Time the linear kernels this CPU can run on the model's linear shapes."""
+    """Print this machine's kernel plan for a model, or time the linear kernels at chosen row counts."""
     parser = OneLineParser(prog="specbatch kernels", description=(
-        "Time every linear kernel this CPU can run, on the model's linear shapes (random weights) and a few row "
-        "counts, and print each one's GFLOP/s and the fastest per shape and row count, also among the row-invariant "
-        "ones that --deterministic needs. The engine does not read these timings yet: it picks its linears by the "
-        "CPU's flags."))
+        "Print the kernel plan the engine follows on this machine for a model's linears: each candidate kernel's "
+        "GFLOP/s on the model's linear shapes at each row bucket's timed count, and which kernel runs each linear at "
+        "which row counts. The plan is timed at the model's first load on a machine (a few seconds) and cached under "
+        "$SPECBATCH_CACHE/kernel_plans; a bf16 model without --deterministic follows it. With --rows, time the "
+        "candidates at those row counts instead (nothing is cached)."))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a registry name (default %(default)s)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512, 2048],
-                        help="row counts M (default %(default)s)")
+    parser.add_argument("--rows", type=int, nargs="+", default=None, help="time these row counts M instead")
     parser.add_argument("--seconds", type=float, default=0.05,
-                        help="time spent on each candidate, shape and row count (default %(default)s)")
+                        help="with --rows: time spent on each candidate, shape and row count (default %(default)s)")
+    parser.add_argument("--retime", action="store_true",
+                        help="time the plan again (after the machine was busy at the model's first load)")
     args = parser.parse_args(argv)
-    if min(args.rows) < 1 or args.seconds <= 0:
+    if (args.rows and min(args.rows) < 1) or args.seconds <= 0:
         parser.error("--rows must be >= 1 and --seconds > 0")
     try:
         check_model_available(args.model)
@@ -453,26 +455,33 @@ def run_kernels(argv: list[str]) -> int:
     except (SpecbatchError, OSError, ValueError) as exc:
         print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    from .kernels import linear_plan  # lazy: torch, only for the command that needs it
-    from .model.hardware import resolve_dtype  # lazy: torch, only for the command that needs it
+    from .kernels import kernel_plan, linear_plan  # lazy: torch, only for the command that needs it
+    from .model import hardware, model_runner  # lazy: torch, only for the command that needs it
 
-    dtype = resolve_dtype(args.dtype, "cpu")
-    shapes = linear_plan.model_shapes(config)
-    timings = linear_plan.measure(shapes, sorted(set(args.rows)), dtype, args.seconds)
-    names = [c.name for c in linear_plan.CANDIDATES if c.name in {t.candidate for t in timings}]
-    invariant_names = {t.candidate for t in timings if t.row_invariant}
-    print(f"# {args.model}, {str(dtype).removeprefix('torch.')}, {linear_plan.cpu_description()}; GFLOP/s, the best "
-          "of repeated calls (* row-invariant)")
-    print("| shape | out x in | rows | " + " | ".join(n + ("*" if n in invariant_names else "") for n in names)
-          + " | fastest | fastest row-invariant |")
-    print("|---" * (len(names) + 5) + "|")
-    best, best_invariant = linear_plan.fastest(timings, False), linear_plan.fastest(timings, True)
-    for (shape, rows), top in best.items():
-        cells = {t.candidate: f"{t.gflops:.0f}" for t in timings if (t.shape, t.rows) == (shape, rows)}
-        invariant = best_invariant.get((shape, rows))
-        print(f"| {shape} | {top.out_features} x {top.in_features} | {rows} | "
-              + " | ".join(cells.get(n, "") for n in names)
-              + f" | {top.candidate} | {invariant.candidate if invariant else '-'} |")
+    dtype = hardware.resolve_dtype(args.dtype, "cpu")
+    dtype_name = str(dtype).removeprefix("torch.")
+    if args.rows:
+        timings = linear_plan.measure(linear_plan.model_shapes(config), sorted(set(args.rows)), dtype, args.seconds)
+        print(f"# {args.model}, {dtype_name}, {linear_plan.cpu_description()}; GFLOP/s, the best of repeated calls "
+              "(* row-invariant)")
+        print("\n".join(linear_plan.table(timings)))
+        return 0
+    if args.retime:
+        for path in (cache_root() / "kernel_plans").glob("*.json"):
+            path.unlink()  # every plan of this cache: each is timed again at its model's next load
+    runner = model_runner.ModelRunner.load(args.model, args.dtype, "cpu")
+    plan = runner.kernel_plan
+    print(f"# {args.model}, {dtype_name}, {linear_plan.cpu_description()}")
+    if plan is None:
+        why = "plans are off (SPECBATCH_KERNEL_PLAN=flags)" if dtype_name == "bfloat16" else "fp32 stays exact"
+        module = kernel_plan.primary_kernel(runner.model.get_decoder().layers[0].mlp.down_proj)
+        print(f"no kernel plan: {why}; every linear runs its module's kernel ({module})")
+        return 0
+    timed = f"timed now in {plan.seconds:.1f} s" if plan.seconds else "from the cache"
+    print(f"GFLOP/s at each row bucket's timed count, the best of repeated calls (* row-invariant); {timed}")
+    print("\n".join(linear_plan.table(list(plan.timings))))
+    print(f"kernel {plan.describe()}")
+    print("--deterministic: every linear on " + plan.primary + " (row-invariant, at every row count)")
     return 0
 
 

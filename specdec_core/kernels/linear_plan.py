@@ -1,8 +1,8 @@
 """The linear kernels a CPU could run a model's linears with, timed on this machine: for each weight shape and row
 count, every candidate's speed and whether its rows are invariant (what --deterministic needs).
 
-The dispatch does not read these timings yet: it still picks by the CPU's flags (model_runner.bf16_linears_on_panels).
-This is the measuring half of a kernel plan chosen per machine; `python -m specdec_core kernels` prints it.
+kernel_plan.py chooses from these timings, per machine and model, which kernel runs each linear at each row count;
+`python -m specdec_core kernels` prints the timings and the plan.
 
 Every candidate takes and returns the model's dtype, so a candidate that computes in fp32 pays its conversions.
 """
@@ -28,36 +28,39 @@ class Candidate:
     build: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight [out, in] -> x [M, in] -> y
 
 
+# Each builder keeps its own layout and not the weight it was given (a plan may drop the dense weight).
 def _onednn(weight: torch.Tensor):
     return lambda x: F.linear(x, weight)
 
 
 def _onednn_fp32(weight: torch.Tensor):
-    wide = weight.float()  # a second copy of the weights, in fp32
-    return lambda x: F.linear(x.float(), wide).to(weight.dtype)
+    wide, dtype = weight.float(), weight.dtype  # a second copy of the weights, in fp32
+    return lambda x: F.linear(x.float(), wide).to(dtype)
 
 
 def _onednn_fp32_packed(weight: torch.Tensor):
     source = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     source.weight.data = weight.float()
-    packed = packed_linear.PackedLinear(source)
-    return lambda x: packed.project(x.float()).to(weight.dtype)
+    packed, dtype = packed_linear.PackedLinear(source), weight.dtype
+    return lambda x: packed.project(x.float()).to(dtype)
 
 
 def _bf16_dot(weight: torch.Tensor):
-    array = bf16_dot.as_words(bf16_dot.to_pair_panels(weight))
-    return lambda x: panel_linear.linear(x, array, None, weight.shape[0], torch.bfloat16)
+    array, out_features = bf16_dot.as_words(bf16_dot.to_pair_panels(weight)), weight.shape[0]
+    return lambda x: panel_linear.linear(x, array, None, out_features, torch.bfloat16)
 
 
 def _panel(weight: torch.Tensor):
     """The panel kernel over the weight's own dtype (bf16 panels are widened to fp32 as they are read)."""
     array = panel_linear.as_kernel_array(panel_linear.to_panels(weight))
-    return lambda x: panel_linear.linear(x, array, None, weight.shape[0], weight.dtype)
+    out_features, dtype = weight.shape[0], weight.dtype
+    return lambda x: panel_linear.linear(x, array, None, out_features, dtype)
 
 
 def _panel_fp32(weight: torch.Tensor):
     array = panel_linear.as_kernel_array(panel_linear.to_panels(weight.float()))
-    return lambda x: panel_linear.linear(x.float(), array, None, weight.shape[0]).to(weight.dtype)
+    out_features, dtype = weight.shape[0], weight.dtype
+    return lambda x: panel_linear.linear(x.float(), array, None, out_features).to(dtype)
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -124,6 +127,22 @@ def fastest(timings: list[Timing], deterministic: bool) -> dict[tuple[str, int],
         if key not in best or timing.gflops > best[key].gflops:
             best[key] = timing
     return best
+
+
+def table(timings: list[Timing]) -> list[str]:
+    """A markdown table: a row per shape and row count, a column per candidate (* row-invariant), the fastest."""
+    names = [c.name for c in CANDIDATES if c.name in {t.candidate for t in timings}]
+    invariant_names = {t.candidate for t in timings if t.row_invariant}
+    lines = ["| shape | out x in | rows | " + " | ".join(n + ("*" if n in invariant_names else "") for n in names)
+             + " | fastest | fastest row-invariant |", "|---" * (len(names) + 5) + "|"]
+    best, best_invariant = fastest(timings, False), fastest(timings, True)
+    for (shape, rows), top in best.items():
+        cells = {t.candidate: f"{t.gflops:.0f}" for t in timings if (t.shape, t.rows) == (shape, rows)}
+        invariant = best_invariant.get((shape, rows))
+        lines.append(f"| {shape} | {top.out_features} x {top.in_features} | {rows} | "
+                     + " | ".join(cells.get(n, "") for n in names)
+                     + f" | {top.candidate} | {invariant.candidate if invariant else '-'} |")
+    return lines
 
 
 def cpu_description() -> str:

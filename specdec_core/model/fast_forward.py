@@ -9,7 +9,8 @@ Hugging Face's decoder runs each layer through a dozen modules, hooks and kwargs
 - hidden states of a layer and post-rotary queries of chosen heads (what PLD+ reads) come out of the same pass.
 
 It computes what HF's modules compute (RMSNorm in fp32, rotate-half RoPE from the model's own rotary embedding,
-SiLU gate) with the same linear layers (panel_linear.py). On an fp32 CPU each residual add and the RMSNorm after it,
+SiLU gate) with the same linear layers (panel_linear.py), or, given a machine's kernel plan (kernel_plan.py), with
+the kernel the plan picks for each linear at the forward's row count. On an fp32 CPU each residual add and the RMSNorm after it,
 and the SiLU gate over gate and up computed in one call, are single compiled passes (residual_norm.py), so its
 logits equal HF's forward over the same cache within float rounding (tests/specdec_core/test_fast_forward.py), and
 each row's numbers stay its own. benchmarks/forward_bench.py compares the two in one process. Models it does
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import grouped_attention
-from ..kernels import bf16_attention, invariant_attention, panel_linear, residual_norm, rope_store
+from ..kernels import bf16_attention, invariant_attention, kernel_plan, panel_linear, residual_norm, rope_store
+from ..kernels.kernel_plan import KernelPlan
 from ..kernels.packed_linear import PackedLinear
 from ..kernels.panel_linear import PanelLinear
 from .step_batch import AttentionPlan, StepBatch
@@ -57,10 +59,43 @@ class _Projection:
         return self.run(x)
 
 
+class _Routed:
+    """One linear whose kernel depends on the forward's row count M (a kernel plan's route)."""
+
+    def __init__(self, steps: list[tuple[int | None, object]]):
+        self.steps = steps  # [(the most rows or None, x [M, in] -> [M, out])], by rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        rows = x.shape[0]
+        return next(run for most, run in self.steps if most is None or rows <= most)(x)
+
+
+def _routed(plan: KernelPlan | None, role: str, modules: list, stacked):
+    """`role`'s linear as the plan routes it, or None where the plan keeps it on its modules' kernel. stacked: the
+    modules already stacked into one (or None); other layouts are built from their dense weights."""
+    if plan is None or all(name == plan.primary for _, name in plan.routes.get(role, ())):
+        return None
+    weight = stacked.weight if stacked is not None else torch.cat([m.weight.detach() for m in modules])  # [out, in]
+    bias = None
+    if any(m.bias is not None for m in modules):  # Qwen2's q, k and v: added to the kernels' rounded outputs
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
+                          for m in modules]).to(weight.dtype)  # [out]
+    runs = {}
+    for _, name in plan.routes[role]:
+        if name in runs:
+            continue
+        if stacked is not None and hasattr(stacked, "project") and name == kernel_plan.primary_kernel(stacked):
+            runs[name] = stacked.project  # the modules' own layout, bias included
+        else:
+            run = kernel_plan.build(name, weight)
+            runs[name] = run if bias is None else (lambda x, run=run: run(x).add_(bias))
+    return _Routed([(most, runs[name]) for most, name in plan.routes[role]])
+
+
 class _Layer:
     """One decoder layer's weights and settings."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, plan: KernelPlan | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.on_gpu = _on_gpu(attn.q_proj)  # no compiled CPU passes there, and every copy is a kernel launch
         dense = self.on_gpu and all(type(getattr(module, n)) is torch.nn.Linear for module, n in (
@@ -82,6 +117,13 @@ class _Layer:
                else _stack_dense(*projections) if dense else None)
         self.qkv = None if qkv is None else _Projection(qkv)
         self.qkv_widths = [p.out_features for p in projections]
+        if not self.on_gpu:  # the machine's kernel plan, where it routes a linear away from its module's kernel
+            routed = _routed(plan, "qkv", projections, qkv)
+            self.qkv = routed or self.qkv
+            routed = _routed(plan, "gate_up", [mlp.gate_proj, mlp.up_proj], both)
+            self.gate_up = routed or self.gate_up
+            self.o = _routed(plan, "o", [attn.o_proj], attn.o_proj) or self.o
+            self.down = _routed(plan, "down", [mlp.down_proj], mlp.down_proj) or self.down
         self.scaling = attn.scaling
 
 
@@ -160,24 +202,25 @@ class _Tokens:
 class FastForward:
     """A model's decoder layers as stacked weights; `run` is one forward over a bound SlotKVCache."""
 
-    def __init__(self, model):
+    def __init__(self, model, plan: KernelPlan | None = None):
         base = getattr(model, model.base_model_prefix)
         config = model.config
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
-        self.layers = [_Layer(layer) for layer in base.layers]
+        self.plan = plan  # the kernel plan its linears follow (kernel_plan.py), or None: their modules' kernels
+        self.layers = [_Layer(layer, plan) for layer in base.layers]
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
     @classmethod
-    def build(cls, model) -> "FastForward | None":
+    def build(cls, model, plan: KernelPlan | None = None) -> "FastForward | None":
         """The fast forward for `model`, or None (with one log line) when its architecture is not covered."""
         reason = unsupported(model)
         if reason is None:
             try:
-                return cls(model)
+                return cls(model, plan)
             except Exception as exc:  # an unexpected module layout: HF's forward still serves it
                 reason = f"{type(exc).__name__}: {exc}"
         log.info("fast forward off for %s: %s; using the Hugging Face forward", model.config.model_type, reason)

@@ -8,6 +8,7 @@ in parts, attention_masks.py builds a slot forward's masks.
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SpecbatchError
-from ..kernels import bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, packed_linear, panel_linear
+from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, kernel_plan, linear_plan,
+                       packed_linear, panel_linear)
+from ..kernels.kernel_plan import KernelPlan
 from . import fast_forward, grouped_attention
 from .attention_masks import attention_masks
 from .attention_probe import capture_queries
@@ -30,6 +33,8 @@ from .step_batch import AttentionPlan, StepBatch
 
 if TYPE_CHECKING:
     from ..loop.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
 
 # "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 its decode step took less time
 # than HF's modules over the same cache (decisions.md: specdec_core/model/model_runner.py).
@@ -50,7 +55,8 @@ class ModelRunner:
     """One loaded model. Caches are separate objects, so one runner serves many sequences."""
 
     def __init__(self, model, tokenizer, name: str, device: str, dtype: torch.dtype, quantized: bool = False,
-                 fast_forward: bool | None = None):
+                 fast_forward: bool | None = None, plan: KernelPlan | None = None):
+        """plan: the machine's kernel plan for the model's linears (kernel_plan.py); None keeps their modules'."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -70,7 +76,8 @@ class ModelRunner:
         self.grouped_attention = on_cpu and _sdpa_family(config)
         if fast_forward is None:  # the device's default: on a CPU always; on a GPU see GPU_FAST_FORWARD_ENV
             fast_forward = on_cpu or gpu_fast_forward()
-        self.fast = FastForward.build(model) if fast_forward and _sdpa_family(config) else None
+        self.kernel_plan = plan
+        self.fast = FastForward.build(model, plan) if fast_forward and _sdpa_family(config) else None
         self._deterministic = False
 
     @property
@@ -97,6 +104,10 @@ class ModelRunner:
             if tune_for_cpu(self.model, dtypes=(torch.bfloat16,)):  # both were bound to the replaced modules
                 self.fast = FastForward.build(self.model)
                 self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
+        # The plan's routes change a row's numbers with its forward's row count: off while deterministic.
+        plan = None if on else self.kernel_plan
+        if self.fast is not None and self.fast.plan is not plan:
+            self.fast = FastForward.build(self.model, plan)
         self._deterministic = bool(on)
 
     def determinism_costs_nothing(self) -> bool:
@@ -106,7 +117,8 @@ class ModelRunner:
         specdec_core/model/model_runner.py). Not in fp32 (lossless methods are exact without it), not with AMX (the
         linears would leave oneDNN's tiles: not compared), not on a GPU (no fast forward)."""
         head_dim = self.fast.head_dim if self.fast is not None else 0
-        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
+        routed = self.kernel_plan is not None and self.kernel_plan.routed  # it would give up the plan's faster kernels
+        return (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu" and not routed
                 and bf16_linears_on_panels() and bf16_attention.usable(head_dim)
                 and bf16_step_attention.usable(head_dim))
 
@@ -164,14 +176,16 @@ class ModelRunner:
         model.eval()
         if quantized:
             quantize_int8(model)
+        plan = None
         if device == "cpu":
             tune_for_cpu(model)
+            plan = None if quantized else cpu_kernel_plan(model, torch_dtype)
         elif device.startswith("cuda"):
             # cuDNN's attention builds an execution plan for every new shape, and a batched decode meets a new
             # key length at almost every step, so a first pass over new prompts paid for its plans (decisions.md:
             # specdec_core/model/model_runner.py). PyTorch then picks its flash / memory-efficient kernels.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        return cls(model, tokenizer, name, device, torch_dtype, quantized)
+        return cls(model, tokenizer, name, device, torch_dtype, quantized, plan=plan)
 
     @property
     def dtype_name(self) -> str:
@@ -405,6 +419,21 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
             model.set_output_embeddings(make(head))
             count += 1
     return count
+
+
+def cpu_kernel_plan(model, dtype: torch.dtype) -> KernelPlan | None:
+    """This machine's kernel plan for a CPU model the fast forward runs (kernel_plan.plan_for), or None; a plan that
+    fails to be made leaves the linears on their modules' kernels (one log line)."""
+    if fast_forward.unsupported(model) is not None:
+        return None
+    try:
+        config = model.config
+        primary = kernel_plan.primary_kernel(model.get_decoder().layers[0].mlp.down_proj)
+        return kernel_plan.plan_for(linear_plan.model_shapes(config), config.num_hidden_layers, dtype, primary)
+    except Exception as exc:  # never a reason to fail a load: the flags' kernels still run
+        log.warning("no kernel plan (%s: %s); the linears keep the kernels the CPU's flags pick",
+                    type(exc).__name__, exc)
+        return None
 
 
 SERVABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}

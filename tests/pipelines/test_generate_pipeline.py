@@ -172,6 +172,10 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
     [(warmup,)] = con.execute("SELECT warmup_s FROM read_parquet(?, hive_partitioning = true)",
                               [str(out / "runs" / "**" / "*.parquet")]).fetchall()
     assert warmup > 0
+    # fp32 follows no kernel plan (it stays exact): the rows and the runs row say so
+    [(hardware,)] = con.execute("SELECT hardware FROM read_parquet(?, hive_partitioning = true)",
+                                [str(out / "runs" / "**" / "*.parquet")]).fetchall()
+    assert json.loads(hardware)["kernel_plans"] == [] and {r["kernel_plan"] for r in rows} == {None}
     assert by_method["copyspec"]["drafted_tokens"] >= by_method["copyspec"]["accepted_tokens"]
     proc = run_job_in_process("report.py", "--output", str(out), "--no-plots", "--report-dir", str(out / "report"))
     assert proc.returncode == 0, proc.stderr
