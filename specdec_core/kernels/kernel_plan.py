@@ -46,8 +46,6 @@ MEMORY_SHARE = 0.5  # extra layouts may take at most this share of the memory av
 SECONDS_EACH = 0.03  # timing per candidate, shape and row count
 FORMAT = 1
 ENV = "SPECBATCH_KERNEL_PLAN"  # "flags": time nothing; every linear stays on the kernel the CPU's flags pick
-# bytes per weight of each candidate's layout, in a bf16 model (the fp32 ones keep a widened copy)
-LAYOUT_BYTES = {"onednn": 2, "onednn_fp32": 4, "onednn_fp32_packed": 4, "bf16_dot": 2, "panel": 2, "panel_fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -111,12 +109,15 @@ def choose(timings: list[Timing], primary: str, roles: list[str]) -> dict[str, t
     return routes
 
 
-def extra_bytes(routes: dict, primary: str, shapes: dict[str, tuple[int, int]], layers: int) -> int:
+def extra_bytes(routes: dict, primary: str, shapes: dict[str, tuple[int, int]], layers: int,
+                dtype: torch.dtype = torch.bfloat16) -> int:
+    """The memory of the layouts a plan adds beyond the primary's, for the whole model."""
+    candidates = {c.name: c for c in linear_plan.CANDIDATES}
     total = 0
     for role, route in routes.items():
         out_features, in_features = shapes[role]
         for name in {name for _, name in route} - {primary}:
-            total += LAYOUT_BYTES.get(name, 4) * out_features * in_features * layers
+            total += candidates[name].layout_bytes(dtype) * out_features * in_features * layers
     return total
 
 
@@ -143,7 +144,7 @@ def plan_for(shapes: dict[str, tuple[int, int]], layers: int, dtype: torch.dtype
     started = time.perf_counter()
     timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH)
     routes = choose(timings, primary, list(shapes))
-    extra, note = extra_bytes(routes, primary, shapes, layers), ""
+    extra, note = extra_bytes(routes, primary, shapes, layers, dtype), ""
     available = _available_memory()
     if extra and available is not None and extra > MEMORY_SHARE * available:
         note = (f"the routed plan's layouts (+{extra / 2**20:.0f} MiB) would exceed {MEMORY_SHARE:.0%} of the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,11 @@ class Candidate:
     dtypes: tuple[torch.dtype, ...]  # the model dtypes it serves
     usable: Callable[[], bool]
     build: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight [out, in] -> x [M, in] -> y
+    widened: bool = False  # its layout holds the weights in fp32 (4 bytes each, whatever the model's dtype)
+
+    def layout_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes per weight of its layout, in a model of `dtype`."""
+        return 4 if self.widened else torch.tensor([], dtype=dtype).element_size()
 
 
 # Each builder keeps its own layout and not the weight it was given (a plan may drop the dense weight).
@@ -66,12 +72,12 @@ def _panel_fp32(weight: torch.Tensor):
 BF16, FP32 = torch.bfloat16, torch.float32
 CANDIDATES = (
     Candidate("onednn", False, (BF16, FP32), lambda: True, _onednn),
-    Candidate("onednn_fp32", False, (BF16,), lambda: True, _onednn_fp32),
-    Candidate("onednn_fp32_packed", False, (BF16, FP32), packed_linear.available, _onednn_fp32_packed),
+    Candidate("onednn_fp32", False, (BF16,), lambda: True, _onednn_fp32, widened=True),
+    Candidate("onednn_fp32_packed", False, (BF16, FP32), packed_linear.available, _onednn_fp32_packed, widened=True),
     Candidate("bf16_dot", True, (BF16,), bf16_dot.available, _bf16_dot),
     Candidate("panel", True, (BF16, FP32), lambda: panel_linear.available(BF16) and panel_linear.available(FP32),
               _panel),
-    Candidate("panel_fp32", True, (BF16,), lambda: panel_linear.available(FP32), _panel_fp32),
+    Candidate("panel_fp32", True, (BF16,), lambda: panel_linear.available(FP32), _panel_fp32, widened=True),
 )
 
 
@@ -98,23 +104,46 @@ def time_call(call: Callable[[], object], seconds: float) -> float:
     return best
 
 
+# Row counts up to this are timed with the weights streamed from memory, as a forward of every layer streams them:
+# a weight timed again and again from the cache makes a kernel look fast where memory bounds it.
+STREAMED_ROWS = 64
+
+
 def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dtype,
             seconds_each: float = 0.05) -> list[Timing]:
-    """shapes {role: (out_features, in_features)} -> one Timing per (shape, rows, usable candidate)."""
+    """shapes {role: (out_features, in_features)} -> one Timing per (shape, rows, usable candidate). Up to
+    STREAMED_ROWS rows, each timed call runs over enough copies of the weight to overflow the last-level cache."""
     timings = []
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for role, (out_features, in_features) in shapes.items():
             weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
             for candidate in (c for c in CANDIDATES if dtype in c.dtypes and c.usable()):
-                run = candidate.build(weight)
+                size = candidate.layout_bytes(dtype) * out_features * in_features
+                copies = max(1, min(256, -(-2 * last_level_cache_bytes() // size)))
+                runs = [candidate.build(weight.clone()) for _ in range(copies)]
                 for count in rows:
                     x = torch.randn(count, in_features, generator=generator).to(dtype)
-                    seconds = time_call(lambda: run(x), seconds_each)
+                    calls = runs if count <= STREAMED_ROWS else runs[:1]
+                    seconds = time_call(lambda: [run(x) for run in calls], seconds_each) / len(calls)
                     gflops = 2 * count * out_features * in_features / seconds / 1e9
                     timings.append(Timing(role, out_features, in_features, count, candidate.name,
                                           candidate.row_invariant, gflops))
+                del runs
     return timings
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 32 MiB where it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                         else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 * 2**20)
 
 
 def fastest(timings: list[Timing], deterministic: bool) -> dict[tuple[str, int], Timing]:

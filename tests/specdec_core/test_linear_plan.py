@@ -61,3 +61,22 @@ def test_the_kernels_command_refuses_bad_row_counts(capsys):
         cli.main(["kernels", "--rows", "0"])
     assert exit_info.value.code == 2
     assert "--rows must be >= 1" in capsys.readouterr().err
+
+
+def test_decode_sized_row_counts_are_timed_over_weights_that_overflow_the_cache(monkeypatch):
+    """Up to STREAMED_ROWS rows a kernel is memory-bound in a real forward (every layer's weights stream through): it
+    is timed over distinct copies of the weight, twice the last-level cache in all; larger counts over one."""
+    built, ran = [], []
+
+    def build(weight):
+        built.append(weight.data_ptr())
+        return lambda x: ran.append((x.shape[0], weight.data_ptr())) or x @ weight.T
+
+    fake = linear_plan.Candidate("fake", True, (torch.float32,), lambda: True, build)
+    monkeypatch.setattr(linear_plan, "CANDIDATES", (fake,))
+    monkeypatch.setattr(linear_plan, "last_level_cache_bytes", lambda: 40 * 70 * 4 * 3)  # 3 weights' worth
+    timings = linear_plan.measure({"o": (40, 70)}, [4, linear_plan.STREAMED_ROWS + 1], torch.float32, 0.001)
+    assert len(timings) == 2 and len(set(built)) == 6  # 2 x the cache: 6 distinct copies
+    assert {ptr for rows, ptr in ran if rows == 4} == set(built)
+    assert {ptr for rows, ptr in ran if rows > linear_plan.STREAMED_ROWS} == {built[0]}
+    assert fake.layout_bytes(torch.bfloat16) == 2 and linear_plan.CANDIDATES[0].layout_bytes(torch.float32) == 4
