@@ -10,8 +10,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .layouts import (DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL, DOT_ROW_BLOCK as ROW_BLOCK, DOT_ROWS as ROWS,
-                      DOT_WIDTH as WIDTH)
+from .layouts import (DOT_INTRINSIC as INTRINSIC, DOT_NARROW_ROWS as NARROW_ROWS, DOT_PANEL as PANEL,
+                      DOT_ROW_BLOCK as ROW_BLOCK, DOT_ROWS as ROWS, DOT_WIDTH as WIDTH)
 
 # k-steps (64-byte lines of a panel) to prefetch ahead. At 16 rows the kernel computes about as fast as memory
 # streams the weights, and without it did one after the other (decisions.md: specdec_core/kernels/bf16_dot_kernel.py).
@@ -143,11 +143,35 @@ def rest_rows(x, first, count, panels, p, out):  # pragma: no cover - compiled
         rows_7(x, first, panels, p, out)
 
 
+# 13 to 16 rows in one pass over each panel alone (up to 16 sums held): a block of 8 and the rest passed over each
+# pair of panels twice, the first pass streaming it from memory. Measured with the weights streamed, 16 rows ran 7-20 %
+# faster so; 12 rows ran slower (decisions.md: specdec_core/kernels/bf16_dot_kernel.py). Each row's sums run the same
+# instructions either way.
+narrow_13, narrow_14, narrow_15, narrow_16 = (_rows_kernel(n, 1) for n in (13, 14, 15, 16))
+
+
+@njit(cache=True)
+def narrow_rows(x, count, panels, p, out):  # pragma: no cover - compiled
+    """All `count` rows (NARROW_ROWS[0] <= count <= NARROW_ROWS[1]) of x @ panels[p] in one pass."""
+    if count == 13:
+        narrow_13(x, 0, panels, p, out)
+    elif count == 14:
+        narrow_14(x, 0, panels, p, out)
+    elif count == 15:
+        narrow_15(x, 0, panels, p, out)
+    else:
+        narrow_16(x, 0, panels, p, out)
+
+
 @njit(parallel=True, cache=True)
 def matmul(x, panels, out):  # pragma: no cover - compiled
     """x uint32 [M, K2]; panels uint32 [P, K2, 16] (P a multiple of WIDTH); out float32 or uint16 (bf16 bits)
     [M, P x 16]."""
     rows = x.shape[0]
+    if NARROW_ROWS[0] <= rows <= NARROW_ROWS[1]:
+        for p in prange(panels.shape[0]):
+            narrow_rows(x, rows, panels, p, out)
+        return
     count = panels.shape[0] // WIDTH
     blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     for task in prange(blocks * count):
