@@ -33,7 +33,7 @@ EPILOG = """examples:
   specbatch --method copyspec --candidates 3 --prompts-file requests.jsonl --batch-size 8 --json
   specbatch --method pld --context-file passages.txt --prompt "Question: ..."   copy from a separate document
 other commands: specbatch models | specbatch methods | specbatch install-model NAME | specbatch discover-heads |
-  specbatch build-index | specbatch vocab-overlap | specbatch warm-up | specbatch kernels (time the linear kernels)"""
+  specbatch build-index | specbatch vocab-overlap | specbatch warm-up | specbatch kernels (this machine's kernel plan)"""
 
 
 class OneLineParser(argparse.ArgumentParser):
