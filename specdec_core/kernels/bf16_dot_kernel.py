@@ -144,9 +144,8 @@ def rest_rows(x, first, count, panels, p, out):  # pragma: no cover - compiled
 
 
 # 13 to 16 rows in one pass over each panel alone (up to 16 sums held): a block of 8 and the rest passed over each
-# pair of panels twice, the first pass streaming it from memory. Measured with the weights streamed, 16 rows ran 7-20 %
-# faster so; 12 rows ran slower (decisions.md: specdec_core/kernels/bf16_dot_kernel.py). Each row's sums run the same
-# instructions either way.
+# pair of panels twice, the first pass streaming it from memory. Faster so with the weights streamed; 12 rows were not
+# (decisions.md: specdec_core/kernels/bf16_dot_kernel.py). Each row's sums run the same instructions either way.
 narrow_13, narrow_14, narrow_15, narrow_16 = (_rows_kernel(n, 1) for n in (13, 14, 15, 16))
 
 

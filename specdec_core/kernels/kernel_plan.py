@@ -5,8 +5,9 @@ and the model's shapes.
 
 Why: the fastest kernel depends on the CPU and on the row count, not on the CPU's flags alone. Where the CPU's bf16
 dot product runs at half its fp32 rate (an Intel avx512_bf16 CPU without AMX), oneDNN's fp32 matmul over an fp32
-copy of the weights ran prefill-sized linears 1.85x faster than any bf16 kernel, while the bf16 dot kernel stayed the
-fastest for decode-sized ones (issue 52). So a linear may hold a second layout of its weights and pick by rows.
+copy of the weights ran prefill-sized linears well ahead of every bf16 kernel, while the bf16 dot kernel stayed the
+fastest for decode-sized ones (docs/decisions.md: "A kernel plan per machine"). So a linear may hold a second layout
+of its weights and pick by rows.
 
 What a plan may change: the bf16 forwards of a CPU model without --deterministic. A row's numbers then depend on the
 kernel its forward's row count picks, as they already did with oneDNN. --deterministic keeps every linear on the
