@@ -20,11 +20,13 @@ faster (MARGIN) and only where memory allows (MEMORY_SHARE of what is available)
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,6 +144,30 @@ def plan_for(shapes: dict[str, tuple[int, int]], layers: int, dtype: torch.dtype
     cached = _read(key)
     if cached is not None:
         return cached
+    with _timing_lock(key):  # processes loading the model together: one times it, the others then read its plan
+        return _read(key) or _time_plan(key, shapes, layers, dtype, primary)
+
+
+@contextmanager
+def _timing_lock(key: str):
+    """An exclusive lock on $SPECBATCH_CACHE/kernel_plans/<key>.lock while a plan is timed (none where the cache
+    cannot be written: each process then times its own)."""
+    path = plan_path(key).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary: str) -> KernelPlan:
     started = time.perf_counter()
     timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH)
     routes = choose(timings, primary, list(shapes))

@@ -176,3 +176,28 @@ def test_the_kernels_command_prints_the_plan_the_engine_follows_and_says_where_i
     assert "from the cache" in again and plan_line in again and len(timed) == 1
     assert cli.main(["kernels", "--dtype", "bfloat16", "--retime"]) == 0
     assert "timed now in" in capsys.readouterr().out and len(timed) == 2
+
+
+def test_a_process_that_finds_the_plan_being_timed_waits_and_reads_it(timed):
+    """Two decode actors loading the model together: the second waits for the first's plan instead of timing its own
+    on a machine the first is busy timing."""
+    import fcntl
+    import threading
+
+    shapes = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}
+    key = kernel_plan.plan_key(shapes, torch.bfloat16, "bf16_dot")
+    lock = kernel_plan.plan_path(key).with_suffix(".lock")
+    lock.parent.mkdir(parents=True)
+    got = []
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process is timing this plan
+        waiter = threading.Thread(target=lambda: got.append(kernel_plan.plan_for(shapes, 2, torch.bfloat16,
+                                                                                 "bf16_dot")))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not timed  # it waits, and times nothing
+        other = KernelPlan(key, "bf16_dot", {"o": ((None, "bf16_dot"),)}, (), 2.0, 0)
+        kernel_plan._write(other)  # the other process's plan lands
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(timeout=10.0)
+    assert got and got[0].routes == other.routes and got[0].seconds == 0.0 and not timed
