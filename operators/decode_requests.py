@@ -75,9 +75,7 @@ class DecodeRequests:
         self.watchdog = HangWatchdog(config.hang_timeout_s) if journal is not None else None
         self.warmup_s: float | None = None  # warm_up(), when this stage ran it
         plan = engine.target.kernel_plan
-        aside = plan is not None and plan.routed and engine.target.deterministic  # its routes are not row-invariant
-        self.kernel_plan = {"kernel_plan": None if plan is None else plan.describe() + ("; set aside by --deterministic"
-                                                                                         if aside else ""),
+        self.kernel_plan = {"kernel_plan": engine.target.kernel_plan_text(),
                             "kernel_plan_s": None if plan is None else plan.seconds}
 
     def _params(self, max_new_tokens: int | None):

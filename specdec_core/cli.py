@@ -443,7 +443,8 @@ def run_kernels(argv: list[str]) -> int:
     parser.add_argument("--seconds", type=float, default=0.05,
                         help="with --rows: time spent on each candidate, shape and row count (default %(default)s)")
     parser.add_argument("--retime", action="store_true",
-                        help="time the plan again (after the machine was busy at the model's first load)")
+                        help="forget every plan cached on this machine, so each is timed again at its model's next "
+                             "load, this one now (after a load on a busy machine)")
     args = parser.parse_args(argv)
     if (args.rows and min(args.rows) < 1) or args.seconds <= 0:
         parser.error("--rows must be >= 1 and --seconds > 0")

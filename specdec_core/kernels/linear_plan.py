@@ -31,7 +31,7 @@ class Candidate:
 
     def layout_bytes(self, dtype: torch.dtype) -> int:
         """Bytes per weight of its layout, in a model of `dtype`."""
-        return 4 if self.widened else torch.tensor([], dtype=dtype).element_size()
+        return 4 if self.widened else dtype.itemsize
 
 
 # Each builder keeps its own layout and not the weight it was given (a plan may drop the dense weight).

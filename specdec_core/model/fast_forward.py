@@ -67,7 +67,10 @@ class _Routed:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         rows = x.shape[0]
-        return next(run for most, run in self.steps if most is None or rows <= most)(x)
+        for most, run in self.steps:
+            if most is None or rows <= most:
+                break
+        return run(x)
 
 
 def _routed(plan: KernelPlan | None, role: str, modules: list, stacked):

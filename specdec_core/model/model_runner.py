@@ -77,8 +77,8 @@ class ModelRunner:
         if fast_forward is None:  # the device's default: on a CPU always; on a GPU see GPU_FAST_FORWARD_ENV
             fast_forward = on_cpu or gpu_fast_forward()
         self.kernel_plan = plan
-        self.fast = FastForward.build(model, plan) if fast_forward and _sdpa_family(config) else None
         self._deterministic = False
+        self.fast = FastForward.build(model, self._routes()) if fast_forward and _sdpa_family(config) else None
 
     @property
     def deterministic(self) -> bool:
@@ -104,11 +104,22 @@ class ModelRunner:
             if tune_for_cpu(self.model, dtypes=(torch.bfloat16,)):  # both were bound to the replaced modules
                 self.fast = FastForward.build(self.model)
                 self.ragged = self.ragged and RaggedTokens(self.model.get_decoder().layers)
-        # The plan's routes change a row's numbers with its forward's row count: off while deterministic.
-        plan = None if on else self.kernel_plan
-        if self.fast is not None and self.fast.plan is not plan:
-            self.fast = FastForward.build(self.model, plan)
         self._deterministic = bool(on)
+        if self.fast is not None and self.fast.plan is not self._routes():
+            self.fast = FastForward.build(self.model, self._routes())
+
+    def _routes(self) -> KernelPlan | None:
+        """The plan the fast forward follows: none while deterministic (its routes change a row's numbers with its
+        forward's row count), and none where it keeps every linear on its module's kernel (nothing to build)."""
+        plan = self.kernel_plan
+        return plan if plan is not None and plan.routed and not self._deterministic else None
+
+    def kernel_plan_text(self) -> str | None:
+        """The plan in one line, and whether --deterministic set it aside (the output rows' `kernel_plan`)."""
+        if self.kernel_plan is None:
+            return None
+        aside = self.kernel_plan.routed and self._deterministic
+        return self.kernel_plan.describe() + ("; set aside by --deterministic" if aside else "")
 
     def determinism_costs_nothing(self) -> bool:
         """Whether `--deterministic auto` switches it on: a bf16 forward on a CPU whose linears already run the panel
