@@ -45,7 +45,7 @@ from .requests import (
 from .sampling import make_generator, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget
 from .target_signals import Signals, hand_over, wanted
-from .verification import ConditionalRule, VerifyResult, check_rule, verify_rows
+from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
 
@@ -407,8 +407,13 @@ class BatchDecoder:
         input_ids = step_ids.masked_fill(step_ids >= self.target.vocab_size, 0)
         signals = wanted([r.request.drafter for r in rows])
         batch = StepBatch(input_ids, positions, visible, logit_index, **signals.forward_kwargs())
-        logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
         count = len(rows)
+        graph = self.target.graph_step() if _argmax_only(rows, signals) else None
+        on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes) if graph is not None else None
+        if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
+            self._commit(rows, None, signals, step_ids, [_node_result(r.draft, *found) for r, found in zip(rows, on_host)])
+            return count, width, real
+        logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
         self._commit(rows, logits, signals, step_ids)
         return count, width, real
 
@@ -490,10 +495,12 @@ class BatchDecoder:
         logit_index = inside.nonzero()  # [N, 2] (row, node), row-major as the verifier reads them
         return input_ids, lengths[:, None] + offsets, visible, logit_index
 
-    def _commit(self, rows: list[Row], logits: torch.Tensor, signals: Signals | None = None,
-                step_ids: torch.Tensor | None = None) -> None:
-        results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
-                              [r.state.generator for r in rows], step_ids, [r.request.rule for r in rows])
+    def _commit(self, rows: list[Row], logits: torch.Tensor | None, signals: Signals | None = None,
+                step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> None:
+        """Verify (unless the step did: `results`, and no logits) and commit every row."""
+        if results is None:
+            results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
+                                  [r.state.generator for r in rows], step_ids, [r.request.rule for r in rows])
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)
         self.stats.steps += 1
@@ -594,6 +601,25 @@ class _Prefill:
     done: int
     looked_up: bool = False  # in the prefix cache (_plan_prefill)
     hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden] per earlier chunk (PLD+ (h) rows)
+
+
+def _argmax_only(rows: list[Row], signals: Signals) -> bool:
+    """Whether a step needs nothing of the target but each node's argmax (what the graph-ready step verifies on the
+    device): greedy rows under the exact rule, no signals read, no probed nodes."""
+    return (not signals.hidden and not signals.heads
+            and all(r.request.params.sampling.greedy and r.request.rule is None and not r.draft.probes for r in rows))
+
+
+def _node_result(draft: Draft, accepted: int, last: int, token: int) -> VerifyResult:
+    """The device's verdict on a row (accepted draft tokens, the last accepted node, the token after it) as
+    verify_rows gives it: a tree's accepted path walked back from its last node."""
+    if draft.parents is None:
+        return VerifyResult(accepted, token)
+    path = []
+    while last > 0:
+        path.append(last - 1)
+        last = draft.parents[last - 1] + 1
+    return VerifyResult(accepted, token, tuple(reversed(path)))
 
 
 def _chain_visibility(counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -247,6 +247,35 @@ def accept_greedy_chains(step_ids: torch.Tensor, real: torch.Tensor, argmax: tor
     return num_accepted, grid.gather(1, num_accepted[:, None])[:, 0]
 
 
+def accept_greedy_nodes(step_ids: torch.Tensor, visible: torch.Tensor, depth: torch.Tensor,
+                        argmax: torch.Tensor) -> torch.Tensor:
+    """Greedy verification of every row of a step, chains and trees alike, in tensor operations of fixed shapes (no
+    device-to-host copy, no shape read from the data: a captured step runs it, graph_step.py).
+
+    step_ids [B, T]  each row's pending token and draft nodes (padding after them)
+    visible  [B, T, T] bool  node t sees node i (its ancestors and itself); a padding node sees only itself
+    depth    [B, T]  each node's depth (0: the pending token)
+    argmax   [B, T]  the target's argmax after each node
+    -> [B, 3] int64: (accepted draft tokens, the last accepted node, the next token after it), as
+    verify_tree_greedy walks it: into the first child whose token is its parent's argmax."""
+    rows, width = step_ids.shape
+    nodes = torch.arange(width, device=step_ids.device)
+    real = visible.diagonal(dim1=1, dim2=2)  # [B, T]
+    # a node's parent: the ancestor one level up (the pending token is its own)
+    above = visible & (nodes[None, None, :] != nodes[None, :, None])  # [B, T, T]: strict ancestors
+    parent = torch.where(above, depth[:, None, :], -1).argmax(dim=2)  # [B, T]
+    matches = (step_ids == argmax.gather(1, parent)) & real  # [B, T]: the token its parent's argmax names
+    matches[:, 0] = True
+    # of siblings that match (the same token twice), only the first counts
+    earlier = (nodes[None, :] < nodes[:, None]) & (nodes[None, :] > 0)  # [T, T]: draft node i comes before node t
+    sibling = (parent[:, :, None] == parent[:, None, :]) & earlier  # [B, T, T]
+    first = matches & ~(sibling & matches[:, None, :]).any(dim=2)
+    accepted = first & ~(visible & ~first[:, None, :]).any(dim=2)  # [B, T]: every node on its path matches
+    reach = torch.where(accepted, depth, -1)  # [B, T]
+    last = reach.argmax(dim=1)  # [B]: the deepest accepted node (one per depth)
+    return torch.stack([reach.gather(1, last[:, None])[:, 0], last, argmax.gather(1, last[:, None])[:, 0]], dim=1)
+
+
 def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
                 generators: list[torch.Generator], step_ids: torch.Tensor | None = None,
                 rules: list[ConditionalRule | None] | None = None) -> list[VerifyResult]:

@@ -24,6 +24,7 @@ from . import fast_forward, grouped_attention
 from .attention_masks import attention_masks
 from .attention_probe import capture_queries
 from .fast_forward import MODEL_TYPES, FastForward
+from .graph_step import GraphStep, step_mode
 from .hardware import INT8, resolve_device, resolve_dtype
 from .int8_linear import quantize_int8
 from .lm_head import SubsetHead, head_weight
@@ -79,6 +80,8 @@ class ModelRunner:
         self.kernel_plan = plan
         self._deterministic = False
         self.fast = FastForward.build(model, self._routes()) if fast_forward and _sdpa_family(config) else None
+        self.graph_mode = step_mode(device)  # of the graph-ready decode and verify step (graph_step.py)
+        self._graph_step: GraphStep | None = None
 
     @property
     def deterministic(self) -> bool:
@@ -107,6 +110,15 @@ class ModelRunner:
         self._deterministic = bool(on)
         if self.fast is not None and self.fast.plan is not self._routes():
             self.fast = FastForward.build(self.model, self._routes())
+
+    def graph_step(self) -> GraphStep | None:
+        """The graph-ready decode and verify step (graph_step.py) where it runs: its mode on, a fast forward, not
+        --deterministic (whose exact kernels are the CPU's)."""
+        if self.graph_mode == "off" or self.fast is None or self._deterministic:
+            return None
+        if self._graph_step is None:
+            self._graph_step = GraphStep(self, self.graph_mode)
+        return self._graph_step
 
     def _routes(self) -> KernelPlan | None:
         """The plan the fast forward follows: none while deterministic (its routes change a row's numbers with its

@@ -1,0 +1,238 @@
+"""A decode or verify step that a CUDA graph can capture: the fast forward's arithmetic on static buffers, with greedy
+verification on the device and one device-to-host copy a step.
+
+On a GPU, a step of a small model is a thousand small kernels, each launched from Python: the launches, not the
+memory, set its time. A captured graph replays them all in one launch, but only if the step has no device-to-host
+copy inside and no shape that depends on data. So this step:
+- runs at a fixed bucket of rows x width x keys (step_buckets.py), whose inputs are device buffers written in place
+  (one host-to-device copy of ids, positions and lengths, one of the nodes' visibility);
+- writes each node's keys at its row's length + its index, and attends over the bucket's first `keys` positions of
+  the cache slots `[0, rows)` with a boolean mask built on the device from the lengths (grouped-query heads folded
+  into the query length, so no key is copied per query head);
+- takes the argmax of every node's logits and verifies the drafts on the device (the verifier the loop hands it:
+  verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the step's one sync.
+
+Prefill and steps that need more than argmaxes (sampling, drafters that read the target's hidden states or
+attention, CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
+
+Modes (`SPECBATCH_GRAPH_STEP`): `auto` (captured on a GPU, off on a CPU, whose compiled kernels beat these static
+shapes), `captured`, `eager` (static buffers without a graph: how the CPU suite checks this step), `off`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .fast_forward import _rms_norm, _rope
+from .step_batch import StepBatch
+from .step_buckets import Bucket, bucket_for
+
+log = logging.getLogger(__name__)
+
+MODE_ENV = "SPECBATCH_GRAPH_STEP"
+MODES = ("auto", "captured", "eager", "off")
+WARM_UP_RUNS = 2  # eager runs of a bucket before its capture (allocator and library handles settle)
+
+# verify(step_ids [B, T], visible [B, T, T], depth [B, T], argmax [B, T]) -> [B, 3] (accepted, last node, next)
+Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def step_mode(device: str) -> str:
+    """The graph-ready step's mode on `device`: captured, eager or off (see the module's docstring)."""
+    mode = os.environ.get(MODE_ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)}")
+    on_gpu = str(device).startswith("cuda")
+    if mode == "auto":
+        return "captured" if on_gpu else "off"
+    return mode
+
+
+class _Inputs:
+    """The static inputs of one (rows, width): written in place before each step, read by its graphs."""
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        self.rows, self.width = rows, width
+        pinned = device.type == "cuda"
+        # [B, 2T + 1]: each row's node ids, their positions, then its cached length
+        self.packed = torch.zeros(rows, 2 * width + 1, dtype=torch.long, device=device)
+        self.visible = torch.zeros(rows, width, width, dtype=torch.bool, device=device)  # [B, T, T]
+        self.host_packed = torch.zeros(rows, 2 * width + 1, dtype=torch.long, pin_memory=pinned)
+        self.host_visible = torch.zeros(rows, width, width, dtype=torch.bool, pin_memory=pinned)
+        self.offsets = torch.arange(width, device=device)  # [T]: where node t's keys go, past its row's length
+        self.write_rows = torch.arange(rows, device=device).repeat_interleave(width)  # [B T]: its cache slot
+
+    def fill(self, step_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, lengths: list[int]) -> None:
+        """step_ids, positions [n, T'], visible [n, T', T'] of the live rows (T' <= width); lengths [n]."""
+        live, width = step_ids.shape
+        packed, shown = self.host_packed, self.host_visible
+        packed.zero_()
+        shown.zero_()
+        length = packed[:, 2 * self.width]
+        length[:live] = torch.tensor(lengths)
+        packed[:live, :width] = step_ids
+        places = packed[:, self.width:2 * self.width]
+        places.copy_(length[:, None] + torch.arange(self.width))  # a padding node sits at its own place
+        places[:live, :width] = positions
+        shown[:live, :width, :width] = visible  # padding sees nothing (the mask lets it see itself)
+        self.packed.copy_(packed, non_blocking=True)
+        self.visible.copy_(shown, non_blocking=True)
+
+
+@dataclass
+class _Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    output: torch.Tensor  # [B, 3], in the graph's memory pool
+
+
+class GraphStep:
+    """The graph-ready decode and verify step of one runner's fast forward (see the module's docstring)."""
+
+    def __init__(self, runner, mode: str):
+        self.runner = runner
+        self.mode = mode  # captured or eager
+        self.device = torch.device(runner.device)
+        self.inputs: dict[tuple[int, int], _Inputs] = {}
+        self.graphs: dict[Bucket, _Captured | None] = {}  # None: its capture failed, the bucket runs eagerly
+        self.pool = None  # the captured graphs' shared memory pool
+        self.cache_key = None  # the cache storage the graphs were captured over
+        self.capture_s = 0.0  # seconds spent capturing, apart from the steps
+        self.captures = 0
+        self.steps = 0
+
+    def run(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier) -> list[list[int]] | None:
+        """One step over every live row of `cache` (batch.rows must be None: rows 0..n-1).
+        step_ids [n, T] the rows' pending tokens and drafts as proposed (ids past the vocabulary never match).
+        -> per row [accepted, last accepted node, next token]; None where no bucket holds the step (run the eager
+        forward). The caller commits: lengths are not advanced."""
+        live, width = step_ids.shape
+        bucket = bucket_for(live, width, max(cache.lengths[:live]), cache.slots, cache.capacity)
+        if bucket is None:
+            return None
+        inputs = self.inputs.get((bucket.rows, bucket.width))
+        if inputs is None:
+            inputs = self.inputs[(bucket.rows, bucket.width)] = _Inputs(bucket.rows, bucket.width, self.device)
+        inputs.fill(step_ids, batch.positions, batch.visible, cache.lengths[:live])
+        self.steps += 1
+        if self.mode == "captured":
+            captured = self._captured(bucket, inputs, cache, verify)
+            if captured is not None:
+                captured.graph.replay()
+                return captured.output[:live].tolist()  # the step's one device-to-host copy
+        return self.compute(bucket, inputs, cache, verify)[:live].tolist()
+
+    def _captured(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> _Captured | None:
+        """The bucket's graph, captured on first use over this cache's storage (a cache that reallocated drops the
+        graphs: they hold its addresses)."""
+        key = (cache.keys[0].data_ptr(), cache.slots, cache.capacity)
+        if key != self.cache_key:
+            self.graphs.clear()
+            self.cache_key = key
+        if bucket in self.graphs:
+            return self.graphs[bucket]
+        started = time.perf_counter()
+        try:
+            captured = self._capture(bucket, inputs, cache, verify)
+        except Exception as exc:  # eager still gives the same tokens
+            log.warning("captured step %s off (%s: %s); it runs eagerly on the same buffers", bucket,
+                        type(exc).__name__, exc)
+            captured = None
+        self.capture_s += time.perf_counter() - started
+        self.captures += captured is not None
+        self.graphs[bucket] = captured
+        return captured
+
+    def _capture(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> _Captured:
+        if self.device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device, not {self.device}")
+        # The warm-up runs are the step itself: they write the same keys the replay writes.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARM_UP_RUNS):
+                self.compute(bucket, inputs, cache, verify)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self.compute(bucket, inputs, cache, verify)
+        return _Captured(graph, output)
+
+    @torch.inference_mode()
+    def compute(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> torch.Tensor:
+        """The step in tensor operations of the bucket's shapes -> [B, 3] on the device."""
+        fast = self.runner.fast
+        rows, width = bucket.rows, bucket.width
+        packed = inputs.packed
+        step_ids, positions, lengths = packed[:, :width], packed[:, width:2 * width], packed[:, 2 * width]
+        ids = step_ids.masked_fill(step_ids >= self.runner.vocab_size, 0)  # a draft id the target lacks: never kept
+        x = fast.embed(ids.reshape(-1))  # [B T, hidden]
+        cos, sin = fast.rotary(x, positions)  # [B, T, d] each
+        cos, sin = cos.reshape(rows * width, 1, -1), sin.reshape(rows * width, 1, -1)  # [B T, 1, d]
+        places = (lengths[:, None] + inputs.offsets).reshape(-1)  # [B T]: node t's keys at length + t
+        group = fast.heads // fast.kv_heads
+        mask = key_mask(lengths, inputs.visible, bucket.keys)  # [B, 1, T, L]
+        mask = mask[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(rows, 1, group * width, bucket.keys)
+        for index, layer in enumerate(fast.layers):
+            x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask), bucket)
+        hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
+        # argmax over the head's own dtype: a bf16 logit converts to fp32 exactly, so it picks what fp32 would
+        argmax = self.runner.model.get_output_embeddings()(hidden).argmax(dim=-1).view(rows, width)  # [B, T]
+        return verify(step_ids, inputs.visible, positions - lengths[:, None], argmax)
+
+    def _layer(self, index: int, layer, x: torch.Tensor, cache, step: tuple, bucket: Bucket) -> torch.Tensor:
+        """One decoder layer over the bucket's [B T, hidden] residual stream."""
+        fast = self.runner.fast
+        cos, sin, write_rows, places, mask = step
+        rows, width, count = bucket.rows, bucket.width, x.shape[0]
+        heads, kv_heads, head_dim = fast.heads, fast.kv_heads, fast.head_dim
+        group = heads // kv_heads
+        normed = _rms_norm(x, layer.norm1, layer.eps1)
+        if layer.qkv is not None:
+            q, k, v = layer.qkv(normed).split(layer.qkv_widths, dim=1)
+        else:
+            q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
+        q = _rope(q.reshape(count, heads, head_dim), cos, sin)  # [B T, H, d]
+        k = _rope(k.reshape(count, kv_heads, head_dim), cos, sin)  # [B T, KV, d]
+        keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
+        keys[write_rows, :, places] = k.to(keys.dtype)
+        values[write_rows, :, places] = v.reshape(count, kv_heads, head_dim).to(values.dtype)
+        # the query heads of one key head side by side along the query axis: [B, KV, group T, d]
+        query = q.view(rows, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        query = query.reshape(rows, kv_heads, group * width, head_dim)
+        attended = F.scaled_dot_product_attention(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
+                                                  attn_mask=mask, scale=layer.scaling)  # [B, KV, group T, d]
+        attended = attended.view(rows, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
+        x = x + layer.o(attended.reshape(count, heads * head_dim))
+        normed = _rms_norm(x, layer.norm2, layer.eps2)
+        if layer.gate_up is not None:
+            gate, up = layer.gate_up(normed).chunk(2, dim=1)
+        else:
+            gate, up = layer.gate(normed), layer.up(normed)
+        return x + layer.down(F.silu(gate) * up)
+
+    def summary(self) -> str:
+        """One line: the mode, the steps run, the graphs captured and what capturing cost."""
+        failed = sum(1 for captured in self.graphs.values() if captured is None)
+        return (f"graph-ready steps: {self.mode}, {self.steps} steps, {self.captures} graphs captured in "
+                f"{self.capture_s:.2f} s" + (f", {failed} buckets eager after a failed capture" if failed else ""))
+
+
+def key_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:
+    """lengths [B], visible [B, T, T] -> [B, 1, T, L] bool: node t of row r sees every cached position of its row,
+    the step's nodes it is shown (their keys at length + i), and itself (a padding node too: no row sees nothing)."""
+    rows, width, _ = visible.shape
+    offset = torch.arange(keys, device=lengths.device)[None, :] - lengths[:, None]  # [B, L]: position - length
+    inside = (offset >= 0) & (offset < width)
+    node = offset.clamp(0, width - 1)[:, None, :].expand(rows, width, keys)  # [B, T, L]: the node a key belongs to
+    shown = visible.gather(2, node) & inside[:, None, :]
+    itself = offset[:, None, :] == torch.arange(width, device=lengths.device)[None, :, None]
+    return ((offset < 0)[:, None, :] | shown | itself)[:, None]
