@@ -28,6 +28,7 @@ from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
+from ..model.step_buckets import ROW_BUCKETS
 from .draft_tree import ancestor_mask, depths, prefix_depths
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
@@ -187,7 +188,7 @@ class BatchDecoder:
                 self.finished.append((request, f"{type(exc).__name__}: {exc}"))
                 continue
             wanted = max(capacity, self._capacity_for(request))
-            needed = self.cache.bytes_for(len(self.rows) + len(admitted) + 1, wanted)
+            needed = self.cache.bytes_for(self._slots_for(len(self.rows) + len(admitted) + 1), wanted)
             if needed > self.cache_budget_bytes:
                 if self.rows or admitted:
                     break  # wait for rows to retire
@@ -200,9 +201,17 @@ class BatchDecoder:
             admitted.append(request)
             capacity = wanted
         if admitted:
-            self.cache.fit(len(self.rows) + len(admitted), capacity)
+            captured = self.target.graph_mode == "captured"
+            self.cache.fit(self._slots_for(len(self.rows) + len(admitted)), capacity, shrink=not captured)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
+
+    def _slots_for(self, rows: int) -> int:
+        """Cache slots for `rows` live rows: as many, or with captured steps the row bucket that holds them (within
+        the batch size), so the cache reallocates, and its graphs are captured again, only when the bucket grows."""
+        if self.target.graph_mode != "captured":
+            return rows
+        return max(rows, min(next((b for b in ROW_BUCKETS if b >= rows), rows), self.max_batch))
 
     def _prefill(self, requests: list[DecodeRequest]) -> None:
         """New rows for `requests`, their prompts fed in shared, chunked forwards after what the prefix cache
@@ -411,7 +420,8 @@ class BatchDecoder:
         graph = self.target.graph_step() if _argmax_only(rows, signals) else None
         on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes) if graph is not None else None
         if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
-            self._commit(rows, None, signals, step_ids, [_node_result(r.draft, *found) for r, found in zip(rows, on_host)])
+            results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
+            self._commit(rows, None, signals, step_ids, results)
             return count, width, real
         logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
         self._commit(rows, logits, signals, step_ids)

@@ -79,11 +79,12 @@ class SlotKVCache(Cache):
                 self.keys[layer][:n, :, :length] = old_k[layer][:n, :, :length]
                 self.values[layer][:n, :, :length] = old_v[layer][:n, :, :length]
 
-    def fit(self, slots: int, capacity: int) -> None:
-        """Make room for `slots` rows of `capacity` positions; shrink when the live rows need far less."""
+    def fit(self, slots: int, capacity: int, shrink: bool = True) -> None:
+        """Make room for `slots` rows of `capacity` positions; shrink when the live rows need far less (unless not
+        `shrink`: captured steps hold the buffers' addresses, and every reallocation costs their captures)."""
         capacity = -(-capacity // GROW_QUANTUM) * GROW_QUANTUM
         grow = slots > self.slots or capacity > self.capacity
-        shrink = capacity * 2 <= self.capacity or slots * 2 <= self.slots
+        shrink = shrink and (capacity * 2 <= self.capacity or slots * 2 <= self.slots)
         if grow or shrink:
             self._allocate(max(slots, len(self.lengths)), max(capacity, max(self.lengths, default=0)))
 

@@ -161,3 +161,19 @@ def test_each_method_alone_equals_ar(engine, reference, index):
     alone = decode_mixed(engine, WITHOUT_CONTEXT, index=index, batch_size=1,
                          rows=first_row_of_each_method(WITHOUT_CONTEXT))
     check_equal_to_ar(alone, reference)
+
+
+def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch):
+    """The graph-ready step (graph_step.py: static buffers, verification on the device, as a GPU captures it), run
+    eagerly: rows of plain decoding, chains and trees in one batch equal `ar`."""
+    runner = engine.target
+    plans = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
+             ("ar", MethodOptions()), ("pld", MethodOptions(candidates=3)),
+             ("copyspec", MethodOptions(gamma=5, copy_tokens=32)), ("casd_strict", MethodOptions()),
+             ("ar", MethodOptions())]
+    monkeypatch.setattr(runner, "graph_mode", "eager")
+    monkeypatch.setattr(runner, "_graph_step", None)
+    results = decode_mixed(engine, plans, with_context=own_answer_contexts(reference))
+    check_equal_to_ar(results, reference)
+    assert runner.graph_step().steps > 0
+    assert sum(row["accepted_tokens"] for _, row in results.values()) > 100

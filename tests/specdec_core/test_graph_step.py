@@ -1,0 +1,212 @@
+"""The graph-ready decode and verify step (graph_step.py), on the CPU: run eagerly on its static buffers it gives
+greedy's tokens (chains, trees, a batch of mixed drafters, Llama and Qwen2), verifies on the device exactly as the
+host verifier does, copies to the host once a step, picks its buckets, and where capture fails runs eagerly with one
+log line. The real model's check is test_lossless.py's; the GPU's timing is benchmarks/gpu_step_roofline.py's."""
+
+import logging
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from specdec_core.engine import BatchItem, Engine
+from specdec_core.loop.draft_tree import ancestor_mask, build_trie, depths
+from specdec_core.loop.requests import DecodeParams
+from specdec_core.loop.verification import accept_greedy, accept_greedy_nodes, verify_tree_greedy
+from specdec_core.methods import MethodOptions
+from specdec_core.model import graph_step
+from specdec_core.model.graph_step import GraphStep
+from specdec_core.model.step_buckets import KEY_QUANTUM, Bucket, bucket_for
+from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
+
+LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]
+MAX_NEW = 24
+MIXED = [("ar", MethodOptions()), ("pld", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
+         ("copyspec", MethodOptions())]
+
+
+def _runner(make, mode: str, monkeypatch):
+    monkeypatch.setenv(graph_step.MODE_ENV, mode)
+    return make(0)
+
+
+def _decode_mixed(engine, prompts, plans, batch_size=4):
+    """prompts[i] decoded with plans[i % len(plans)] in one decoder -> {key: result dict}."""
+    decoder = engine.decoder(batch_size=batch_size, speculation_budget=False)
+    methods = {}
+    for key, prompt in enumerate(prompts):
+        method, options = plans[key % len(plans)]
+        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), method, options,
+                                      decoder))
+        methods[key] = method
+    return {request.key: engine.result_dict(methods[request.key], request.params, result)
+            for request, result in decoder.run()}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_eager_graph_steps_give_greedy_tokens_in_a_mixed_batch(make, monkeypatch):
+    """Rows of plain decoding, chains and trees share each step; every step goes through the graph-ready step."""
+    engine = Engine.from_runners(_runner(make, "eager", monkeypatch))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS)]
+    results = _decode_mixed(engine, prompts, MIXED)
+    step = engine.target.graph_step()
+    assert step is not None and step.mode == "eager" and step.steps > 0
+    drafted = accepted = 0
+    for key, prompt in enumerate(prompts):
+        row = results[key]
+        assert row["error"] is None, row["error"]
+        assert row["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
+        drafted, accepted = drafted + row["drafted_tokens"], accepted + row["accepted_tokens"]
+    assert drafted > accepted > 20, (drafted, accepted)  # accepted drafts, and rejected tokens rolled back
+
+
+def _random_draft(rng: random.Random, width: int):
+    """A chain, a tree (with a repeated sibling now and then) or nothing, of at most width - 1 nodes."""
+    kind = rng.choice(["chain", "tree", "none"])
+    if kind == "none":
+        return [], None
+    if kind == "chain":
+        return [rng.randrange(4) for _ in range(rng.randrange(1, width))], None
+    branches = [[rng.randrange(4) for _ in range(rng.randrange(1, 4))] for _ in range(rng.randrange(1, 4))]
+    tokens, parents = build_trie(branches)
+    tokens, parents = tokens[:width - 1], parents[:width - 1]
+    if len(tokens) >= 2 and rng.random() < 0.3:  # a repeated sibling: the host walks into the first one
+        tokens.append(tokens[0])
+        parents.append(parents[0])
+        tokens, parents = tokens[:width - 1], parents[:width - 1]
+    return tokens, parents
+
+
+def test_device_verification_equals_the_host_verifiers():
+    """accept_greedy_nodes against accept_greedy (chains) and verify_tree_greedy (trees) on random drafts and random
+    argmaxes over a small alphabet (so drafts are often accepted), padding rows and padding nodes included."""
+    rng = random.Random(0)
+    width, rows = 8, 64
+    for _ in range(20):
+        drafts = [_random_draft(rng, width) for _ in range(rows)]
+        step_ids = torch.zeros(rows, width, dtype=torch.long)
+        visible = torch.zeros(rows, width, width, dtype=torch.bool)
+        depth = torch.zeros(rows, width, dtype=torch.long)
+        argmax = torch.randint(0, 4, (rows, width), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        for r, (tokens, parents) in enumerate(drafts):
+            step_ids[r, 0] = 9
+            step_ids[r, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            tree = parents if parents is not None else list(range(-1, len(tokens) - 1))
+            visible[r] = ancestor_mask(tree, width)
+            depth[r, 1:1 + len(tokens)] = torch.tensor(depths(tree), dtype=torch.long)
+        found = accept_greedy_nodes(step_ids, visible, depth, argmax).tolist()
+        for r, (tokens, parents) in enumerate(drafts):
+            node_argmax = argmax[r, :1 + len(tokens)].tolist()
+            if parents is None:
+                accepted, token = accept_greedy(tokens, node_argmax)
+                assert found[r][0] == accepted and found[r][1] == accepted and found[r][2] == token, (r, tokens)
+            else:
+                expected = verify_tree_greedy(parents, tokens, node_argmax)
+                last = expected.path[-1] + 1 if expected.path else 0
+                assert found[r] == [expected.num_accepted, last, expected.next_token], (r, tokens, parents)
+
+
+def test_buckets():
+    assert bucket_for(3, 1, 100, slots=8, capacity=512) == Bucket(4, 1, KEY_QUANTUM)
+    assert bucket_for(5, 3, 254, slots=8, capacity=512) == Bucket(8, 4, 2 * KEY_QUANTUM)  # 254 + 4 keys
+    assert bucket_for(40, 9, 10, slots=48, capacity=512) == Bucket(48, 16, KEY_QUANTUM)  # the cache's slots cap rows
+    assert bucket_for(2, 2, 511, slots=2, capacity=512) is None  # 511 + 2 keys: no room past the longest row
+    assert bucket_for(2, 2, 511, slots=2, capacity=768).keys == 768
+    assert bucket_for(2, 40, 10, slots=2, capacity=512) is None  # wider than any bucket: the eager forward
+    assert bucket_for(3, 1, 10, slots=2, capacity=512) is None
+
+
+SYNCS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+         torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero,
+         torch.Tensor.masked_select, torch.masked_select, torch.unique, torch.Tensor.unique, torch.equal}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values on the host (on a GPU each waits for the device), and indexing
+    by a boolean mask (its result's shape comes from the data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNCS:
+            self.seen.append(func.__name__)
+        elif func is torch.Tensor.__getitem__ and _boolean_index(args[1]):
+            self.seen.append("boolean index")
+        return func(*args, **kwargs)
+
+
+def _boolean_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
+
+
+def test_a_graph_ready_step_reads_the_device_once(monkeypatch):
+    """Every step of a drafting batch, its buffers' filling included, reads the device exactly once (its [rows, 3]
+    verdicts); the eager forward and host verification it replaces read it several times a step (the hook sees
+    them)."""
+    engine = Engine.from_runners(_runner(tiny_llama, "eager", monkeypatch))
+    counts = []
+    run = GraphStep.run
+
+    def counted(self, *args, **kwargs):
+        with HostReads() as reads:
+            out = run(self, *args, **kwargs)
+        counts.append(len(reads.seen))
+        return out
+
+    monkeypatch.setattr(GraphStep, "run", counted)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:4])]
+    results = _decode_mixed(engine, prompts, MIXED)
+    assert sum(r["drafted_tokens"] for r in results.values()) > 0
+    assert counts and set(counts) == {1}, counts
+    # the eager path's steps, counted the same way: the hook can fail
+    engine.target.graph_mode = "off"
+    engine.target._graph_step = None
+    eager = []
+    forward = type(engine.target).forward_slots
+    monkeypatch.setattr(type(engine.target), "forward_slots", lambda self, *a, **k: _count(eager, forward, self, a, k))
+    _decode_mixed(engine, prompts, MIXED)
+    assert eager and max(eager) > 1, eager
+
+
+def _count(counts, function, runner, args, kwargs):
+    with HostReads() as reads:
+        out = function(runner, *args, **kwargs)
+    counts.append(len(reads.seen))
+    return out
+
+
+def test_where_capture_fails_the_step_runs_eagerly(monkeypatch, caplog):
+    """On a CPU there is no CUDA graph: `captured` logs one line per bucket and gives the same tokens."""
+    engine = Engine.from_runners(_runner(tiny_llama, "captured", monkeypatch))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    with caplog.at_level(logging.WARNING, logger=graph_step.__name__):
+        results = _decode_mixed(engine, prompts, MIXED[:3], batch_size=3)
+    step = engine.target.graph_step()
+    failed = [r.message for r in caplog.records if "runs eagerly" in r.message]
+    assert step.captures == 0 and len(failed) == len(step.graphs) > 0, failed
+    assert "CUDA graphs need a CUDA device" in failed[0]
+    for key, prompt in enumerate(prompts):
+        assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW)
+
+
+def test_modes(monkeypatch):
+    monkeypatch.setenv(graph_step.MODE_ENV, "auto")
+    assert graph_step.step_mode("cpu") == "off" and graph_step.step_mode("cuda:0") == "captured"
+    assert tiny_llama(0).graph_step() is None  # the CPU's own kernels serve its steps by default
+    monkeypatch.setenv(graph_step.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECBATCH_GRAPH_STEP='sometimes'"):
+        graph_step.step_mode("cpu")
+
+
+def test_key_mask():
+    """A row sees its cached keys, the nodes it is shown at length + their index, and itself; never past that."""
+    visible = torch.zeros(2, 3, 3, dtype=torch.bool)
+    visible[0] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a tree: nodes 1 and 2 under 0
+    mask = graph_step.key_mask(torch.tensor([2, 0]), visible, 6)[:, 0]  # [2, 3, 6]
+    assert mask[0].int().tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]]
+    assert mask[1].int().tolist() == [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]  # padding: itself
