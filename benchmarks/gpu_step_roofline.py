@@ -4,6 +4,8 @@ machine needs no model files. For each shape, batch size and step width, on a ca
   eager     the loop's path today: model_runner.forward_slots, then the argmax and greedy verification
   static    the graph-ready step (model/graph_step.py) run eagerly on its static buffers
   captured  the same step replayed from a CUDA graph (captured at its first use; the capture's seconds apart)
+  compiled  the same, each layer's dense work fused by torch.compile (Inductor) before the capture (the first
+            bucket's capture seconds hold the compile)
   hf        HF `generate`'s decode step over the same prompts (width 1: (a run of N tokens - a run of 1) / (N - 1))
 
 The roofline of a step is the bytes it must read (every weight once, the head included, and each row's cached keys
@@ -162,7 +164,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
             cache = filled_cache(runner, lengths, width)
             batch, step_ids = chain_step(lengths, width, runner.vocab_size, seed=width)
             roofline_ms = step_bytes(runner, lengths, width) / bandwidth * 1e3
-            steps = {"static": GraphStep(runner, "eager"), "captured": GraphStep(runner, "captured")}
+            steps = {"static": GraphStep(runner, "eager"), "captured": GraphStep(runner, "captured"),
+                     "compiled": GraphStep(runner, "compiled")}
             runs = {"eager": lambda: eager_step(runner, cache, batch, step_ids)}
             runs.update({mode: (lambda step=step: step.run(cache, batch, step_ids, accept_greedy_nodes))
                          for mode, step in steps.items()})
@@ -173,8 +176,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                 record = {**base, "batch_size": batch_size, "width": width, "mode": mode, "step_ms": round(step_ms, 4),
                           "roofline_ms": round(roofline_ms, 4), "roofline_ratio": round(step_ms / roofline_ms, 2),
                           "same_tokens_as_eager": outputs[mode] == outputs["eager"]}
-                if mode == "captured":
-                    step = steps["captured"]
+                if mode in ("captured", "compiled"):
+                    step = steps[mode]
                     record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
                                   syncs_per_step=syncs_in(run, args.device))
                 records.append(record)
@@ -191,7 +194,7 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
 
 
 def _print(record: dict) -> None:
-    extra = "" if record["mode"] != "captured" else (
+    extra = "" if "captured" not in record else (
         f"  captured {record['captured']} in {record['capture_s']:.2f} s, syncs {record['syncs_per_step']}")
     same = "" if "same_tokens_as_eager" not in record else f"  same tokens as eager: {record['same_tokens_as_eager']}"
     print(f"{record['shape']:>13} b{record['batch_size']:<4} T{record['width']:<3} {record['mode']:>9}: "

@@ -16,7 +16,9 @@ Prefill and steps that need more than argmaxes (sampling, drafters that read the
 attention, CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
 
 Modes (`SPECBATCH_GRAPH_STEP`): `auto` (captured on a GPU, off on a CPU, whose compiled kernels beat these static
-shapes), `captured`, `eager` (static buffers without a graph: how the CPU suite checks this step), `off`.
+shapes), `captured`, `compiled` (each layer's norms, projections, RoPE, residual adds and SiLU-gate fused by
+torch.compile's Inductor around the cache write and the attention, then captured), `eager` (static buffers without a
+graph: how the CPU suite checks this step), `off`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..defaults import cache_root
 from .fast_forward import _rms_norm, _rope
 from .step_batch import StepBatch
 from .step_buckets import Bucket, bucket_for
@@ -37,7 +40,7 @@ from .step_buckets import Bucket, bucket_for
 log = logging.getLogger(__name__)
 
 MODE_ENV = "SPECBATCH_GRAPH_STEP"
-MODES = ("auto", "captured", "eager", "off")
+MODES = ("auto", "captured", "compiled", "eager", "off")
 WARM_UP_RUNS = 2  # eager runs of a bucket before its capture (allocator and library handles settle)
 
 # verify(step_ids [B, T], visible [B, T, T], depth [B, T], argmax [B, T]) -> [B, 3] (accepted, last node, next)
@@ -45,7 +48,7 @@ Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], to
 
 
 def step_mode(device: str) -> str:
-    """The graph-ready step's mode on `device`: captured, eager or off (see the module's docstring)."""
+    """The graph-ready step's mode on `device`: captured, compiled, eager or off (see the module's docstring)."""
     mode = os.environ.get(MODE_ENV, "auto")
     if mode not in MODES:
         raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)}")
@@ -97,8 +100,16 @@ class GraphStep:
 
     def __init__(self, runner, mode: str):
         self.runner = runner
-        self.mode = mode  # captured or eager
+        self.mode = mode  # captured, compiled or eager
+        self.capture = mode in ("captured", "compiled")
         self.device = torch.device(runner.device)
+        self.fused = None  # each layer's dense weights, for the compiled mode's fused functions
+        if mode == "compiled":
+            try:
+                self.fused = _fused_layers(runner.fast)
+            except TypeError as exc:
+                log.warning("compiled steps off: %s; the steps are captured unfused", exc)
+                self.mode = "captured"
         self.inputs: dict[tuple[int, int], _Inputs] = {}
         self.graphs: dict[Bucket, _Captured | None] = {}  # None: its capture failed, the bucket runs eagerly
         self.pool = None  # the captured graphs' shared memory pool
@@ -121,7 +132,7 @@ class GraphStep:
             inputs = self.inputs[(bucket.rows, bucket.width)] = _Inputs(bucket.rows, bucket.width, self.device)
         inputs.fill(step_ids, batch.positions, batch.visible, cache.lengths[:live])
         self.steps += 1
-        if self.mode == "captured":
+        if self.capture:
             captured = self._captured(bucket, inputs, cache, verify)
             if captured is not None:
                 captured.graph.replay()
@@ -195,23 +206,24 @@ class GraphStep:
         rows, width, count = bucket.rows, bucket.width, x.shape[0]
         heads, kv_heads, head_dim = fast.heads, fast.kv_heads, fast.head_dim
         group = heads // kv_heads
-        normed = _rms_norm(x, layer.norm1, layer.eps1)
-        if layer.qkv is not None:
-            q, k, v = layer.qkv(normed).split(layer.qkv_widths, dim=1)
+        if self.fused is not None:
+            weights = self.fused[index]
+            q, k, v = _FUSED.before_attention(x, *weights.before, cos, sin, heads, kv_heads, head_dim)
         else:
-            q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
-        q = _rope(q.reshape(count, heads, head_dim), cos, sin)  # [B T, H, d]
-        k = _rope(k.reshape(count, kv_heads, head_dim), cos, sin)  # [B T, KV, d]
+            q, k, v = _before_attention(x, layer, cos, sin, heads, kv_heads, head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
         keys[write_rows, :, places] = k.to(keys.dtype)
-        values[write_rows, :, places] = v.reshape(count, kv_heads, head_dim).to(values.dtype)
+        values[write_rows, :, places] = v.to(values.dtype)
         # the query heads of one key head side by side along the query axis: [B, KV, group T, d]
         query = q.view(rows, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         query = query.reshape(rows, kv_heads, group * width, head_dim)
         attended = F.scaled_dot_product_attention(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
                                                   attn_mask=mask, scale=layer.scaling)  # [B, KV, group T, d]
         attended = attended.view(rows, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
-        x = x + layer.o(attended.reshape(count, heads * head_dim))
+        attended = attended.reshape(count, heads * head_dim)
+        if self.fused is not None:
+            return _FUSED.after_attention(x, attended, *self.fused[index].after)
+        x = x + layer.o(attended)
         normed = _rms_norm(x, layer.norm2, layer.eps2)
         if layer.gate_up is not None:
             gate, up = layer.gate_up(normed).chunk(2, dim=1)
@@ -224,6 +236,98 @@ class GraphStep:
         failed = sum(1 for captured in self.graphs.values() if captured is None)
         return (f"graph-ready steps: {self.mode}, {self.steps} steps, {self.captures} graphs captured in "
                 f"{self.capture_s:.2f} s" + (f", {failed} buckets eager after a failed capture" if failed else ""))
+
+
+def _before_attention(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, hidden] -> post-rotary q [M, H, d], k [M, KV, d] and v [M, KV, d] through the layer's own kernels."""
+    count = x.shape[0]
+    normed = _rms_norm(x, layer.norm1, layer.eps1)
+    if layer.qkv is not None:
+        q, k, v = layer.qkv(normed).split(layer.qkv_widths, dim=1)
+    else:
+        q, k, v = layer.q(normed), layer.k(normed), layer.v(normed)
+    return (_rope(q.reshape(count, heads, head_dim), cos, sin), _rope(k.reshape(count, kv_heads, head_dim), cos, sin),
+            v.reshape(count, kv_heads, head_dim))
+
+
+@dataclass
+class _DenseLayer:
+    """One layer's weights as plain tensors, for the fused functions (arguments, not attributes: torch.compile then
+    compiles one function for every layer instead of one per layer)."""
+
+    before: tuple  # (norm1, eps1, qkv weight, qkv bias or None)
+    after: tuple  # (o weight, o bias, norm2, eps2, gate-up weight, gate-up bias, down weight, down bias)
+
+
+def _fused_layers(fast) -> list[_DenseLayer]:
+    """Each layer's dense weights (q/k/v and gate/up stacked; the GPU's stacked modules are reused, not copied)."""
+    layers = []
+    for layer in fast.layers:
+        def dense(*projections):
+            modules = [p.module for p in projections]
+            if not all(type(m) is torch.nn.Linear for m in modules):
+                raise TypeError("the compiled step needs plain linear layers (a GPU's), not the CPU's packed kernels")
+            if len(modules) == 1:
+                return modules[0].weight, modules[0].bias
+            weight = torch.cat([m.weight for m in modules])
+            biased = any(m.bias is not None for m in modules)
+            bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in modules]) if biased else None
+            return weight, bias
+
+        qkv = dense(layer.qkv) if layer.qkv is not None else dense(layer.q, layer.k, layer.v)
+        gate_up = dense(layer.gate_up) if layer.gate_up is not None else dense(layer.gate, layer.up)
+        layers.append(_DenseLayer((layer.norm1, layer.eps1, *qkv),
+                                  (*dense(layer.o), layer.norm2, layer.eps2, *gate_up, *dense(layer.down))))
+    return layers
+
+
+def _dense_before_attention(x, norm, eps, qkv_weight, qkv_bias, cos, sin, heads, kv_heads, head_dim):
+    """_before_attention over dense weights (what Inductor fuses)."""
+    count = x.shape[0]
+    qkv = F.linear(_rms_norm(x, norm, eps), qkv_weight, qkv_bias)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return (_rope(q.reshape(count, heads, head_dim), cos, sin), _rope(k.reshape(count, kv_heads, head_dim), cos, sin),
+            v.reshape(count, kv_heads, head_dim))
+
+
+def _dense_after_attention(x, attended, o_weight, o_bias, norm, eps, gate_up_weight, gate_up_bias, down_weight,
+                           down_bias):
+    """The attention's output projection, the residual adds, the second norm and the MLP over dense weights."""
+    x = x + F.linear(attended, o_weight, o_bias)
+    gate, up = F.linear(_rms_norm(x, norm, eps), gate_up_weight, gate_up_bias).chunk(2, dim=1)
+    return x + F.linear(F.silu(gate) * up, down_weight, down_bias)
+
+
+class _Compiled:
+    """`function` compiled by Inductor at its first call (shapes turn dynamic at the first recompile, so the buckets
+    share its kernels); where compiling fails, the function itself runs from then on (one log line)."""
+
+    def __init__(self, function):
+        self.function = function
+        self.run = None
+
+    def __call__(self, *args):
+        if self.run is None:
+            # Inductor's generated code goes with the project's other compiled kernels, not to a shared /tmp
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            self.run = torch.compile(self.function)
+            try:
+                return self.run(*args)
+            except Exception as exc:
+                log.warning("torch.compile failed on %s (%s: %s); it runs uncompiled", self.function.__name__,
+                            type(exc).__name__, exc)
+                self.run = self.function
+        return self.run(*args)
+
+
+class _Fused:
+    before_attention = _Compiled(_dense_before_attention)
+    after_attention = _Compiled(_dense_after_attention)
+
+
+_FUSED = _Fused()
 
 
 def key_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:

@@ -3,25 +3,29 @@ recorded with its roofline, the modes give the same tokens in fp32, and capture 
 
 import json
 
+import pytest
+
 from benchmarks import gpu_step_roofline
 
 
-def test_the_roofline_records(tmp_path):
+@pytest.mark.slow  # the compiled mode's Inductor compiles in worker processes
+def test_the_roofline_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     out = tmp_path / "step_roofline.json"
     assert gpu_step_roofline.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--batch-sizes", "3",
                                    "--widths", "1", "4", "--context", "30", "--reps", "1", "--hf-new-tokens", "3",
                                    "--out", str(out)]) == 0
     records = json.loads(out.read_text())
     modes = {(r["width"], r["mode"]) for r in records}
-    assert modes == {(1, "eager"), (1, "static"), (1, "captured"), (1, "hf"), (4, "eager"), (4, "static"),
-                     (4, "captured")}
+    assert modes == {(width, mode) for width in (1, 4) for mode in ("eager", "static", "captured", "compiled")
+                     } | {(1, "hf")}
     for record in records:
         assert {"shape", "batch_size", "width", "mode", "step_ms", "roofline_ms", "roofline_ratio", "device",
                 "torch"} <= set(record)
         assert record["step_ms"] > 0 and record["roofline_ms"] > 0
         assert record.get("same_tokens_as_eager", True), record
-    captured = [r for r in records if r["mode"] == "captured"]
-    assert all(not r["captured"] and r["syncs_per_step"] is None for r in captured)  # no CUDA graph on a CPU
+    captured = [r for r in records if r["mode"] in ("captured", "compiled")]
+    assert len(captured) == 4 and all(not r["captured"] and r["syncs_per_step"] is None for r in captured)  # a CPU
 
 
 def test_step_bytes_count_the_weights_and_the_cache():

@@ -61,6 +61,22 @@ def test_eager_graph_steps_give_greedy_tokens_in_a_mixed_batch(make, monkeypatch
     assert drafted > accepted > 20, (drafted, accepted)  # accepted drafts, and rejected tokens rolled back
 
 
+@pytest.mark.slow  # Inductor compiles in worker processes
+def test_compiled_steps_give_greedy_tokens(monkeypatch, tmp_path):
+    """The compiled mode: each layer's dense work fused by Inductor (here its CPU code), the cache write and the
+    attention between; chains and trees still give greedy's tokens."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    engine = Engine.from_runners(_runner(tiny_qwen2, "compiled", monkeypatch))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:4])]
+    results = _decode_mixed(engine, prompts, MIXED)
+    step = engine.target.graph_step()
+    assert step.mode == "compiled" and step.fused is not None and step.steps > 0
+    assert graph_step._Fused.after_attention.run is not graph_step._dense_after_attention  # it did compile
+    for key, prompt in enumerate(prompts):
+        assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
+    assert sum(r["accepted_tokens"] for r in results.values()) > 0
+
+
 def _random_draft(rng: random.Random, width: int):
     """A chain, a tree (with a repeated sibling now and then) or nothing, of at most width - 1 nodes."""
     kind = rng.choice(["chain", "tree", "none"])
