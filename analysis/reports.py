@@ -37,7 +37,7 @@ REPORTS: dict[str, Report] = {
                decode_tokens_per_s / ar.ar_decode_tokens_per_s AS decode_x_ar, mean_occupancy,
                accepted_tokens / nullif(drafted_tokens, 0) AS acceptance_rate, drafted_tokens, accepted_tokens,
                peak_kv_bytes / 1048576.0 AS peak_kv_mib, 100 * prefix_hit_rate AS pct_prefix_hit,
-               memory_tokens, 100 * memory_accepted_share AS pct_accepted_from_memory
+               memory_tokens, 100 * memory_accepted_share AS pct_accepted_from_memory, capture_s
         FROM m LEFT JOIN ar USING (run_id) ORDER BY m.run_id, method""",
         "job tokens/s = the method's new tokens ÷ its decode wall time (its batched passes; model load and each "
         "actor's warm-up excluded); x ar = that ÷ ar's in the same run. The wall time splits into prefill (the target's "
@@ -45,7 +45,7 @@ REPORTS: dict[str, Report] = {
         "supply) and decode (the rest): decode tokens/s = new tokens ÷ decode s, decode x ar = that ÷ ar's. Each "
         "method is measured as if it ran alone: its own prefix cache, step costs, acceptance and job memory; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
         "the prefix cache supplied; memory = the job memory's output tokens (suffix, auto) and the share of accepted "
-        "draft tokens drafted from it."),
+        "draft tokens drafted from it; capture s = a GPU's graph captures of its steps, in no wall time."),
     "runs": Report("Runs", f"""
         SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
         FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),

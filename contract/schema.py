@@ -75,6 +75,9 @@ GENERATIONS_SCHEMA = pa.schema([
     # in neither the warm-up nor any pass's wall time.
     ("kernel_plan", pa.string()),
     ("kernel_plan_s", pa.float64()),
+    # Seconds the pass spent capturing graph-ready steps (a GPU's CUDA graphs, specdec_core/model/graph_step.py):
+    # paid once per actor and step shape, so left out of pass_wall_s. 0 where no step was captured.
+    ("pass_capture_s", pa.float64()),
 ])
 
 METHOD_STATS = pa.struct([
@@ -97,6 +100,7 @@ METHOD_STATS = pa.struct([
     ("prefix_hit_rate", pa.float64()),  # prompt tokens supplied by the prefix cache / prompt tokens
     ("memory_tokens", pa.int64()),  # the largest job memory a pass of the method ended with (null: none)
     ("memory_accepted_share", pa.float64()),  # accepted draft tokens drafted from the job memory / accepted tokens
+    ("capture_s", pa.float64()),  # the passes' graph captures (pass_capture_s), per actor: in no decode_wall_s
 ])
 
 RUNS_SCHEMA = pa.schema([

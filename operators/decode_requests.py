@@ -275,7 +275,7 @@ class _MethodPass:
         """The pass's rows, each with the pass's own figures."""
         stats, memory = self.decoder.stats, self.decoder.job_memory
         pass_fields = {"decode_pass": f"{self.stage.actor_id}:{uuid.uuid4().hex[:8]}", "pass_wall_s": stats.wall_s,
-                       "pass_prefill_s": stats.prefill_s, "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
+                       "pass_prefill_s": stats.prefill_s, "pass_capture_s": stats.capture_s, "pass_mean_occupancy": stats.mean_occupancy, "pass_peak_kv_bytes": stats.peak_cache_bytes,
                        "pass_prompt_tokens": stats.prompt_tokens, "pass_prefix_hit_tokens": stats.prefix_hit_tokens,
                        "pass_memory_tokens": memory.tokens if memory is not None else None}
         return [{**r, **pass_fields} for r in self.out]

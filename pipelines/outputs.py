@@ -259,7 +259,7 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
     rows = pads.dataset(str(path), format="parquet", partitioning="hive", schema=GENERATIONS_SCHEMA).to_table(
         columns=["method", "new_tokens", "drafted_tokens", "accepted_tokens", "error", "decode_pass", "pass_wall_s",
                  "pass_prefill_s", "pass_mean_occupancy", "pass_peak_kv_bytes", "pass_prompt_tokens", "pass_prefix_hit_tokens",
-                 "pass_memory_tokens", "accepted_by_source", "actor_id"]).to_pylist()
+                 "pass_memory_tokens", "accepted_by_source", "actor_id", "pass_capture_s"]).to_pylist()
     stats: dict[str, dict] = {}
     for row in rows:
         entry = stats.setdefault(row["method"], {"method": row["method"], "requests": 0, "errors": 0, "new_tokens": 0,
@@ -277,7 +277,7 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
             entry["passes"][row["decode_pass"]] = (row["pass_wall_s"], row["pass_mean_occupancy"],
                                                    row["pass_peak_kv_bytes"], row["pass_prompt_tokens"],
                                                    row["pass_prefix_hit_tokens"], row["pass_memory_tokens"],
-                                                   row["pass_prefill_s"])
+                                                   row["pass_prefill_s"], row["pass_capture_s"])
             entry["actor_ids"].add(row["actor_id"])
     out = []
     for entry in sorted(stats.values(), key=lambda e: e["method"]):
@@ -304,5 +304,6 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
                     "prefix_hit_rate": sum(p[4] or 0 for p in passes) / prompt_tokens if prompt_tokens else None,
                     "memory_tokens": max(memory_sizes) if memory_sizes else None,
                     "memory_accepted_share": (memory_accepted / entry["accepted_tokens"]
-                                              if memory_sizes and entry["accepted_tokens"] else None)})
+                                              if memory_sizes and entry["accepted_tokens"] else None),
+                    "capture_s": sum(p[7] or 0.0 for p in passes) / actors if passes else None})
     return out

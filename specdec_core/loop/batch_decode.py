@@ -87,8 +87,9 @@ class BatchStats:
     new_tokens: int = 0
     peak_cache_bytes: int = 0
     peak_rows: int = 0
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # the run's seconds, capture_s left out
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
+    capture_s: float = 0.0  # capturing graph-ready steps (graph_step.py): once per actor and shape, not decoding
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
 
@@ -161,9 +162,9 @@ class BatchDecoder:
             if self.rows:
                 self.step()
             while self.finished:
-                self.stats.wall_s = time.perf_counter() - started
+                self.stats.wall_s = time.perf_counter() - started - self.stats.capture_s
                 yield self.finished.popleft()
-        self.stats.wall_s = time.perf_counter() - started
+        self.stats.wall_s = time.perf_counter() - started - self.stats.capture_s
 
     # ----------------------------------------------------------------------------------------------- admission
     def _capacity_for(self, request: DecodeRequest) -> int:
@@ -351,10 +352,10 @@ class BatchDecoder:
         self._flush(pools)  # (a pool that fails retires its rows)
         if not self.rows:
             return
-        started, before = time.perf_counter(), self.stats.new_tokens
+        started, before, captured = time.perf_counter(), self.stats.new_tokens, self.stats.capture_s
         count, width, real = self._verify(self.rows)
-        finished = time.perf_counter()
-        self._progress(finished - step_started)
+        self._progress(time.perf_counter() - step_started)
+        finished = time.perf_counter() - (self.stats.capture_s - captured)  # a capture is no step's cost
         drafting_s = started - step_started - self.budget.pricing.prefill_s
         self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
                                 drafting_s=drafting_s)
@@ -418,7 +419,11 @@ class BatchDecoder:
         batch = StepBatch(input_ids, positions, visible, logit_index, **signals.forward_kwargs())
         count = len(rows)
         graph = self.target.graph_step() if _argmax_only(rows, signals) else None
-        on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes) if graph is not None else None
+        on_host = None
+        if graph is not None:
+            captured = graph.capture_s
+            on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes)
+            self.stats.capture_s += graph.capture_s - captured
         if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
             results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
             self._commit(rows, None, signals, step_ids, results)

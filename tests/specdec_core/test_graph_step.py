@@ -226,3 +226,36 @@ def test_key_mask():
     mask = graph_step.key_mask(torch.tensor([2, 0]), visible, 6)[:, 0]  # [2, 3, 6]
     assert mask[0].int().tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]]
     assert mask[1].int().tolist() == [[1, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0]]  # padding: itself
+
+
+def test_capture_time_is_reported_apart(monkeypatch):
+    """A capture (here a slow one that fails, as on a CPU) is counted in the pass's capture_s, not in its wall time
+    nor in any step's cost the budget learns from."""
+    import time
+
+    from specdec_core.loop.speculation_budget import StepCostModel
+
+    engine = Engine.from_runners(_runner(tiny_llama, "captured", monkeypatch))
+
+    def slow_capture(self, *args):
+        time.sleep(0.2)
+        raise RuntimeError("no graph here")
+
+    monkeypatch.setattr(GraphStep, "_capture", slow_capture)
+    learned = []
+    record = StepCostModel.observe
+    monkeypatch.setattr(StepCostModel, "observe", lambda self, rows, width, seconds, *a, **k: (
+        learned.append(seconds), record(self, rows, width, seconds, *a, **k))[1])
+    decoder = engine.decoder(batch_size=3, speculation_budget=True)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    for key, prompt in enumerate(prompts):
+        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), "pld",
+                                      MethodOptions(), decoder))
+    started = time.perf_counter()
+    results = list(decoder.run())
+    elapsed = time.perf_counter() - started
+    buckets = len(engine.target.graph_step().graphs)
+    assert len(results) == 3 and buckets >= 2
+    assert decoder.stats.capture_s >= 0.2 * buckets
+    assert decoder.stats.wall_s <= elapsed - 0.2 * buckets
+    assert learned and max(learned) < 0.2, max(learned)
