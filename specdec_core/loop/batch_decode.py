@@ -418,9 +418,9 @@ class BatchDecoder:
         signals = wanted([r.request.drafter for r in rows])
         batch = StepBatch(input_ids, positions, visible, logit_index, **signals.forward_kwargs())
         count = len(rows)
-        graph = self.target.graph_step() if _argmax_only(rows, signals) else None
+        graph = self.target.graph_step()  # (None on a CPU by default)
         on_host = None
-        if graph is not None:
+        if graph is not None and _argmax_only(rows, signals):
             captured = graph.capture_s
             on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes)
             self.stats.capture_s += graph.capture_s - captured
