@@ -36,6 +36,10 @@ class Draft:
     # Draft indices whose next-token logits the drafter reads (DRAFT_LOGITS in Drafter.reads): nodes it adds to learn
     # from the target's forward (SPECTRA's pool rows), verified like any other node.
     probes: list[int] | None = None
+    # Each node's chance of being accepted as its drafter estimates it (a tree's node: its path's; siblings exclude
+    # each other, so the draft's expected accepted tokens are their sum). The budget prices such a draft by it,
+    # calibrated against what verification accepts, instead of by the row's geometric acceptance rate.
+    confidence: list[float] | None = None
 
     def __post_init__(self):
         if self.parents is not None:
@@ -45,6 +49,8 @@ class Draft:
                 raise ValueError("draft trees are one-hot: probability-carrying drafts must be chains")
             if self.parents == chain_parents(len(self.tokens)):
                 self.parents = None  # a one-branch tree is a chain
+        if self.confidence is not None and len(self.confidence) != len(self.tokens):
+            raise ValueError("confidence needs one probability per draft token")
         if self.token_sources is not None:
             if len(self.token_sources) != len(self.tokens):
                 raise ValueError("token_sources needs one source per draft token")
@@ -72,7 +78,8 @@ class Draft:
                      probs=self.probs[:length] if self.probs is not None else None,
                      parents=self.parents[:length] if self.parents is not None else None,
                      token_sources=self.token_sources[:length] if self.token_sources is not None else None,
-                     probes=[p for p in self.probes if p < length] if self.probes is not None else None)
+                     probes=[p for p in self.probes if p < length] if self.probes is not None else None,
+                     confidence=self.confidence[:length] if self.confidence is not None else None)
 
     def probe_nodes(self) -> set[int]:
         """The draft indices on the branches that end at a probe (root to probe): nodes verified to learn from, not

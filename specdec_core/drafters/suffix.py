@@ -74,7 +74,8 @@ class SuffixDrafter(Drafter):
                 best, source = remembered, MEMORY_SOURCE
         if not best.tokens:
             return empty_draft()
-        return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE)
+        return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE,
+                     confidence=best.probs)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         self._remember(tokens)

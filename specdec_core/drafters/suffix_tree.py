@@ -21,7 +21,7 @@ Where it differs:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -193,9 +193,11 @@ def _rehash(keys, values, new_keys, new_values):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents):  # pragma: no cover - compiled
+def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents,
+                out_probs):  # pragma: no cover - compiled
     """Grow a tree below `start` by the probability of each path, most probable first (ties: the earlier pushed),
-    until `max_nodes` nodes or no candidate reaches `min_prob` -> (nodes taken, the sum of their probabilities)."""
+    until `max_nodes` nodes or no candidate reaches `min_prob` -> (nodes taken, the sum of their probabilities);
+    out_probs: each node's path probability."""
     capacity = 64
     cand_node = np.empty(capacity, np.int64)
     cand_prob = np.empty(capacity, np.float64)
@@ -238,6 +240,7 @@ def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents):  # 
             break
         out_tokens[taken] = nodes[cand_node[best], TOKEN]
         out_parents[taken] = cand_parent[best]
+        out_probs[taken] = cand_prob[best]
         score += cand_prob[best]
         parent_node, parent_prob, parent_index = cand_node[best], cand_prob[best], taken
         cand_prob[best] = -1.0  # taken
@@ -246,12 +249,13 @@ def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents):  # 
 
 
 @njit(cache=True)
-def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, out_tokens,
-           out_parents):  # pragma: no cover - compiled
+def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, out_tokens, out_parents,
+           out_probs):  # pragma: no cover - compiled
     """The best tree over the held suffixes (see the module's docstring) -> (nodes, match length, score)."""
     best_taken, best_length, best_score = 0, 0, 0.0
     tokens = np.empty(max(max_tokens, 1), np.int64)
     parents = np.empty(max(max_tokens, 1), np.int64)
+    probs = np.empty(max(max_tokens, 1), np.float64)
     for held in range(size):  # longest first
         length = cursor_lengths[held]
         budget = min(max_tokens, int(np.floor(factor * length)))
@@ -259,11 +263,12 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
             break
         if nodes[cursor_nodes[held], FIRST] < 0:
             continue
-        taken, score = _best_first(nodes, cursor_nodes[held], budget, min_prob, tokens, parents)
+        taken, score = _best_first(nodes, cursor_nodes[held], budget, min_prob, tokens, parents, probs)
         if score > best_score:
             best_taken, best_length, best_score = taken, length, score
             out_tokens[:taken] = tokens[:taken]
             out_parents[:taken] = parents[:taken]
+            out_probs[:taken] = probs[:taken]
     return best_taken, best_length, best_score
 
 
@@ -291,6 +296,7 @@ class TreeDraft:
     parents: list[int]  # parents[i]: index of token i's parent (-1 = the row's last token); parents first
     match_length: int  # of the suffix the tree continues (0: nothing matched)
     score: float  # sum of the nodes' path probabilities: the tokens a greedy verifier is expected to accept
+    probs: list[float] = field(default_factory=list)  # each node's path probability (non-increasing: best first)
 
 
 class SuffixTree:
@@ -350,9 +356,11 @@ class SuffixTree:
             return TreeDraft([], [], 0, 0.0)
         tokens = np.empty(max_tokens, np.int64)
         parents = np.empty(max_tokens, np.int64)
+        probs = np.empty(max_tokens, np.float64)
         taken, length, score = _draft(self.nodes, cursor.nodes, cursor.lengths, size, max_tokens, float(factor),
-                                      float(min_prob), tokens, parents)
-        return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score))
+                                      float(min_prob), tokens, parents, probs)
+        return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score),
+                         probs[:taken].tolist())
 
     # ------------------------------------------------------------------------------------------- inspection
     def node(self, path: Sequence[int]) -> int | None:
@@ -379,7 +387,8 @@ class SuffixTree:
         """The draft tree below node `start` (see `_best_first`) -> (tokens, parents, score)."""
         tokens = np.empty(max(max_nodes, 1), np.int64)
         parents = np.empty(max(max_nodes, 1), np.int64)
-        taken, score = _best_first(self.nodes, start, max_nodes, float(min_prob), tokens, parents)
+        probs = np.empty(max(max_nodes, 1), np.float64)
+        taken, score = _best_first(self.nodes, start, max_nodes, float(min_prob), tokens, parents, probs)
         return tokens[:taken].tolist(), parents[:taken].tolist(), float(score)
 
     # ------------------------------------------------------------------------------------------- growth

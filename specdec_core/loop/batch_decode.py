@@ -392,7 +392,9 @@ class BatchDecoder:
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
         left = None if self.waiting else [_tokens_left(r) for r in rows]
-        limits = self.budget.plan(reaches, [r.acceptance for r in rows], context, left) if drafting else [0] * len(rows)
+        confidences = [r.draft.confidence for r in rows]
+        limits = (self.budget.plan(reaches, [r.acceptance for r in rows], context, left, confidences) if drafting
+                  else [0] * len(rows))
         for row, fixed, limit, reach in zip(rows, pinned, limits, reaches):
             if limit and not fixed and row.request.drafter.prices_its_length:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
@@ -579,7 +581,8 @@ class BatchDecoder:
             # Acceptance is judged on what the draft offered for acceptance (probe branches left out).
             offered = _reach(draft)[-1] if draft.probes else draft.max_depth
             if offered:  # (an empty draft teaches the acceptance estimates nothing)
-                self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered))
+                confidence = None if draft.probes else draft.confidence
+                self.budget.observe(row.acceptance, offered, min(result.num_accepted, offered), confidence)
         if draft.probes:  # logits after the probed nodes (node i + 1 holds draft token i)
             row.request.drafter.observe_logits(list(draft.probes), logits[[start + 1 + p for p in draft.probes]])
         if row.request.drafter.proposes:

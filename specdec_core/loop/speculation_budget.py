@@ -75,6 +75,31 @@ class AcceptanceEstimate:
         return (self.accepted + PRIOR_WEIGHT * prior) / (total + PRIOR_WEIGHT)
 
 
+@dataclass
+class ConfidenceCalibration:
+    """How a drafter's own confidence (Draft.confidence) compares with what verification accepts: accepted draft
+    tokens over the confidence summed over the verified nodes (their expected accepted tokens), both decayed. A node
+    is priced at min(1, scale x its confidence)."""
+
+    predicted: float = 0.0
+    accepted: float = 0.0
+    decay: float = 0.98  # weight kept by earlier steps' sums at each new one (confidence drifts with the text)
+
+    def update(self, predicted: float, accepted: int) -> None:
+        if predicted <= 0:
+            return
+        self.predicted = self.decay * self.predicted + predicted
+        self.accepted = self.decay * self.accepted + accepted
+
+    def scale(self) -> float:
+        """accepted / predicted, pulled toward 1 (the drafter taken at its word) by PRIOR_WEIGHT tokens."""
+        return (self.accepted + PRIOR_WEIGHT) / (self.predicted + PRIOR_WEIGHT)
+
+    def priced(self, confidence: list[float]) -> list[float]:
+        scale = self.scale()
+        return [min(1.0, scale * p) for p in confidence]
+
+
 def critical_rows(left: list[int], saved_share: float) -> list[bool]:
     """Which rows can still set the pass's length when nothing waits for a slot: those with at least the most tokens
     left (left[r]) less the share of it that speculation could still save, `saved_share` = the share of the pass's
@@ -340,6 +365,7 @@ class SpeculationBudget:
     ragged: bool = False
     gather_share: float = MAX_REAL_SHARE  # the share of real tokens under which it gathers them (set with `ragged`)
     pricing: DraftPricing = field(default_factory=DraftPricing)  # what a drafted token costs and a token is worth
+    calibration: ConfidenceCalibration = field(default_factory=ConfidenceCalibration)  # of drafts' own confidence
     # With nothing waiting for a slot, only rows that can still set the pass's length draft (`plan`'s `left`).
     # False: every row's tokens count as work done then too (benchmarks compare the two).
     tail_rule: bool = True
@@ -365,7 +391,7 @@ class SpeculationBudget:
         return max(1, self.token_budget // max(rows, 1)) - 1
 
     def plan(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0,
-             left: list[int] | None = None) -> list[int]:
+             left: list[int] | None = None, confidences: list[list[float] | None] | None = None) -> list[int]:
         """Draft nodes each row verifies this step (0 = none). reaches[r][n - 1] = the deepest path row r's draft
         cut to n nodes can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its
         proposal. `context` = the longest live row's cached positions (costs are learned per context bucket).
@@ -380,7 +406,11 @@ class SpeculationBudget:
 
         `left`: the tokens each row has left when no request waits for a slot (None: a queue keeps the slots full).
         Then only the rows that can still set the pass's length draft (`critical_rows`, with the share of tokens
-        accepted drafts gave so far, `saved`)."""
+        accepted drafts gave so far, `saved`).
+
+        `confidences[r]`: row r's draft's own per-node acceptance (Draft.confidence) or None. Such a row's node n
+        adds its calibrated confidence (`calibration`) instead of a_r^depth: a suffix tree knows that a continuation
+        seen 9 times of 10 is likelier than one seen once, which one rate per row cannot say."""
         rows = len(reaches)
         if left is not None and self.enabled and self.tail_rule:
             critical = critical_rows(left, self.saved.rate(prior=0.5))
@@ -395,7 +425,9 @@ class SpeculationBudget:
             return [0] * rows  # a plain step now and then keeps the timed comparison (and the cost unit) current
         started = time.perf_counter()
         prior = self.pooled.rate(prior=0.5)
-        gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest)
+        priced = None if confidences is None else [
+            None if c is None else self.calibration.priced(c) for c in confidences]
+        gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest, priced)
         best, best_value = self._best_width(lengths, gained, context, longest, [0] * rows,
                                             float(rows) * self.min_advantage)
         token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
@@ -482,16 +514,32 @@ class SpeculationBudget:
         self.saved.accepted += accepted
         self.saved.rejections += kept - accepted
 
-    def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int) -> None:
+    def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int,
+                confidence: list[float] | None = None) -> None:
+        """A row's verified draft: `drafted` deep, `accepted` of it accepted; `confidence`: its verified nodes' own
+        (Draft.confidence), which the calibration compares with what was accepted."""
         estimate.update(drafted, accepted)
         self.pooled.update(drafted, accepted)
+        if confidence is not None:
+            self.calibration.update(sum(confidence), accepted)
 
 
-def _expected_gains(reaches: list[list[int]], rates: list[float], longest: int) -> tuple[list, list]:
+def _expected_gains(reaches: list[list[int]], rates: list[float], longest: int,
+                    confidences: list[list[float] | None] | None = None) -> tuple[list, list]:
     """gained[r][n] = expected tokens row r's first n nodes add (a node adds rate^depth when it deepens the path its
-    draft can accept, nothing otherwise); deepening[r] = (n, rate^depth) of the nodes that deepen."""
+    draft can accept, nothing otherwise; with a confidence, its own); deepening[r] = (n, what node n adds) of the
+    nodes that add something."""
     gained, deepening = [], []
-    for reach, rate in zip(reaches, rates):
+    for row, (reach, rate) in enumerate(zip(reaches, rates)):
+        confidence = confidences[row] if confidences is not None else None
+        if confidence is not None and len(confidence) >= min(len(reach), longest):
+            sums, steps = [0.0], []
+            for n, chance in enumerate(confidence[:min(len(reach), longest)], start=1):
+                sums.append(sums[-1] + chance)
+                steps.append((n, chance))
+            gained.append(sums)
+            deepening.append(steps)
+            continue
         total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
         for n, deepest in enumerate(reach[:longest], start=1):
             if deepest > depth:

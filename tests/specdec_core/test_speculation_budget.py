@@ -335,3 +335,36 @@ def test_a_budget_for_a_target_prices_its_forwards_as_they_run():
     assert budget.ragged and budget.gather_share == 0.4 and budget.token_budget == 32
     Target.ragged = None
     assert not SpeculationBudget.for_target(Target()).ragged
+
+
+def test_a_drafts_own_confidence_prices_it_per_node():
+    """The same proposals, priced by the drafter's confidence instead of the rows' geometric rate: a copy the
+    drafter is sure of is verified whole where a modest rate would cut it, and nodes it doubts are cut where a high
+    rate would verify them."""
+    cost = lambda rows, width: 1.0 + 0.12 * (width - 1)  # noqa: E731
+    modest = [AcceptanceEstimate(accepted=50, rejections=50)] * 2
+    assert choose_width(budget(cost), [chain(8)] * 2, modest) < 9
+    sure = [[1.0] * 8] * 2
+    assert max(budget(cost).plan([chain(8)] * 2, modest, confidences=sure)) == 8
+    high = [AcceptanceEstimate(accepted=95, rejections=5)] * 2
+    assert choose_width(budget(cost), [chain(8)] * 2, high) == 9
+    doubted = [[0.9, 0.8, 0.05, 0.04, 0.03, 0.02, 0.01, 0.01]] * 2
+    assert budget(cost).plan([chain(8)] * 2, high, confidences=doubted) == [2, 2]
+    mixed = budget(cost).plan([chain(8)] * 2, modest, confidences=[[1.0] * 8, None])  # None: the row's rate
+    assert mixed[0] == 8
+
+
+def test_confidence_is_calibrated_by_what_verification_accepts():
+    """A drafter that claims certainty but is accepted a third of the time is priced at a third: where a token
+    costs 0.4 of a plain step, its sure drafts stop being verified."""
+    cost = lambda rows, width: 1.0 + 0.4 * (width - 1)  # noqa: E731
+    assert max(budget(cost).plan([chain(8)], [AcceptanceEstimate()], confidences=[[1.0] * 8])) == 8
+    b = budget(cost)
+    for _ in range(40):
+        b.observe(AcceptanceEstimate(), drafted=6, accepted=2, confidence=[1.0] * 6)
+    assert b.calibration.scale() == pytest.approx(1 / 3, abs=0.02)
+    assert b.calibration.priced([1.0, 0.5]) == pytest.approx([b.calibration.scale(), b.calibration.scale() / 2])
+    assert b.plan([chain(8)], [AcceptanceEstimate()], confidences=[[1.0] * 8]) == [0]
+    generous = SpeculationBudget().calibration
+    generous.update(1.0, 3)  # accepted more than claimed: a node's price still stops at 1
+    assert generous.priced([0.9]) == [1.0]

@@ -129,3 +129,21 @@ def test_a_tree_grows_past_its_first_capacity_and_matches_a_reference_count():
 def test_a_tree_needs_a_positive_depth(depth):
     with pytest.raises(ValueError, match="depth"):
         SuffixTree(depth)
+
+
+def test_a_draft_carries_each_nodes_path_probability():
+    """What the budget prices a suffix draft by (Draft.confidence): best first, so never rising, summing to the
+    score; the drafter hands them on with its tree."""
+    from specdec_core.drafters.base import RequestContext
+    from specdec_core.drafters.suffix import SuffixDrafter
+
+    tree = index_sequences([[1, 2, 3, 4]] * 5 + [[1, 2, 3, 5]] + [[1, 2, 7]] * 3 + [[1, 2, 8]])
+    draft = tree.draft(tree.cursor([1, 2]), max_tokens=10, factor=4.0, min_prob=0.05)
+    assert draft.tokens == [3, 4, 7, 8, 5]
+    assert draft.probs == pytest.approx([0.6, 0.5, 0.3, 0.1, 0.1])
+    assert sum(draft.probs) == pytest.approx(draft.score)
+    drafter = SuffixDrafter(factor=4.0, min_prob=0.05)
+    drafter.start([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], RequestContext(prompt_len=10))
+    proposed = drafter.propose([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 8)
+    assert proposed.tokens[:2] == [3, 4] and proposed.confidence[:2] == [1.0, 1.0]
+    assert proposed.truncated(1).confidence == [1.0]
