@@ -71,21 +71,15 @@ class Step:
         """query [b, H, T, d] bf16; keys/values a layer's whole bf16 buffers [slots, KV, capacity, d]
         -> [b, T, H, d] bf16."""
         b, heads, num_new, dim = query.shape
-        kv_heads = keys.shape[1]
-        group = heads // kv_heads
-        rows = group * num_new
-        padded = -(-rows // PASS_ROWS) * PASS_ROWS
-        # [b, KV, T x G, d], token-major: query head h x G + g of token t is row t x G + g, so a row's real tokens
-        # are its first rows and the kernel skips the rest (a verify step's width is its longest draft's)
-        q = query.view(b, kv_heads, group, num_new, dim).transpose(2, 3).reshape(b, kv_heads, rows, dim)
-        if padded != rows:
-            q = torch.nn.functional.pad(q, (0, 0, 0, padded - rows))
-        out = torch.empty(b, kv_heads, padded, dim, dtype=torch.float32)
+        group = heads // keys.shape[1]
+        # [b, T, H, d]: the fast forward's own layout (a view of it, no copy); the kernel takes each key/value head's
+        # query rows from it and writes its bf16 results in the same layout
+        q = query.transpose(1, 2).contiguous()
+        out = torch.empty(b, num_new, heads, dim, dtype=torch.bfloat16)
         use_torch_threads()
-        kernel()[1 if self.exact else 0](_words(q.contiguous()), _words(keys), _words(values), *self.rows, group,
-                                         np.float32(scale), out.numpy())
-        out = out[:, :, :rows].reshape(b, kv_heads, num_new, group, dim)  # [b, KV, T, G, d]
-        return out.permute(0, 2, 1, 3, 4).reshape(b, num_new, heads, dim).to(torch.bfloat16)  # [b, T, H, d]
+        kernel()[1 if self.exact else 0](_words(q), _words(keys), _words(values), *self.rows, group,
+                                         np.float32(scale), out.view(torch.int16).numpy().view(np.uint16))
+        return out
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

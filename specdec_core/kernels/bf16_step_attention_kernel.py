@@ -252,17 +252,20 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _normalise(sums, totals, rows, out):  # pragma: no cover - compiled
-    """out [Q, d]: the first `rows` query rows (the real tokens') their weighted sum / their softmax total; the
-    padding tokens' rows zeros."""
-    for i in range(out.shape[0]):
-        if i < rows:
-            inverse = np.float32(1.0) / totals[i]
-            for x in range(out.shape[1]):
-                out[i, x] = sums[i, x] * inverse
-        else:
-            for x in range(out.shape[1]):
-                out[i, x] = np.float32(0.0)
+def _to_bf16(sums, totals, real, group, h, out):  # pragma: no cover - compiled
+    """out uint16 [T, H, d] of one row (bf16 bits): key/value head h's query heads h x G + g of its real tokens get
+    their weighted sum / their softmax total, rounded to nearest even (as torch rounds); its padding tokens zeros."""
+    for t in range(out.shape[0]):
+        for g in range(group):
+            head = h * group + g
+            if t < real:
+                i = t * group + g
+                inverse = np.float32(1.0) / totals[i]
+                for x in range(out.shape[2]):
+                    out[t, head, x] = f32_to_bf16(sums[i, x] * inverse)
+            else:
+                for x in range(out.shape[2]):
+                    out[t, head, x] = 0
 
 
 @njit(cache=True)
@@ -271,14 +274,26 @@ def _computed_rows(real, group):  # pragma: no cover - compiled
     return -(-(real * group) // PASS_ROWS) * PASS_ROWS
 
 
+@njit(cache=True)
+def _query_rows(q, real, group, h, rows):  # pragma: no cover - compiled
+    """q uint32 [T, H, d / 2] of one row -> [rows, d / 2]: key/value head h's query rows t x G + g, token-major (a
+    row's real tokens first), zeros past them up to whole passes."""
+    out = np.zeros((rows, q.shape[2]), dtype=np.uint32)
+    for t in range(real):
+        for g in range(group):
+            out[t * group + g, :] = q[t, h * group + g, :]
+    return out
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
-    """q uint32 [b, KV, Q, d / 2]: the bf16 pairs of each key/value head's query rows t x G + g, token-major, so a
-    row's real tokens come first and its padding tokens are never computed (Q padded to a multiple of PASS_ROWS with
-    zeros); k, v uint32 [slots, KV, capacity, d / 2]; slots, lengths, news int64 [b]: each
-    row's cache row, cached keys and real new tokens (the first news[r]); visible uint8 [b, T, T];
-    out float32 [b, KV, Q, d] (padding tokens get zeros)."""
-    b, kv_heads, _, half = q.shape
+    """q uint32 [b, T, H, d / 2]: the bf16 pairs of each token's query heads (the forward's own layout); a task takes
+    its key/value head's query rows t x G + g, token-major, so a row's real tokens come first and its padding tokens
+    are never computed; k, v uint32 [slots, KV, capacity, d / 2]; slots, lengths, news int64 [b]: each row's cache
+    row, cached keys and real new tokens (the first news[r]); visible uint8 [b, T, T]; out uint16 [b, T, H, d]: bf16
+    bits (padding tokens get zeros)."""
+    b, kv_heads = q.shape[0], k.shape[1]
+    half = q.shape[3]
     for task in prange(b * kv_heads):
         r, h = task // kv_heads, task % kv_heads
         length, real = lengths[r], news[r]
@@ -286,7 +301,7 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
         keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
         rows = _computed_rows(real, group)
         scores = np.empty((rows, n), dtype=np.float32)
-        _scores(keys, n, q[r, h, :rows], scores, scale)
+        _scores(keys, n, _query_rows(q[r], real, group, h, rows), scores, scale)
         weights = np.zeros((rows, (n + 1) // 2), dtype=np.uint32)  # zero: padding rows, the odd last value
         halves = weights.view(np.uint16)
         totals = np.ones(rows, dtype=np.float32)
@@ -307,7 +322,7 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
                     halves[i, j] = f32_to_bf16(row[j])  # nearest even
         sums = np.empty((rows, 2 * half), dtype=np.float32)
         _weighted_sums(values, n, weights, sums)
-        _normalise(sums, totals, real * group, out[r, h])
+        _to_bf16(sums, totals, real, group, h, out[r])
 
 
 @njit(cache=True)
@@ -327,7 +342,8 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
     the cached pairs for every query in one pass, then the query's own pairs from the first even position it does
     not share, read through a small gathered list and carried on from the first pass's sums. So a token's numbers are
     those of the same token fed alone, whatever the step's width, tree, batch or neighbours. Same arguments."""
-    b, kv_heads, _, half = q.shape
+    b, kv_heads = q.shape[0], k.shape[1]
+    half = q.shape[3]
     for task in prange(b * kv_heads):
         r, h = task // kv_heads, task % kv_heads
         length, real = lengths[r], news[r]
@@ -335,7 +351,7 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
         keys, values = k[slots[r], h], v[slots[r], h]  # [capacity, d / 2] each
         rows = _computed_rows(real, group)
         scores = np.empty((rows, n), dtype=np.float32)
-        _scores(keys, n, q[r, h, :rows], scores, scale)
+        _scores(keys, n, _query_rows(q[r], real, group, h, rows), scores, scale)
         weights = np.zeros((rows, (n + 1) // 2), dtype=np.uint32)
         halves = weights.view(np.uint16)
         totals = np.ones(rows, dtype=np.float32)
@@ -367,4 +383,4 @@ def attend_exact(q, k, v, slots, lengths, news, visible, group, scale, out):  # 
                         tail[used, :] = values[length + j]
                         used += 1
                 _carry_sum(tail, used, weights[i, shared // 2:], sums[i:i + 1])
-        _normalise(sums, totals, real * group, out[r, h])
+        _to_bf16(sums, totals, real, group, h, out[r])

@@ -84,14 +84,31 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    """uint16 bits -> the bf16 tensor over the same memory."""
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+_weight_bits: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # id -> (the norm weight, kept alive; its bits)
+
+
+def _held_bits(weight: torch.Tensor) -> np.ndarray:
+    """_bits of a norm's weight, converted once (each layer's two norms run every forward; the host work around the
+    kernel, not the kernel, was most of their time in a small batch's step)."""
+    held = _weight_bits.get(id(weight))
+    if held is None or held[0] is not weight:
+        held = _weight_bits[id(weight)] = (weight, _bits(weight))
+    return held[1]
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta [M, hidden] fp32 or bf16 (delta None: nothing to add) -> (x + delta, RMSNorm(x + delta) * weight)."""
     if x.dtype == torch.bfloat16:
-        total, normed = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
-        addend = torch.zeros_like(x) if delta is None else delta
-        bf16_kernel()[0](_bits(x), _bits(addend), _bits(weight), np.float32(eps), _bits(total), _bits(normed))
-        return total, normed
+        total, normed = np.empty(x.shape, dtype=np.uint16), np.empty(x.shape, dtype=np.uint16)
+        addend = np.zeros(x.shape, dtype=np.uint16) if delta is None else _bits(delta)  # bf16 zero: all bits 0
+        bf16_kernel()[0](_bits(x), addend, _held_bits(weight), np.float32(eps), total, normed)
+        return _bf16(total), _bf16(normed)
     x = x.contiguous()
     total = np.empty(x.shape, dtype=np.float32)
     normed = np.empty(x.shape, dtype=np.float32)
@@ -103,9 +120,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[M, 2I] fp32 or bf16, the gate's outputs then the up projection's -> [M, I] = silu(gate) * up, in one pass."""
     if gate_up.dtype == torch.bfloat16:
-        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
-        bf16_kernel()[1](_bits(gate_up), _bits(out))
-        return out
+        out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.uint16)
+        bf16_kernel()[1](_bits(gate_up), out)
+        return _bf16(out)
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
     kernel()[1](gate_up.contiguous().numpy(), out)
     return torch.from_numpy(out)
