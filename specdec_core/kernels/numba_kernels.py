@@ -6,6 +6,7 @@ import functools
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 from ..defaults import cache_root
@@ -97,11 +98,21 @@ class LazyKernel:
 KERNELS: list[LazyKernel] = []
 
 
+_threads = threading.local()  # torch's thread count this thread last gave numba (numba's setting is per thread)
+
+
 def use_torch_threads() -> None:
-    """numba's parallel loops on as many threads as torch's kernels use."""
+    """numba's parallel loops on as many threads as torch's kernels use. Called before every parallel kernel, so
+    it returns at once while torch's count is the one it last set (its imports and numba's query were a visible
+    share of a small batch's step)."""
     import torch
+
+    wanted = torch.get_num_threads()
+    if getattr(_threads, "torch", None) == wanted:
+        return
     from numba import config, get_num_threads, set_num_threads
 
-    threads = min(torch.get_num_threads(), config.NUMBA_NUM_THREADS)
+    threads = min(wanted, config.NUMBA_NUM_THREADS)
     if get_num_threads() != threads:
         set_num_threads(threads)
+    _threads.torch = wanted
