@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--context", type=int, default=500, help="cached tokens a row (rows spread up to +1/8)")
-    parser.add_argument("--reps", type=int, default=20, help="timed runs of each step (the median is kept)")
+    parser.add_argument("--reps", type=int, default=10, help="timed runs of each step (the median is kept)")
     parser.add_argument("--hf-new-tokens", type=int, default=16)
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--out", default=DEFAULT_OUT)
