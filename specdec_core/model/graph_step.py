@@ -1,8 +1,8 @@
 """A decode or verify step that a CUDA graph can capture: the fast forward's arithmetic on static buffers, with greedy
 verification on the device and one device-to-host copy a step.
 
-On a GPU, a step of a small model is a thousand small kernels, each launched from Python: the launches, not the
-memory, set its time. A captured graph replays them all in one launch, but only if the step has no device-to-host
+On a GPU, a step of a small model is many small kernels, each launched from Python: the launches, not the memory,
+set its time. A captured graph replays them all in one launch, but only if the step has no device-to-host
 copy inside and no shape that depends on data. So this step:
 - runs at a fixed bucket of rows x width x keys (step_buckets.py), whose inputs are device buffers written in place
   (one host-to-device copy of ids, positions and lengths, one of the nodes' visibility);
