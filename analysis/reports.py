@@ -45,7 +45,7 @@ REPORTS: dict[str, Report] = {
         "supply) and decode (the rest): decode tokens/s = new tokens ÷ decode s, decode x ar = that ÷ ar's. Each "
         "method is measured as if it ran alone: its own prefix cache, step costs, acceptance and job memory; occupancy = mean live rows per decode step; prefix hit = prompt tokens "
         "the prefix cache supplied; memory = the job memory's output tokens (suffix, auto) and the share of accepted "
-        "draft tokens drafted from it; capture s = a GPU's graph captures of its steps, in no wall time."),
+        "draft tokens drafted from it; capture s = a GPU's graph captures of its steps: in the wall time, not in decode s."),
     "runs": Report("Runs", f"""
         SELECT run_id, job, started_at, ended_at, rows_in, rows_out, errors
         FROM runs WHERE {RUN_FILTER} ORDER BY started_at"""),

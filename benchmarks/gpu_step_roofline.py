@@ -41,6 +41,8 @@ from specdec_core.model.step_batch import StepBatch  # noqa: E402
 from tests.tiny_models import DigitsTokenizer  # noqa: E402
 
 DEFAULT_OUT = "benchmarks/results/gpu/step_roofline.json"
+STEP_MODES = {"static": "eager", "captured": "captured", "compiled": "compiled"}  # mode -> GraphStep's
+MODES = ("eager", *STEP_MODES, "hf")  # compiled last but one: its first compile is the slowest thing here
 
 
 def copy_bandwidth(device: str) -> float:
@@ -164,9 +166,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
             cache = filled_cache(runner, lengths, width)
             batch, step_ids = chain_step(lengths, width, runner.vocab_size, seed=width)
             roofline_ms = step_bytes(runner, lengths, width) / bandwidth * 1e3
-            steps = {"static": GraphStep(runner, "eager"), "captured": GraphStep(runner, "captured"),
-                     "compiled": GraphStep(runner, "compiled")}
-            runs = {"eager": lambda: eager_step(runner, cache, batch, step_ids)}
+            steps = {mode: GraphStep(runner, STEP_MODES[mode]) for mode in args.modes if mode in STEP_MODES}
+            runs = {"eager": lambda: eager_step(runner, cache, batch, step_ids)}  # the reference: always run
             runs.update({mode: (lambda step=step: step.run(cache, batch, step_ids, accept_greedy_nodes))
                          for mode, step in steps.items()})
             outputs = {}
@@ -183,7 +184,7 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                 records.append(record)
                 _print(record)
             del cache
-        if not args.no_hf and 1 in args.widths:
+        if "hf" in args.modes and 1 in args.widths:
             step_ms = hf_step_ms(runner, lengths, args.hf_new_tokens)
             roofline_ms = step_bytes(runner, lengths, 1) / bandwidth * 1e3
             record = {**base, "batch_size": batch_size, "width": 1, "mode": "hf", "step_ms": round(step_ms, 4),
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=500, help="cached tokens a row (rows spread up to +1/8)")
     parser.add_argument("--reps", type=int, default=10, help="timed runs of each step (the median is kept)")
     parser.add_argument("--hf-new-tokens", type=int, default=16)
-    parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="what to time (eager is always timed: the others are compared with it)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{shape}: the fast forward does not cover it")
         records += measure(shape, runner, args, bandwidth)
         del runner, model
+        torch._dynamo.reset()  # the next shape's compiled functions start specialised again
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     out = Path(args.out)

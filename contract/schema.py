@@ -75,8 +75,8 @@ GENERATIONS_SCHEMA = pa.schema([
     # in neither the warm-up nor any pass's wall time.
     ("kernel_plan", pa.string()),
     ("kernel_plan_s", pa.float64()),
-    # Seconds the pass spent capturing graph-ready steps (a GPU's CUDA graphs, specdec_core/model/graph_step.py):
-    # paid once per actor and step shape, so left out of pass_wall_s. 0 where no step was captured.
+    # Of pass_wall_s, the seconds spent capturing graph-ready steps (a GPU's CUDA graphs, one per step shape:
+    # specdec_core/model/graph_step.py); 0 where no step was captured.
     ("pass_capture_s", pa.float64()),
 ])
 
@@ -87,7 +87,8 @@ METHOD_STATS = pa.struct([
     ("new_tokens", pa.int64()),
     ("decode_wall_s", pa.float64()),
     ("job_tokens_per_s", pa.float64()),
-    # decode_wall_s = prefill_s + decode_s: the passes' prefill forwards, and the rest (all of speculation's work).
+    # decode_wall_s = prefill_s + decode_s (+ capture_s on a GPU): the passes' prefill forwards, and the rest (all of
+    # speculation's work).
     ("prefill_s", pa.float64()),
     ("decode_s", pa.float64()),
     ("prefill_tokens_per_s", pa.float64()),  # prompt tokens prefilled (prefix hits excluded) / prefill_s
@@ -100,7 +101,7 @@ METHOD_STATS = pa.struct([
     ("prefix_hit_rate", pa.float64()),  # prompt tokens supplied by the prefix cache / prompt tokens
     ("memory_tokens", pa.int64()),  # the largest job memory a pass of the method ended with (null: none)
     ("memory_accepted_share", pa.float64()),  # accepted draft tokens drafted from the job memory / accepted tokens
-    ("capture_s", pa.float64()),  # the passes' graph captures (pass_capture_s), per actor: in no decode_wall_s
+    ("capture_s", pa.float64()),  # of decode_wall_s, the passes' graph captures (pass_capture_s): not in decode_s
 ])
 
 RUNS_SCHEMA = pa.schema([

@@ -292,7 +292,7 @@ def method_stats(output: str | Path, run_id: str) -> list[dict]:
         # apart only where every pass was (a run resumed from outputs written before: none)
         split = bool(passes) and all(p[6] is not None for p in passes)
         prefill = sum(p[6] for p in passes) / actors if split else None
-        decode = sum(p[0] - p[6] for p in passes) / actors if split else None
+        decode = sum(p[0] - p[6] - (p[7] or 0.0) for p in passes) / actors if split else None  # captures apart
         prefilled = sum((p[3] or 0) - (p[4] or 0) for p in passes)
         out.append({**entry, "decode_wall_s": wall, "actors": actors,
                     "job_tokens_per_s": entry["new_tokens"] / wall if wall else None,

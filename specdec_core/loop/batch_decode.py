@@ -87,9 +87,9 @@ class BatchStats:
     new_tokens: int = 0
     peak_cache_bytes: int = 0
     peak_rows: int = 0
-    wall_s: float = 0.0  # the run's seconds, capture_s left out
+    wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
-    capture_s: float = 0.0  # capturing graph-ready steps (graph_step.py): once per actor and shape, not decoding
+    capture_s: float = 0.0  # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape)
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
 
@@ -162,9 +162,9 @@ class BatchDecoder:
             if self.rows:
                 self.step()
             while self.finished:
-                self.stats.wall_s = time.perf_counter() - started - self.stats.capture_s
+                self.stats.wall_s = time.perf_counter() - started
                 yield self.finished.popleft()
-        self.stats.wall_s = time.perf_counter() - started - self.stats.capture_s
+        self.stats.wall_s = time.perf_counter() - started
 
     # ----------------------------------------------------------------------------------------------- admission
     def _capacity_for(self, request: DecodeRequest) -> int:
@@ -202,15 +202,15 @@ class BatchDecoder:
             admitted.append(request)
             capacity = wanted
         if admitted:
-            captured = self.target.graph_mode == "captured"
-            self.cache.fit(self._slots_for(len(self.rows) + len(admitted)), capacity, shrink=not captured)
+            self.cache.fit(self._slots_for(len(self.rows) + len(admitted)), capacity,
+                           shrink=not self.target.captures_steps)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
     def _slots_for(self, rows: int) -> int:
         """Cache slots for `rows` live rows: as many, or with captured steps the row bucket that holds them (within
         the batch size), so the cache reallocates, and its graphs are captured again, only when the bucket grows."""
-        if self.target.graph_mode != "captured":
+        if not self.target.captures_steps:
             return rows
         return max(rows, min(next((b for b in ROW_BUCKETS if b >= rows), rows), self.max_batch))
 

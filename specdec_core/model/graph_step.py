@@ -103,6 +103,10 @@ class GraphStep:
         self.mode = mode  # captured, compiled or eager
         self.capture = mode in ("captured", "compiled")
         self.device = torch.device(runner.device)
+        rope = getattr(runner.fast.rotary, "rope_type", "default")
+        if self.capture and "dynamic" in rope:  # it reads the longest position on the host: no graph holds that
+            log.warning("captured steps off: %s RoPE reads positions on the host; the steps run eagerly", rope)
+            self.capture = False
         self.fused = None  # each layer's dense weights, for the compiled mode's fused functions
         if mode == "compiled":
             try:
@@ -110,6 +114,9 @@ class GraphStep:
             except TypeError as exc:
                 log.warning("compiled steps off: %s; the steps are captured unfused", exc)
                 self.mode = "captured"
+        # this step's compiled layer functions (compiled mode), each compiled at its first call
+        self.before_attention = _Compiled(_dense_before_attention)
+        self.after_attention = _Compiled(_dense_after_attention)
         self.inputs: dict[tuple[int, int], _Inputs] = {}
         self.graphs: dict[Bucket, _Captured | None] = {}  # None: its capture failed, the bucket runs eagerly
         self.pool = None  # the captured graphs' shared memory pool
@@ -142,19 +149,24 @@ class GraphStep:
     def _captured(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> _Captured | None:
         """The bucket's graph, captured on first use over this cache's storage (a cache that reallocated drops the
         graphs: they hold its addresses)."""
-        key = (cache.keys[0].data_ptr(), cache.slots, cache.capacity)
+        # every buffer's address: a freed cache's memory may come back to a new one in another order
+        key = (cache.slots, cache.capacity, *(buffer.data_ptr() for buffer in cache.keys + cache.values))
         if key != self.cache_key:
             self.graphs.clear()
             self.cache_key = key
         if bucket in self.graphs:
             return self.graphs[bucket]
         started = time.perf_counter()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
             captured = self._capture(bucket, inputs, cache, verify)
         except Exception as exc:  # eager still gives the same tokens
-            log.warning("captured step %s off (%s: %s); it runs eagerly on the same buffers", bucket,
+            if stream is not None:  # a capture that raised may leave its own stream current
+                torch.cuda.set_stream(stream)
+            log.warning("captured step %s failed (%s: %s); every step runs eagerly on the same buffers", bucket,
                         type(exc).__name__, exc)
             captured = None
+            self.capture = False  # what failed once would fail again, at a price each time
         self.capture_s += time.perf_counter() - started
         self.captures += captured is not None
         self.graphs[bucket] = captured
@@ -207,8 +219,7 @@ class GraphStep:
         heads, kv_heads, head_dim = fast.heads, fast.kv_heads, fast.head_dim
         group = heads // kv_heads
         if self.fused is not None:
-            weights = self.fused[index]
-            q, k, v = _FUSED.before_attention(x, *weights.before, cos, sin, heads, kv_heads, head_dim)
+            q, k, v = self.before_attention(x, *self.fused[index].before, cos, sin, heads, kv_heads, head_dim)
         else:
             q, k, v = _before_attention(x, layer, cos, sin, heads, kv_heads, head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
@@ -222,7 +233,7 @@ class GraphStep:
         attended = attended.view(rows, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
         attended = attended.reshape(count, heads * head_dim)
         if self.fused is not None:
-            return _FUSED.after_attention(x, attended, *self.fused[index].after)
+            return self.after_attention(x, attended, *self.fused[index].after)
         x = x + layer.o(attended)
         normed = _rms_norm(x, layer.norm2, layer.eps2)
         if layer.gate_up is not None:
@@ -313,21 +324,15 @@ class _Compiled:
             # Inductor's generated code goes with the project's other compiled kernels, not to a shared /tmp
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
             self.run = torch.compile(self.function)
-            try:
-                return self.run(*args)
-            except Exception as exc:
-                log.warning("torch.compile failed on %s (%s: %s); it runs uncompiled", self.function.__name__,
-                            type(exc).__name__, exc)
-                self.run = self.function
-        return self.run(*args)
-
-
-class _Fused:
-    before_attention = _Compiled(_dense_before_attention)
-    after_attention = _Compiled(_dense_after_attention)
-
-
-_FUSED = _Fused()
+        if self.run is self.function:
+            return self.function(*args)
+        try:  # a new shape compiles again, and may fail where the first did not
+            return self.run(*args)
+        except Exception as exc:
+            log.warning("torch.compile failed on %s (%s: %s); it runs uncompiled", self.function.__name__,
+                        type(exc).__name__, exc)
+            self.run = self.function
+            return self.function(*args)
 
 
 def key_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:

@@ -120,6 +120,12 @@ class ModelRunner:
             self._graph_step = GraphStep(self, self.graph_mode)
         return self._graph_step
 
+    @property
+    def captures_steps(self) -> bool:
+        """Whether its graph-ready steps are captured as CUDA graphs (captured and compiled modes): the cache then
+        keeps its buffers, whose addresses the graphs hold."""
+        return self.graph_mode in ("captured", "compiled")
+
     def _routes(self) -> KernelPlan | None:
         """The plan the fast forward follows: none while deterministic (its routes change a row's numbers with its
         forward's row count), and none where it keeps every linear on its module's kernel (nothing to build)."""
