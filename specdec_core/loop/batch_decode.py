@@ -28,7 +28,7 @@ from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
-from ..model.step_buckets import ROW_BUCKETS
+from ..model.step_buckets import row_bucket
 from .draft_tree import ancestor_mask, depths, prefix_depths
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
@@ -210,9 +210,7 @@ class BatchDecoder:
     def _slots_for(self, rows: int) -> int:
         """Cache slots for `rows` live rows: as many, or with captured steps the row bucket that holds them (within
         the batch size), so the cache reallocates, and its graphs are captured again, only when the bucket grows."""
-        if not self.target.captures_steps:
-            return rows
-        return max(rows, min(next((b for b in ROW_BUCKETS if b >= rows), rows), self.max_batch))
+        return row_bucket(rows, self.max_batch) if self.target.captures_steps else rows
 
     def _prefill(self, requests: list[DecodeRequest]) -> None:
         """New rows for `requests`, their prompts fed in shared, chunked forwards after what the prefix cache

@@ -17,12 +17,7 @@ def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: tor
     """
     b, num_new = positions.shape
     device = lengths.device  # built where lengths, positions and visible are (the forward's device)
-    key = torch.arange(kv_len, device=device)[None, :]  # [1, L]
-    new_index = key - lengths[:, None]  # [b, L]: which new token a key is, if 0 <= . < T
-    is_cached = new_index < 0  # [b, L]
-    is_new = (new_index >= 0) & (new_index < num_new)
-    gathered = visible.gather(2, new_index.clamp(0, num_new - 1)[:, None, :].expand(b, num_new, kv_len))  # [b,T,L]
-    allowed = is_cached[:, None, :] | (gathered & is_new[:, None, :])  # [b, T, L]
+    allowed = visible_keys(lengths, visible, kv_len)  # [b, T, L]
     minimum = torch.finfo(dtype).min
     layer_types = getattr(config, "layer_types", None)
     full = torch.zeros(b, 1, num_new, kv_len, dtype=dtype, device=device).masked_fill(~allowed[:, None], minimum)
@@ -33,6 +28,18 @@ def attention_masks(config, lengths, positions, visible, kv_len: int, dtype: tor
     if "sliding_attention" in layer_types:
         masks["sliding_attention"] = _windowed(allowed, lengths, positions, kv_len, config.sliding_window, dtype)
     return masks
+
+
+def visible_keys(lengths: torch.Tensor, visible: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """lengths [b], visible [b, T, T] -> [b, T, kv_len] bool: key j of row r is a cached token when j < lengths[r],
+    new token i = j - lengths[r] when 0 <= i < T (seen as visible[r, t, i] says), else dead."""
+    b, num_new, _ = visible.shape
+    key = torch.arange(kv_len, device=lengths.device)[None, :]  # [1, L]
+    new_index = key - lengths[:, None]  # [b, L]: which new token a key is, if 0 <= . < T
+    is_cached = new_index < 0  # [b, L]
+    is_new = (new_index >= 0) & (new_index < num_new)
+    gathered = visible.gather(2, new_index.clamp(0, num_new - 1)[:, None, :].expand(b, num_new, kv_len))  # [b,T,L]
+    return is_cached[:, None, :] | (gathered & is_new[:, None, :])
 
 
 def _windowed(allowed, lengths, positions, kv_len: int, window: int, dtype: torch.dtype) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..defaults import cache_root
+from .attention_masks import visible_keys
 from .fast_forward import _rms_norm, _rope
 from .step_batch import StepBatch
 from .step_buckets import Bucket, bucket_for
@@ -338,10 +339,7 @@ class _Compiled:
 def key_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:
     """lengths [B], visible [B, T, T] -> [B, 1, T, L] bool: node t of row r sees every cached position of its row,
     the step's nodes it is shown (their keys at length + i), and itself (a padding node too: no row sees nothing)."""
-    rows, width, _ = visible.shape
+    width = visible.shape[1]
     offset = torch.arange(keys, device=lengths.device)[None, :] - lengths[:, None]  # [B, L]: position - length
-    inside = (offset >= 0) & (offset < width)
-    node = offset.clamp(0, width - 1)[:, None, :].expand(rows, width, keys)  # [B, T, L]: the node a key belongs to
-    shown = visible.gather(2, node) & inside[:, None, :]
-    itself = offset[:, None, :] == torch.arange(width, device=lengths.device)[None, :, None]
-    return ((offset < 0)[:, None, :] | shown | itself)[:, None]
+    itself = offset[:, None, :] == torch.arange(width, device=lengths.device)[None, :, None]  # [B, T, L]
+    return (visible_keys(lengths, visible, keys) | itself)[:, None]

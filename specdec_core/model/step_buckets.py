@@ -25,14 +25,18 @@ class Bucket:
         return f"{self.rows}x{self.width}x{self.keys}"
 
 
+def row_bucket(rows: int, most: int) -> int:
+    """The row bucket that holds `rows` rows, at most `most` (a cache's slots, a batch size) but never below rows."""
+    return max(rows, min(next((b for b in ROW_BUCKETS if b >= rows), most), most))
+
+
 def bucket_for(rows: int, width: int, longest: int, slots: int, capacity: int) -> Bucket | None:
     """The smallest bucket for a step of `rows` rows, `width` nodes a row, the longest row holding `longest` cached
     positions, over a cache of `slots` x `capacity`; None where none fits (the eager forward serves the step).
     A bucket's padding nodes write keys past their row's own too: its keys cover the longest row + its width."""
     if rows < 1 or rows > slots or width < 1:
         return None
-    bucket_rows = next((b for b in ROW_BUCKETS if b >= rows), slots)
-    bucket_rows = min(bucket_rows, slots)
+    bucket_rows = row_bucket(rows, slots)
     bucket_width = next((w for w in WIDTH_BUCKETS if w >= width), None)
     if bucket_width is None:
         return None
