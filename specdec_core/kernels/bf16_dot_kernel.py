@@ -172,11 +172,12 @@ def matmul(x, panels, out):  # pragma: no cover - compiled
             narrow_rows(x, rows, panels, p, out)
         return
     count = panels.shape[0] // WIDTH
-    blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    blocks = max(1, (rows + ROW_BLOCK - 1) // ROW_BLOCK)  # one empty block for no rows
+    size = ((rows + blocks - 1) // blocks + ROWS - 1) // ROWS * ROWS  # equal blocks: no thread waits on a short one
     for task in prange(blocks * count):
         p = (task % count) * WIDTH
-        first = (task // count) * ROW_BLOCK
-        last = min(rows, first + ROW_BLOCK)
+        first = (task // count) * size
+        last = min(rows, first + size)
         held = first + (last - first) // ROWS * ROWS
         for m in range(first, held, ROWS):
             held_rows(x, m, panels, p, out)

@@ -38,7 +38,7 @@ from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
 ROWS = 4  # rows whose sums are held in registers together (4 rows of 2 accumulators + 2 weights + 1 broadcast of 16)
-ROW_BLOCK = 128  # rows of x per task, so a long prefill's rows stay in L2 while every panel passes over them
+ROW_BLOCK = 256  # the most rows of x per task (blocks of equal size, so no thread waits on a short one)
 DISABLE_ENV = "SPECBATCH_PANEL_LINEAR"  # "0": keep every linear on oneDNN (packed_linear.py)
 MODULE_NAME = "specbatch_panel_kernel"
 
@@ -66,11 +66,12 @@ def _kernel_lines(name: str, load: str) -> list[str]:
         f"def {name}(x, panels, out):",
         "    rows, depth = x.shape",
         "    count = panels.shape[0]",
-        f"    blocks = (rows + {ROW_BLOCK - 1}) // {ROW_BLOCK}",
+        f"    blocks = max(1, (rows + {ROW_BLOCK - 1}) // {ROW_BLOCK})",
+        f"    size = ((rows + blocks - 1) // blocks + {ROWS - 1}) // {ROWS} * {ROWS}",  # equal blocks
         "    for task in prange(blocks * count):",
         "        p = task % count",
-        f"        first = (task // count) * {ROW_BLOCK}",
-        f"        last = min(rows, first + {ROW_BLOCK})",
+        "        first = (task // count) * size",
+        "        last = min(rows, first + size)",
         f"        held = first + (last - first) // {ROWS} * {ROWS}",
         f"        for m in range(first, held, {ROWS}):",
     ]
