@@ -227,28 +227,58 @@ def _weighted_sum_kernel(rows: int, vectors: int, carry: bool = False):
 
 scores_64, weighted_sum_64 = _scores_kernel(PASS_ROWS, 2), _weighted_sum_kernel(PASS_ROWS, 2)  # head_dim 64
 scores_128, weighted_sum_128 = _scores_kernel(PASS_ROWS // 2, 4), _weighted_sum_kernel(PASS_ROWS // 2, 4)  # 128
+# A row's last pass takes only the query rows left (a decode step's group of 3 heads, not 4 with one of zeros). Each
+# query row runs the same instructions in a pass of any size, so its numbers do not change.
+scores_64_1, scores_64_2, scores_64_3 = (_scores_kernel(rows, 2) for rows in (1, 2, 3))
+weighted_sum_64_1, weighted_sum_64_2, weighted_sum_64_3 = (_weighted_sum_kernel(rows, 2) for rows in (1, 2, 3))
+scores_128_1, weighted_sum_128_1 = _scores_kernel(1, 4), _weighted_sum_kernel(1, 4)
 carry_sum_64, carry_sum_128 = _weighted_sum_kernel(1, 2, carry=True), _weighted_sum_kernel(1, 4, carry=True)
 
 
 @njit(cache=True)
 def _scores(keys, n, queries, scores, scale):  # pragma: no cover - compiled
-    """scores[:Q, :n] of every query row, PASS_ROWS at a time (head_dim 64) or half as many (128)."""
+    """scores[:Q, :n] of every query row, PASS_ROWS at a time (head_dim 64) or half as many (128), the last pass
+    the rows left."""
+    count = queries.shape[0]
     if queries.shape[1] == 32:
-        for i in range(0, queries.shape[0], PASS_ROWS):
+        whole = count // PASS_ROWS * PASS_ROWS
+        for i in range(0, whole, PASS_ROWS):
             scores_64(keys, n, queries[i:], scores[i:], scale)
+        left = count - whole
+        if left == 1:
+            scores_64_1(keys, n, queries[whole:], scores[whole:], scale)
+        elif left == 2:
+            scores_64_2(keys, n, queries[whole:], scores[whole:], scale)
+        elif left == 3:
+            scores_64_3(keys, n, queries[whole:], scores[whole:], scale)
     else:
-        for i in range(0, queries.shape[0], PASS_ROWS // 2):
+        whole = count // (PASS_ROWS // 2) * (PASS_ROWS // 2)
+        for i in range(0, whole, PASS_ROWS // 2):
             scores_128(keys, n, queries[i:], scores[i:], scale)
+        if whole < count:
+            scores_128_1(keys, n, queries[whole:], scores[whole:], scale)
 
 
 @njit(cache=True)
 def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
+    count = weights.shape[0]
     if values.shape[1] == 32:
-        for i in range(0, weights.shape[0], PASS_ROWS):
+        whole = count // PASS_ROWS * PASS_ROWS
+        for i in range(0, whole, PASS_ROWS):
             weighted_sum_64(values, n, weights[i:], sums[i:])
+        left = count - whole
+        if left == 1:
+            weighted_sum_64_1(values, n, weights[whole:], sums[whole:])
+        elif left == 2:
+            weighted_sum_64_2(values, n, weights[whole:], sums[whole:])
+        elif left == 3:
+            weighted_sum_64_3(values, n, weights[whole:], sums[whole:])
     else:
-        for i in range(0, weights.shape[0], PASS_ROWS // 2):
+        whole = count // (PASS_ROWS // 2) * (PASS_ROWS // 2)
+        for i in range(0, whole, PASS_ROWS // 2):
             weighted_sum_128(values, n, weights[i:], sums[i:])
+        if whole < count:
+            weighted_sum_128_1(values, n, weights[whole:], sums[whole:])
 
 
 @njit(cache=True)
@@ -270,14 +300,14 @@ def _to_bf16(sums, totals, real, group, h, out):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _computed_rows(real, group):  # pragma: no cover - compiled
-    """Query rows a row's passes compute: its real tokens' (the first real x group, token-major), in whole passes."""
-    return -(-(real * group) // PASS_ROWS) * PASS_ROWS
+    """Query rows a row's passes compute: its real tokens' (the first real x group, token-major)."""
+    return real * group
 
 
 @njit(cache=True)
 def _query_rows(q, real, group, h, rows):  # pragma: no cover - compiled
     """q uint32 [T, H, d / 2] of one row -> [rows, d / 2]: key/value head h's query rows t x G + g, token-major (a
-    row's real tokens first), zeros past them up to whole passes."""
+    row's real tokens first)."""
     out = np.zeros((rows, q.shape[2]), dtype=np.uint32)
     for t in range(real):
         for g in range(group):

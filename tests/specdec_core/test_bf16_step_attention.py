@@ -144,3 +144,37 @@ def test_a_keys_score_has_the_same_bits_in_a_block_of_sixteen_or_alone(dim):
     want = torch.from_numpy(queries.view(np.uint16).astype(np.int32) << 16).view(torch.float32) @ \
         torch.from_numpy(keys.view(np.uint16).astype(np.int32) << 16).view(torch.float32).T * 0.125
     assert np.allclose(scores[40], want.numpy(), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_query_rows_numbers_do_not_depend_on_the_rows_in_its_pass(dim):
+    """A row's passes take PASS_ROWS query rows (half as many at head_dim 128), the last one the rows left (a decode
+    step's 3 heads of a group in a pass of 3): each query row's scores and weighted sums must be the same bits in a
+    pass of any size, or a token's numbers would depend on the step's width (attend_exact relies on it)."""
+    import numpy as np
+    from specdec_core.kernels import bf16_step_attention_kernel as kernel
+    from specdec_core.kernels.bf16_step_attention import _words
+
+    torch.manual_seed(5)
+    n, count = 37, 7
+    keys, values = (_words((torch.randn(n, dim) * 3).bfloat16()) for _ in range(2))
+    queries = _words((torch.randn(count, dim) * 3).bfloat16())
+    weights = torch.rand(count, n + 1)
+    weights[:, n] = 0  # an odd n's last pair reads value n - 1 twice, the second time with weight 0
+    weights = _words(weights.bfloat16())  # [count, (n + 1) / 2] words: bf16 weights in pairs
+    all_scores = np.empty((count, n), dtype=np.float32)
+    all_sums = np.empty((count, dim), dtype=np.float32)
+    kernel._scores(keys, n, queries, all_scores, np.float32(0.125))
+    kernel._weighted_sums(values, n, weights, all_sums)
+    for first in range(count):
+        for size in range(1, count - first + 1):
+            scores = np.empty((size, n), dtype=np.float32)
+            sums = np.empty((size, dim), dtype=np.float32)
+            kernel._scores(keys, n, queries[first:first + size], scores, np.float32(0.125))
+            kernel._weighted_sums(values, n, np.ascontiguousarray(weights[first:first + size]), sums)
+            assert np.array_equal(scores, all_scores[first:first + size]), (first, size)
+            assert np.array_equal(sums, all_sums[first:first + size]), (first, size)
+    as_float = lambda words, width: torch.from_numpy(  # noqa: E731
+        words.view(np.uint16)[:, :width].astype(np.int32) << 16).view(torch.float32)
+    want = as_float(weights, n) @ as_float(values, dim)
+    assert np.allclose(all_sums, want.numpy(), rtol=1e-3, atol=1e-2)
