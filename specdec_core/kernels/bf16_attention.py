@@ -69,12 +69,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots:
     row's cache row; lengths [b] its cached keys; news [b] its new tokens (a chain) -> [b, T, H, d] bf16."""
     b, heads, num_new, dim = query.shape
     q = query.transpose(1, 2).contiguous()  # [b, T, H, d]: the fast forward's own layout, so usually no copy
-    out = torch.empty(b, num_new, heads, dim, dtype=torch.float32)
+    out = torch.empty(b, num_new, heads, dim, dtype=torch.bfloat16)  # written as bits: no fp32 result to convert
     use_torch_threads()
     kernel()(q.view(torch.int32).numpy().view(np.uint32), _bits(keys), _bits(values),
              slots.numpy().astype(np.int64), lengths.numpy().astype(np.int64), news.numpy().astype(np.int64),
-             np.float32(scale), out.numpy())
-    return out.to(torch.bfloat16)
+             np.float32(scale), _bits(out))
+    return out
 
 
 def _bits(buffer: torch.Tensor) -> np.ndarray:

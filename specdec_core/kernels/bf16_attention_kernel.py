@@ -69,7 +69,8 @@ def softmax_to_bf16(scores, seen, width, scale, weights):  # pragma: no cover - 
 @njit(parallel=True, cache=True)
 def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - compiled
     """q uint32 [b, T, H, d / 2] (bf16 pairs); k, v uint16 [slots, KV, capacity, d] (bf16 bits); slots, lengths,
-    news int64 [b]: each row's cache row, cached keys and new tokens; out float32 [b, T, H, d]. New token t < news[r]
+    news int64 [b]: each row's cache row, cached keys and new tokens; out uint16 [b, T, H, d] (bf16 bits, rounded to
+    nearest even as torch rounds). New token t < news[r]
     of row r sees keys 0 .. lengths[r] + t; the padding tokens after news[r] get zeros."""
     b, num_new, heads, half = q.shape
     kv_heads, dim = k.shape[1], k.shape[3]
@@ -99,7 +100,7 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
         last = min(end, news[r])  # the block's real tokens: first .. last - 1
         for t in range(max(first, last), end):
             for g in range(group):
-                out[r, t, h * group + g, :] = 0.0
+                out[r, t, h * group + g, :] = 0
         if last > first:
             _attend_block(q[r], key_pack[r, h], value_pack[r, h], h, first, last, lengths[r], group, scale, out[r])
 
@@ -107,7 +108,7 @@ def attend(q, k, v, slots, lengths, news, scale, out):  # pragma: no cover - com
 @njit(cache=True)
 def _attend_block(q, key_pack, value_pack, h, first, last, length, group, scale, out):  # pragma: no cover
     """One row's tokens first .. last - 1 for key/value head h's query heads (attend's task): q uint32 [T, H, d / 2]
-    and out float32 [T, H, d] of that row; key_pack / value_pack its head's repacked keys and values."""
+    and out uint16 [T, H, d] (bf16 bits) of that row; key_pack / value_pack its head's repacked keys and values."""
     half, dim = q.shape[2], out.shape[2]
     columns = value_pack.shape[0]
     count = last - first
@@ -132,4 +133,4 @@ def _attend_block(q, key_pack, value_pack, h, first, last, length, group, scale,
         for i in range(count):
             inverse = np.float32(1.0) / totals[g * count + i]
             for x in range(dim):
-                out[first + i, h * group + g, x] = sums[g * count + i, x] * inverse
+                out[first + i, h * group + g, x] = f32_to_bf16(sums[g * count + i, x] * inverse)  # nearest even
