@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 def timed_pass(engine, prompts: list[list[int]], method: str, args) -> tuple[float, str]:
     """-> (tok/s of the pass, sha256 prefix of every output's token ids in request order)."""
     items = [BatchItem(i, ids, DecodeParams(max_new_tokens=args.new_tokens)) for i, ids in enumerate(prompts)]
+    # each pass as a new job's: else `suffix` drafts from the job memory of the earlier passes over the same prompts
+    getattr(engine, "forget", lambda: None)()
     started = time.perf_counter()
     results = dict(engine.decode_batch(items, method, batch_size=args.batch_size))
     seconds = time.perf_counter() - started
