@@ -308,7 +308,7 @@ def _computed_rows(real, group):  # pragma: no cover - compiled
 def _query_rows(q, real, group, h, rows):  # pragma: no cover - compiled
     """q uint32 [T, H, d / 2] of one row -> [rows, d / 2]: key/value head h's query rows t x G + g, token-major (a
     row's real tokens first)."""
-    out = np.zeros((rows, q.shape[2]), dtype=np.uint32)
+    out = np.empty((rows, q.shape[2]), dtype=np.uint32)  # rows = real x group: every one written
     for t in range(real):
         for g in range(group):
             out[t * group + g, :] = q[t, h * group + g, :]

@@ -203,9 +203,6 @@ class PanelLinear(torch.nn.Module):
         self.panels = panels  # [P, in, PANEL], or bf16 pair panels [P, in / 2, PANEL, 2]
         self.panels_array = as_kernel_array(panels)  # the same memory, as the kernel takes it
         self.bias = None if bias is None else bias.detach().float()  # added to the fp32 sums
-        # a bf16 dot-kernel linear without a bias or cut columns: its bf16 result straight from the kernel
-        self.rounded = (panels.dim() == 4 and bias is None and in_features == 2 * panels.shape[1]
-                        and out_features == panels.shape[0] * PANEL and in_features > 0)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -215,11 +212,6 @@ class PanelLinear(torch.nn.Module):
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        if self.rounded and x.dtype == torch.bfloat16 and x.is_contiguous():
-            # no linear()'s checks and conversions: host work every linear call of a decode step pays
-            out = np.empty((x.shape[0], self.out_features), dtype=np.uint16)
-            bf16_dot.kernel()(x.view(torch.int32).numpy().view(np.uint32), self.panels_array, out)
-            return torch.from_numpy(out).view(torch.bfloat16)
         return linear(x, self.panels_array, self.bias, self.out_features, self.panels.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
