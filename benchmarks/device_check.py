@@ -1,7 +1,9 @@
 """The owned cache and the batched loop on an accelerator: tiny random Llama and Gemma3 (sliding window) in fp32 on
 `--device` (default cuda); every row of batched ar / copyspec / copyspec trees must equal the model's own greedy
 `generate` on that device, through HF's modules and through fast_forward.py (where it covers the model), its steps
-eager and graph-ready (model/graph_step.py: captured on a GPU). CI has no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
+eager and graph-ready (model/graph_step.py: captured on a GPU), with masked SDPA and with flex_attention
+(model/block_attention.py). CI has no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a
+mismatch).
 
   python benchmarks/device_check.py --device cuda
 """
@@ -31,19 +33,21 @@ def main() -> int:
     drafters = {"ar": NoDrafter, "copyspec": lambda: CopySpecDrafter(gamma=2, copy_tokens=6),
                 "copyspec --candidates 3": lambda: CopySpecDrafter(gamma=2, copy_tokens=6, candidates=3)}
     failures = 0
-    # (model, fast forward, graph-ready steps: the device's default, which on a GPU captures them, or off)
-    variants = ((tiny_llama(), False, "off"), (tiny_llama(), True, "off"), (tiny_llama(), True, None),
-                (tiny_gemma3(), False, "off"))
-    for cpu_runner, fast, graph_mode in variants:
+    # (model, fast forward, graph-ready steps: the device's default, which on a GPU captures them, or off; attention)
+    variants = ((tiny_llama(), False, "off", "sdpa"), (tiny_llama(), True, "off", "sdpa"),
+                (tiny_llama(), True, None, "sdpa"), (tiny_llama(), True, None, "flex"),
+                (tiny_gemma3(), False, "off", "sdpa"))
+    for cpu_runner, fast, graph_mode, attention in variants:
         runner = ModelRunner(cpu_runner.model.to(device), cpu_runner.tokenizer, cpu_runner.name, device, torch.float32,
                              fast_forward=fast)
         runner.graph_mode = graph_mode or runner.graph_mode
+        runner.gpu_attention = attention
         if fast and runner.fast is None:
             print(f"{runner.name}: the fast forward does not cover it")
             failures += 1
             continue
         forward = "fast forward" if runner.fast is not None else "HF modules"
-        forward += f", graph-ready steps {runner.graph_mode}" if runner.fast is not None else ""
+        forward += f", graph-ready steps {runner.graph_mode}, {attention}" if runner.fast is not None else ""
         prompts = [repetitive_prompt(seed, n) for seed, n in enumerate([5, 23, 11, 40, 17])]
         expected = []
         for prompt in prompts:

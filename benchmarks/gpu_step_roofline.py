@@ -8,11 +8,18 @@ machine needs no model files. For each shape, batch size and step width, on a ca
             bucket's capture seconds hold the compile)
   hf        HF `generate`'s decode step over the same prompts (width 1: (a run of N tokens - a run of 1) / (N - 1))
 
+Each of the step modes runs with each `--attention` (model/block_attention.py): `sdpa`, SDPA with a boolean or
+float mask over every padded key, and `flex`, flex_attention (compiled) with a block mask that skips each row's dead
+keys; a record's tokens are compared with the eager step's under the same attention. `--prefill` also times one
+prefill forward of `--batch-sizes`' first size prompts of ~`--context` tokens (lengths spread from 1/4 to the full
+context, so a padded [b, T] block is ~3/8 padding) under each attention.
+
 The roofline of a step is the bytes it must read (every weight once, the head included, and each row's cached keys
 and values) over the bandwidth a large device copy reaches. Records go to `--out` as a JSON list of
 {shape, batch_size, width, mode, step_ms, roofline_ms, roofline_ratio, device, torch, ...}; the table is printed.
 
   python benchmarks/gpu_step_roofline.py                  # a GPU: both shapes, batch 16 / 64 / 256, widths 1 2 4 8
+  python benchmarks/gpu_step_roofline.py --attention flex --modes eager captured --prefill   # flex's turn
   python benchmarks/gpu_step_roofline.py --device cpu --dtype float32 --shapes tiny --batch-sizes 2 --widths 1 2 \\
       --context 40 --reps 2 --hf-new-tokens 3            # the mechanics, as the suite runs them
 """
@@ -35,6 +42,7 @@ from benchmarks.batch_bench import hardware  # noqa: E402
 from benchmarks.host_overhead_bench import SHAPES, shaped_model  # noqa: E402
 from specdec_core.loop.kv_cache import new_slot_cache  # noqa: E402
 from specdec_core.loop.verification import accept_greedy_chains, accept_greedy_nodes  # noqa: E402
+from specdec_core.model import block_attention  # noqa: E402
 from specdec_core.model.graph_step import GraphStep  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 from specdec_core.model.step_batch import StepBatch  # noqa: E402
@@ -156,6 +164,22 @@ def hf_step_ms(runner: ModelRunner, lengths: list[int], new_tokens: int) -> floa
     return max(whole - first, 0.0) / (new_tokens - 1) * 1e3
 
 
+def prefill_ms(runner: ModelRunner, lengths: list[int], reps: int, device: str) -> float:
+    """One prefill forward of prompts of `lengths` tokens, padded to [b, max], from an empty cache (median ms)."""
+    rows, width = len(lengths), max(lengths)
+    cache = new_slot_cache(runner)
+    cache.fit(rows, width + 1)
+    for _ in lengths:
+        cache.add_row()
+    ids = torch.randint(1, runner.vocab_size, (rows, width), generator=torch.Generator().manual_seed(2))
+    news = torch.tensor(lengths)
+    real = torch.arange(width)[None, :] < news[:, None]  # [b, T]
+    visible = torch.ones(width, width, dtype=torch.bool).tril() & real[:, None, :] & real[:, :, None]
+    batch = StepBatch(ids, torch.arange(width).expand(rows, width).clone(), visible,
+                      torch.stack([torch.arange(rows), news - 1], 1), prefill=True)
+    return timed(lambda: runner.forward_slots(cache, batch), device, reps)[0]
+
+
 def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dict]:
     records = []
     base = {"shape": shape, "device": hardware(args.device), "torch": torch.__version__, "dtype": args.dtype,
@@ -166,23 +190,26 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
             cache = filled_cache(runner, lengths, width)
             batch, step_ids = chain_step(lengths, width, runner.vocab_size, seed=width)
             roofline_ms = step_bytes(runner, lengths, width) / bandwidth * 1e3
-            steps = {mode: GraphStep(runner, STEP_MODES[mode]) for mode in args.modes if mode in STEP_MODES}
-            runs = {"eager": lambda: eager_step(runner, cache, batch, step_ids)}  # the reference: always run
-            runs.update({mode: (lambda step=step: step.run(cache, batch, step_ids, accept_greedy_nodes))
-                         for mode, step in steps.items()})
-            outputs = {}
-            for mode, run in runs.items():
-                step_ms, out = timed(run, args.device, args.reps)
-                outputs[mode] = [(row[0], row[-1]) for row in out]  # (accepted, next token) a row
-                record = {**base, "batch_size": batch_size, "width": width, "mode": mode, "step_ms": round(step_ms, 4),
-                          "roofline_ms": round(roofline_ms, 4), "roofline_ratio": round(step_ms / roofline_ms, 2),
-                          "same_tokens_as_eager": outputs[mode] == outputs["eager"]}
-                if mode in ("captured", "compiled"):
-                    step = steps[mode]
-                    record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
-                                  syncs_per_step=syncs_in(run, args.device))
-                records.append(record)
-                _print(record)
+            for attention in args.attention:
+                runner.gpu_attention = attention  # the eager forward's, and each graph-ready step's below
+                steps = {mode: GraphStep(runner, STEP_MODES[mode]) for mode in args.modes if mode in STEP_MODES}
+                runs = {"eager": lambda: eager_step(runner, cache, batch, step_ids)}  # the reference: always run
+                runs.update({mode: (lambda step=step: step.run(cache, batch, step_ids, accept_greedy_nodes))
+                             for mode, step in steps.items()})
+                outputs = {}
+                for mode, run in runs.items():
+                    step_ms, out = timed(run, args.device, args.reps)
+                    outputs[mode] = [(row[0], row[-1]) for row in out]  # (accepted, next token) a row
+                    record = {**base, "batch_size": batch_size, "width": width, "mode": mode, "attention": attention,
+                              "step_ms": round(step_ms, 4), "roofline_ms": round(roofline_ms, 4),
+                              "roofline_ratio": round(step_ms / roofline_ms, 2),
+                              "same_tokens_as_eager": outputs[mode] == outputs["eager"]}
+                    if mode in ("captured", "compiled"):
+                        step = steps[mode]
+                        record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
+                                      syncs_per_step=syncs_in(run, args.device))
+                    records.append(record)
+                    _print(record)
             del cache
         if "hf" in args.modes and 1 in args.widths:
             step_ms = hf_step_ms(runner, lengths, args.hf_new_tokens)
@@ -191,6 +218,18 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                       "roofline_ms": round(roofline_ms, 4), "roofline_ratio": round(step_ms / roofline_ms, 2)}
             records.append(record)
             _print(record)
+    if args.prefill:
+        rows = args.batch_sizes[0]
+        lengths = [args.context // 4 + (row * 3 * args.context // 4) // max(1, rows - 1) for row in range(rows)]
+        for attention in args.attention:
+            runner.gpu_attention = attention
+            step_ms = prefill_ms(runner, lengths, args.reps, args.device)
+            record = {**base, "batch_size": rows, "width": max(lengths), "mode": "prefill", "attention": attention,
+                      "step_ms": round(step_ms, 4), "prompt_tokens": sum(lengths),
+                      "tokens_per_s": round(sum(lengths) / step_ms * 1e3)}
+            records.append(record)
+            print(f"{shape:>13} b{rows:<4} prefill {attention:>5}: {step_ms:9.3f} ms  {sum(lengths)} tokens, "
+                  f"{record['tokens_per_s']} tok/s", flush=True)
     return records
 
 
@@ -198,7 +237,8 @@ def _print(record: dict) -> None:
     extra = "" if "captured" not in record else (
         f"  captured {record['captured']} in {record['capture_s']:.2f} s, syncs {record['syncs_per_step']}")
     same = "" if "same_tokens_as_eager" not in record else f"  same tokens as eager: {record['same_tokens_as_eager']}"
-    print(f"{record['shape']:>13} b{record['batch_size']:<4} T{record['width']:<3} {record['mode']:>9}: "
+    attention = f" {record['attention']:>4}" if "attention" in record else ""
+    print(f"{record['shape']:>13} b{record['batch_size']:<4} T{record['width']:<3} {record['mode']:>9}{attention}: "
           f"{record['step_ms']:9.3f} ms  roofline {record['roofline_ms']:8.3f} ms  x{record['roofline_ratio']:<7}"
           f"{same}{extra}", flush=True)
 
@@ -220,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-new-tokens", type=int, default=16)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="what to time (eager is always timed: the others are compared with it)")
+    parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=block_attention.MODES,
+                        help="the steps' attention: masked SDPA, flex_attention with a block mask, or both")
+    parser.add_argument("--prefill", action="store_true", help="also time a prefill forward under each attention")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import grouped_attention
+from . import block_attention, grouped_attention
 from ..kernels import bf16_attention, invariant_attention, kernel_plan, panel_linear, residual_norm, rope_store
 from ..kernels.kernel_plan import KernelPlan
 from ..kernels.packed_linear import PackedLinear
@@ -303,6 +303,9 @@ class FastForward:
             lengths, news = attention.chain
             attended = bf16_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
                                              lengths, news, layer.scaling)  # [b, T, H, d]
+        elif attention.blocks is not None:
+            attended = block_attention.attend(query, *cache.bound_view(index), attention.blocks,
+                                              layer.scaling)  # [b, T, H, d]
         else:
             keys, values = cache.bound_view(index)  # [b, KV, L, d] each
             attended, _ = grouped_attention.grouped_attention_forward(

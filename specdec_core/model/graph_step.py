@@ -7,8 +7,9 @@ copy inside and no shape that depends on data. So this step:
 - runs at a fixed bucket of rows x width x keys (step_buckets.py), whose inputs are device buffers written in place
   (one host-to-device copy of ids, positions and lengths, one of the nodes' visibility);
 - writes each node's keys at its row's length + its index, and attends over the bucket's first `keys` positions of
-  the cache slots `[0, rows)` with a boolean mask built on the device from the lengths (grouped-query heads folded
-  into the query length, so no key is copied per query head);
+  the cache slots `[0, rows)`: with `SPECBATCH_GPU_ATTENTION=sdpa`, SDPA and a boolean mask built on the device from
+  the lengths (grouped-query heads folded into the query length, so no key is copied per query head); with `flex`,
+  flex_attention and a block mask that skips each row's dead keys (block_attention.py);
 - takes the argmax of every node's logits and verifies the drafts on the device (the verifier the loop hands it:
   verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the step's one sync.
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..defaults import cache_root
+from . import block_attention
 from .attention_masks import visible_keys
 from .fast_forward import _rms_norm, _rope
 from .step_batch import StepBatch
@@ -102,6 +104,7 @@ class GraphStep:
     def __init__(self, runner, mode: str):
         self.runner = runner
         self.mode = mode  # captured, compiled or eager
+        self.attention = runner.gpu_attention  # sdpa or flex (block_attention.py)
         self.capture = mode in ("captured", "compiled")
         self.device = torch.device(runner.device)
         rope = getattr(runner.fast.rotary, "rope_type", "default")
@@ -203,8 +206,12 @@ class GraphStep:
         cos, sin = cos.reshape(rows * width, 1, -1), sin.reshape(rows * width, 1, -1)  # [B T, 1, d]
         places = (lengths[:, None] + inputs.offsets).reshape(-1)  # [B T]: node t's keys at length + t
         group = fast.heads // fast.kv_heads
-        mask = key_mask(lengths, inputs.visible, bucket.keys)  # [B, 1, T, L]
-        mask = mask[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(rows, 1, group * width, bucket.keys)
+        if self.attention == "flex":  # one block mask for every layer
+            mask = block_attention.block_mask(lengths, inputs.visible, bucket.keys)
+        else:
+            mask = key_mask(lengths, inputs.visible, bucket.keys)  # [B, 1, T, L]
+            mask = mask[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
+                rows, 1, group * width, bucket.keys)
         for index, layer in enumerate(fast.layers):
             x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
@@ -226,13 +233,21 @@ class GraphStep:
         keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
         keys[write_rows, :, places] = k.to(keys.dtype)
         values[write_rows, :, places] = v.to(values.dtype)
+        if self.attention == "flex":
+            query = q.view(rows, width, heads, head_dim).transpose(1, 2)  # [B, H, T, d]
+            attended = block_attention.attend(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
+                                              mask, layer.scaling)  # [B, T, H, d]
+            return self._after_attention(index, layer, x, attended.reshape(count, heads * head_dim))
         # the query heads of one key head side by side along the query axis: [B, KV, group T, d]
         query = q.view(rows, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         query = query.reshape(rows, kv_heads, group * width, head_dim)
         attended = F.scaled_dot_product_attention(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
                                                   attn_mask=mask, scale=layer.scaling)  # [B, KV, group T, d]
         attended = attended.view(rows, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
-        attended = attended.reshape(count, heads * head_dim)
+        return self._after_attention(index, layer, x, attended.reshape(count, heads * head_dim))
+
+    def _after_attention(self, index: int, layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """x [B T, hidden], attended [B T, H d] -> the layer's output [B T, hidden]."""
         if self.fused is not None:
             return self.after_attention(x, attended, *self.fused[index].after)
         x = x + layer.o(attended)
@@ -244,10 +259,10 @@ class GraphStep:
         return x + layer.down(F.silu(gate) * up)
 
     def summary(self) -> str:
-        """One line: the mode, the steps run, the graphs captured and what capturing cost."""
+        """One line: the mode, the attention, the steps run, the graphs captured and what capturing cost."""
         failed = sum(1 for captured in self.graphs.values() if captured is None)
-        return (f"graph-ready steps: {self.mode}, {self.steps} steps, {self.captures} graphs captured in "
-                f"{self.capture_s:.2f} s" + (f", {failed} buckets eager after a failed capture" if failed else ""))
+        return (f"graph-ready steps: {self.mode}, {self.attention} attention, {self.steps} steps, {self.captures} "
+                f"graphs captured in {self.capture_s:.2f} s" + (f", {failed} buckets eager after a failed capture" if failed else ""))
 
 
 def _before_attention(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,

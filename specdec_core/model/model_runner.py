@@ -20,7 +20,7 @@ from ..errors import SpecbatchError
 from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, kernel_plan, linear_plan,
                        packed_linear, panel_linear)
 from ..kernels.kernel_plan import KernelPlan
-from . import fast_forward, grouped_attention
+from . import block_attention, fast_forward, grouped_attention
 from .attention_masks import attention_masks
 from .attention_probe import capture_queries
 from .fast_forward import MODEL_TYPES, FastForward
@@ -81,6 +81,7 @@ class ModelRunner:
         self._deterministic = False
         self.fast = FastForward.build(model, self._routes()) if fast_forward and _sdpa_family(config) else None
         self.graph_mode = step_mode(device)  # of the graph-ready decode and verify step (graph_step.py)
+        self.gpu_attention = block_attention.attention_mode()  # masked SDPA or flex_attention (block_attention.py)
         self._graph_step: GraphStep | None = None
 
     @property
@@ -314,6 +315,11 @@ class ModelRunner:
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
         # built on the forward's device: on a GPU, CPU ops building a prefill's [b, T, L] mask slowed each admission
         device = self.device
+        if masked and self.fast is not None and self.gpu_attention == "flex":  # no mask: each row's own keys
+            news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]: real nodes, the first of each row's T
+            blocks = block_attention.block_mask(lengths.to(device), visible.to(device), cache.kv_length(),
+                                                news.to(device))
+            return AttentionPlan(chain, step, invariant, None, blocks)
         mask = attention_masks(self.model.config, lengths.to(device), positions.to(device), visible.to(device),
                                cache.kv_length(), self.dtype) if masked else None
         return AttentionPlan(chain, step, invariant, mask)

@@ -1,5 +1,6 @@
 """benchmarks/gpu_step_roofline.py's mechanics on the CPU (its timings are a GPU's): every mode of every step is
-recorded with its roofline, the modes give the same tokens in fp32, and capture falls back to eager here."""
+recorded with its roofline under each attention, the modes give the same tokens in fp32, capture falls back to eager
+here, and a prefill is timed under each attention."""
 
 import json
 
@@ -14,18 +15,24 @@ def test_the_roofline_records(tmp_path, monkeypatch):
     out = tmp_path / "step_roofline.json"
     assert gpu_step_roofline.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--batch-sizes", "3",
                                    "--widths", "1", "4", "--context", "30", "--reps", "1", "--hf-new-tokens", "3",
-                                   "--out", str(out)]) == 0
+                                   "--attention", "sdpa", "flex", "--prefill", "--out", str(out)]) == 0
     records = json.loads(out.read_text())
-    modes = {(r["width"], r["mode"]) for r in records}
-    assert modes == {(width, mode) for width in (1, 4) for mode in ("eager", "static", "captured", "compiled")
-                     } | {(1, "hf")}
+    modes = [(r["width"], r["mode"], r.get("attention")) for r in records if r["mode"] != "prefill"]
+    assert sorted(modes, key=str) == sorted(
+        [(width, mode, attention) for width in (1, 4) for mode in ("eager", "static", "captured", "compiled")
+         for attention in ("sdpa", "flex")] + [(1, "hf", None)], key=str)
+    prefill = [r for r in records if r["mode"] == "prefill"]
+    assert sorted(r["attention"] for r in prefill) == ["flex", "sdpa"]
+    assert all(0 < r["tokens_per_s"] and r["width"] < r["prompt_tokens"] < r["batch_size"] * r["width"]
+               for r in prefill), prefill  # rows of different lengths: a padded block
+    records = [r for r in records if r["mode"] != "prefill"]
     for record in records:
         assert {"shape", "batch_size", "width", "mode", "step_ms", "roofline_ms", "roofline_ratio", "device",
                 "torch"} <= set(record)
         assert record["step_ms"] > 0 and record["roofline_ms"] > 0
         assert record.get("same_tokens_as_eager", True), record
     captured = [r for r in records if r["mode"] in ("captured", "compiled")]
-    assert len(captured) == 4 and all(not r["captured"] and r["syncs_per_step"] is None for r in captured)  # a CPU
+    assert len(captured) == 8 and all(not r["captured"] and r["syncs_per_step"] is None for r in captured)  # a CPU
 
 
 def test_step_bytes_count_the_weights_and_the_cache():

@@ -163,10 +163,13 @@ def test_each_method_alone_equals_ar(engine, reference, index):
     check_equal_to_ar(alone, reference)
 
 
-def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch, attention):
     """The graph-ready step (graph_step.py: static buffers, verification on the device, as a GPU captures it), run
-    eagerly: rows of plain decoding, chains and trees in one batch equal `ar`."""
+    eagerly: rows of plain decoding, chains and trees in one batch equal `ar`, with masked SDPA and with
+    flex_attention's block masks (block_attention.py; the prefills through it too)."""
     runner = engine.target
+    monkeypatch.setattr(runner, "gpu_attention", attention)
     plans = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
              ("ar", MethodOptions()), ("pld", MethodOptions(candidates=3)),
              ("copyspec", MethodOptions(gamma=5, copy_tokens=32)), ("casd_strict", MethodOptions()),
@@ -175,7 +178,7 @@ def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch):
     monkeypatch.setattr(runner, "_graph_step", None)
     results = decode_mixed(engine, plans, with_context=own_answer_contexts(reference))
     check_equal_to_ar(results, reference)
-    assert runner.graph_step().steps > 0
+    assert runner.graph_step().steps > 0 and runner.graph_step().attention == attention
     assert sum(row["accepted_tokens"] for _, row in results.values()) > 100
     alone = decode_mixed(engine, plans, with_context=own_answer_contexts(reference), batch_size=1, rows=range(3))
     check_equal_to_ar(alone, reference)  # a chain, a chain and a tree, each alone through the same step

@@ -1,0 +1,99 @@
+"""Attention over the slot cache through torch's `flex_attention`, with no `[b, T, L]` mask: each row attends its own
+cached keys and the step's new nodes it is shown, and the blocks of keys it never sees are skipped.
+
+For GPUs (issue 50). SDPA with a mask runs its memory-efficient kernel over every padded key of every row and reads
+the mask for each score; the flash kernels take no mask at all. Here the mask is a rule, not a tensor:
+    key j of row r is a cached token when j < lengths[r]; new node i = j - lengths[r] when 0 <= i < T,
+    seen by node t when visible[r, t, i] or i == t (a padding node sees itself); else dead
+(attention_masks.visible_keys's rule). The block mask tells the kernel, per block of 128 queries and 128 keys, which
+blocks are wholly seen (no rule evaluated), which partly (the rule evaluated: the one or two blocks that hold a row's
+new nodes) and which are skipped: every key past a row's last new node, and every query block of padding. So a
+row costs its own keys, as in a ragged layout, while the cache keeps its padded `[slots, KV, capacity, d]` form.
+
+Nodes only see nodes before them (a tree's parents come before their children, draft_tree.py): the block mask
+prunes on that, the rule does not rely on it.
+
+The mode (`SPECBATCH_GPU_ATTENTION`): `sdpa` (the masked SDPA, the default until a GPU run measures `flex` faster:
+benchmarks/gpu_step_roofline.py times both) or `flex`. On a CUDA device `flex_attention` runs compiled (its eager
+form builds the whole score matrix); elsewhere eagerly, which is how the CPU suite checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+log = logging.getLogger(__name__)
+
+MODE_ENV = "SPECBATCH_GPU_ATTENTION"
+MODES = ("sdpa", "flex")
+BLOCK = 128  # queries and keys per block: flex_attention's own default block size
+
+
+def attention_mode() -> str:
+    """`sdpa` or `flex` (see the module's docstring); a bad value gives one clear error."""
+    mode = os.environ.get(MODE_ENV, "sdpa")
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)}")
+    return mode
+
+
+def block_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int, news: torch.Tensor | None = None) -> BlockMask:
+    """lengths [b] cached positions of each row, visible [b, T, T] bool, keys = L the key positions attended
+    (the step's new nodes at lengths[r] + i must lie within them), news [b] real nodes of each row (the first
+    news[r] of T; None: all T, padding nodes seeing themselves) -> the BlockMask of the rule above.
+    Tensor operations only, no host read: a captured graph holds it."""
+    rows, width = visible.shape[:2]
+    device = lengths.device
+    lengths = lengths.long()
+    news = torch.full_like(lengths, width) if news is None else news.to(device).long()
+    query_blocks, key_blocks = -(-width // BLOCK), -(-keys // BLOCK)
+    starts = torch.arange(query_blocks, device=device) * BLOCK  # [Qb]: each query block's first node
+    active = starts[None, :] < news[:, None]  # [b, Qb]: a block of padding nodes attends nothing
+    last_seen = lengths[:, None] + torch.minimum(news[:, None], starts[None, :] + BLOCK) - 1  # [b, Qb]: last key
+    whole = (lengths // BLOCK)[:, None].expand(rows, query_blocks)  # blocks of cached keys only
+    first_partial = lengths // BLOCK  # [b]: the block that holds the row's first new node
+    partial = (last_seen // BLOCK - first_partial[:, None] + 1).clamp(min=0)  # [b, Qb]
+    every = torch.arange(key_blocks, device=device, dtype=torch.int32)  # [Kb]
+    partial_indices = (first_partial[:, None, None] + every.long()).clamp(max=key_blocks - 1)  # [b, 1, Kb]
+    zero = torch.zeros((), dtype=torch.int32, device=device)
+    kv_num = torch.where(active, partial.int(), zero)[:, None]  # [b, 1, Qb]
+    full_num = torch.where(active, whole.int(), zero)[:, None]
+    kv_indices = partial_indices[:, :, None, :].expand(rows, 1, query_blocks, key_blocks).int()  # [b, 1, Qb, Kb]
+    full_indices = every.expand(rows, 1, query_blocks, key_blocks)
+    last_node = width - 1
+
+    def seen(row, head, node, key):
+        offset = key - lengths[row]
+        shown = visible[row, node.clamp(max=last_node), offset.clamp(0, last_node)]
+        return (offset < 0) | ((offset < width) & (shown | (offset == node)))
+
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=BLOCK, mask_mod=seen,
+                                    seq_lengths=(width, keys), compute_q_blocks=False)
+
+
+_compiled = {}
+
+
+def _kernel(device: torch.device):
+    """flex_attention compiled on a CUDA device (once per process; a failure logs one line and runs it eagerly)."""
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _compiled:
+        try:
+            _compiled["cuda"] = torch.compile(flex_attention, dynamic=False)
+        except Exception as exc:
+            log.warning("flex_attention not compiled (%s: %s); it runs eagerly", type(exc).__name__, exc)
+            _compiled["cuda"] = flex_attention
+    return _compiled["cuda"]
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
+           scale: float) -> torch.Tensor:
+    """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d]."""
+    out = _kernel(query.device)(query, keys, values, block_mask=mask, scale=scale,
+                                enable_gqa=query.shape[1] != keys.shape[1])
+    return out.transpose(1, 2)

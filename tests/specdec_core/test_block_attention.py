@@ -1,0 +1,159 @@
+"""Attention through flex_attention with a block mask (block_attention.py), on the CPU.
+
+On the CPU flex_attention runs eagerly, which evaluates the mask rule on every score and ignores which blocks the
+block mask lists. So the blocks are checked apart: what a kernel that honours them computes (full blocks seen, partial
+blocks by the rule, the rest skipped) equals the rule on every real query, and skips each row's dead keys. Then
+compiled flex_attention (a kernel that does skip blocks; slow) gives the eager result, and the graph-ready step and
+the eager forward give greedy's tokens through it."""
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec_core.engine import Engine
+from specdec_core.model import block_attention, graph_step
+from specdec_core.model.attention_masks import visible_keys
+from specdec_core.model.graph_step import key_mask
+from tests.specdec_core.test_graph_step import LENGTHS, MAX_NEW, MIXED, _decode_mixed
+from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
+
+BLOCK = block_attention.BLOCK
+
+
+def _case(rng: random.Random, width: int, padded: bool):
+    """A random step: rows' cached lengths, tree visibility (parents before children), real nodes, keys to attend."""
+    rows = rng.randint(1, 5)
+    lengths = torch.tensor([rng.choice([0, 1, BLOCK - 1, BLOCK, rng.randint(0, 700)]) for _ in range(rows)])
+    news = torch.tensor([rng.randint(0, width) for _ in range(rows)]) if padded else None
+    visible = torch.zeros(rows, width, width, dtype=torch.bool)
+    for r in range(rows):
+        real = width if news is None else int(news[r])
+        for node in range(1, real):
+            parent = rng.randrange(node)
+            visible[r, node] = visible[r, parent]
+        visible[r, range(real), range(real)] = True
+    keys = int((lengths + width).max())
+    keys = -(-keys // 256) * 256 if rng.random() < 0.5 else keys  # a bucket's multiple of 256, or just enough
+    return lengths, visible, news, keys
+
+
+def _rule(lengths, visible, news, keys):
+    """[b, T, L] what each node sees: graph_step.key_mask's rule (padding nodes see themselves) without news, the
+    eager forward's (attention_masks.visible_keys) with them."""
+    return key_mask(lengths, visible, keys)[:, 0] if news is None else visible_keys(lengths, visible, keys)
+
+
+def _block_states(mask, rows: int, width: int, keys: int) -> torch.Tensor:
+    """[b, Qb, Kb]: 0 skipped, 1 partial (the rule evaluated), 2 full (seen without the rule)."""
+    query_blocks, key_blocks = -(-width // BLOCK), -(-keys // BLOCK)
+    states = torch.zeros(rows, query_blocks, key_blocks, dtype=torch.long)
+    for r in range(rows):
+        for q in range(query_blocks):
+            for count, indices, state in ((mask.kv_num_blocks, mask.kv_indices, 1),
+                                          (mask.full_kv_num_blocks, mask.full_kv_indices, 2)):
+                listed = indices[r, 0, q, :int(count[r, 0, q])].tolist()
+                assert len(set(listed)) == len(listed) and not states[r, q, listed].any(), (r, q)  # listed once
+                states[r, q, listed] = state
+    return states
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 8, 32, 127, 128, 129, 300])
+def test_the_blocks_a_kernel_runs_give_the_rule_and_skip_dead_keys(width):
+    rng = random.Random(width)
+    for case in range(40):
+        lengths, visible, news, keys = _case(rng, width, padded=case % 2 == 1)
+        rows = lengths.shape[0]
+        rule = _rule(lengths, visible, news, keys)  # [b, T, L]
+        mask = block_attention.block_mask(lengths, visible, keys, news)
+        states = _block_states(mask, rows, width, keys)
+        cells = states.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :width, :keys]  # [b, T, L]
+        computed = (cells == 2) | ((cells == 1) & rule)
+        real = torch.ones(rows, width, dtype=torch.bool) if news is None else \
+            torch.arange(width)[None, :] < news[:, None]  # [b, T]
+        assert torch.equal(computed[real], rule[real]), (width, case)
+        # work: no block past the last new key a query block's nodes see (they see only nodes before them), no
+        # block for a query block of padding only
+        for r in range(rows):
+            real_nodes = width if news is None else int(news[r])
+            for q in range(states.shape[1]):
+                last_key = int(lengths[r]) + min(real_nodes, (q + 1) * BLOCK) - 1
+                assert not states[r, q, last_key // BLOCK + 1:].any(), (width, case, r, q)
+            if news is not None:
+                assert not states[r, -(-int(news[r]) // BLOCK):].any(), (width, case, r)
+            assert (states[r, :, :int(lengths[r]) // BLOCK] != 1).all()  # cached blocks skip the rule
+
+
+def test_attend_equals_masked_sdpa():
+    """Grouped-query heads (H = 3 KV) over a strided cache view, as the graph-ready step calls it."""
+    rng = random.Random(7)
+    for width, padded in ((1, False), (4, False), (200, True)):
+        lengths, visible, news, keys = _case(rng, width, padded)
+        rows = lengths.shape[0]
+        cache_keys, cache_values = torch.randn(2, rows + 1, 3, keys + 50, 16).unbind(0)  # [slots, KV, capacity, d]
+        query = torch.randn(rows, 9, width, 16)
+        out = block_attention.attend(query, cache_keys[:rows, :, :keys], cache_values[:rows, :, :keys],
+                                     block_attention.block_mask(lengths, visible, keys, news), 0.25)  # [b, T, H, d]
+        expected = F.scaled_dot_product_attention(query, cache_keys[:rows, :, :keys], cache_values[:rows, :, :keys],
+                                                  attn_mask=_rule(lengths, visible, news, keys)[:, None], scale=0.25,
+                                                  enable_gqa=True).transpose(1, 2)
+        real = torch.ones(rows, width, dtype=torch.bool) if news is None else \
+            torch.arange(width)[None, :] < news[:, None]
+        torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # Inductor compiles flex_attention's CPU kernel (~15 s)
+def test_compiled_flex_attention_honours_the_blocks(monkeypatch, tmp_path):
+    """The compiled kernel skips what the block mask skips and still gives the rule's result: if the blocks missed a
+    key a row sees, or a full block held a key it does not, this would differ from the eager result."""
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("Inductor's CPU code needs a C++ compiler")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compiled = torch.compile(block_attention.flex_attention, dynamic=False)
+    rng = random.Random(3)
+    for width, padded in ((3, False), (150, True)):
+        lengths, visible, news, keys = _case(rng, width, padded)
+        keys = -(-keys // 256) * 256
+        rows = lengths.shape[0]
+        query, cache_keys, cache_values = torch.randn(rows, 6, width, 32), *torch.randn(2, rows, 2, keys, 32)
+        mask = block_attention.block_mask(lengths, visible, keys, news)
+        fast = compiled(query, cache_keys, cache_values, block_mask=mask, scale=0.2, enable_gqa=True).transpose(1, 2)
+        eager = block_attention.attend(query, cache_keys, cache_values, mask, 0.2)
+        real = torch.ones(rows, width, dtype=torch.bool) if news is None else \
+            torch.arange(width)[None, :] < news[:, None]
+        torch.testing.assert_close(fast[real], eager[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_flex_attention_gives_greedy_tokens_in_graph_steps_and_prefill(make, monkeypatch):
+    """SPECBATCH_GPU_ATTENTION=flex: the graph-ready steps (eager) and the eager forward's masked prefill both attend
+    through block_attention.attend, and a mixed batch of chains and trees still gives HF greedy's tokens."""
+    monkeypatch.setenv(block_attention.MODE_ENV, "flex")
+    monkeypatch.setenv(graph_step.MODE_ENV, "eager")
+    calls = {"graph": 0, "forward": 0}
+    build = block_attention.block_mask
+
+    def counted(lengths, visible, keys, news=None):  # the graph step's rows carry no news: padding sees itself
+        calls["graph" if news is None else "forward"] += 1
+        return build(lengths, visible, keys, news)
+
+    monkeypatch.setattr(block_attention, "block_mask", counted)
+    engine = Engine.from_runners(make(0))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS)]
+    results = _decode_mixed(engine, prompts, MIXED)
+    assert engine.target.graph_step().attention == "flex" and engine.target.graph_step().steps > 0
+    assert calls["graph"] > 0 and calls["forward"] > 0, calls
+    for key, prompt in enumerate(prompts):
+        assert results[key]["error"] is None, results[key]["error"]
+        assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
+    assert sum(r["accepted_tokens"] for r in results.values()) > 20
+
+
+def test_mode(monkeypatch):
+    monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
+    assert block_attention.attention_mode() == "sdpa"
+    monkeypatch.setenv(block_attention.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="SPECBATCH_GPU_ATTENTION='fast'"):
+        block_attention.attention_mode()
