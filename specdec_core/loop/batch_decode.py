@@ -28,7 +28,7 @@ from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.model_runner import ModelRunner
 from ..model.step_batch import StepBatch
-from ..model.step_buckets import row_bucket
+from ..model.step_buckets import CALIBRATED_WIDTHS, row_bucket
 from .draft_tree import ancestor_mask, depths, prefix_depths
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
@@ -44,7 +44,7 @@ from .requests import (
     final_text,
 )
 from .sampling import make_generator, select_token
-from .speculation_budget import AcceptanceEstimate, SpeculationBudget
+from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket
 from .target_signals import Signals, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
@@ -89,7 +89,7 @@ class BatchStats:
     peak_rows: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
-    capture_s: float = 0.0  # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape)
+    capture_s: float = 0.0  # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape) and timing their widths for the budget
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
 
@@ -131,6 +131,7 @@ class BatchDecoder:
         self.max_draft = max_draft
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft
+        self._calibrated: set[tuple[int, int]] = set()  # (batch bucket, context bucket)s whose widths were timed
         # A row decoding longer than this since its admission retires with an error and frees its slot (checked
         # between steps: one forward is never interrupted).
         self.row_timeout_s = row_timeout_s
@@ -341,6 +342,7 @@ class BatchDecoder:
         self._retire_overdue()
         if not self.rows:
             return
+        self._time_widths()
         step_started, tokens_before = time.perf_counter(), self.stats.new_tokens
         drafting = self.budget.drafting_due()
         pools = self._propose(drafting)
@@ -358,6 +360,33 @@ class BatchDecoder:
         self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
                                 drafting_s=drafting_s)
         self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
+
+    def _time_widths(self) -> None:
+        """Where the target's steps are captured (a GPU), the first time the rows meet a (batch bucket, context
+        bucket) with drafts to verify: time a step at each of CALIBRATED_WIDTHS and hand the budget their cost over
+        a plain step's. On a GPU a verify step costs little more than a plain one, and the budget's priors (a CPU's)
+        would price its first wide steps far too high. The seconds count with the captures', apart from decoding."""
+        graph = self.target.graph_step()
+        if graph is None or not graph.calibrates or not self.budget.enabled:
+            return
+        if not any(r.request.drafter.proposes for r in self.rows):
+            return
+        signals = wanted([r.request.drafter for r in self.rows])
+        if signals.hidden or signals.heads or not all(r.request.params.sampling.greedy and r.request.rule is None
+                                                      for r in self.rows):
+            return  # these steps run the eager forward (_argmax_only): the graph's cost is not theirs
+        rows, context = len(self.rows), max(self.cache.lengths[:len(self.rows)], default=0)
+        key = (batch_bucket(rows), context_bucket(context))
+        if key in self._calibrated:
+            return
+        self._calibrated.add(key)
+        widest = 1 + min(self.max_draft, self.budget.most_nodes(rows))
+        started = time.perf_counter()
+        seconds = graph.time_widths(self.cache, rows, [w for w in CALIBRATED_WIDTHS if w <= widest],
+                                    accept_greedy_nodes)
+        self.stats.capture_s += time.perf_counter() - started
+        if seconds.get(1):
+            self.budget.cost.calibrate(rows, context, {w: s / seconds[1] for w, s in seconds.items()})
 
     def _progress(self, seconds: float) -> None:
         self.last_progress = time.monotonic()

@@ -13,10 +13,12 @@ machine (`StepCostModel`). The step takes the plan with the most expected tokens
 always competes, so a batch whose drafts are not accepted decodes as batched `ar` does. An optional token budget
 caps B x T.
 
-Costs are timed, not assumed, and never with throw-away forwards: every step's wall time feeds `StepCostModel`,
-learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024, 4,096, ... cached positions)). The
-context matters: a long cache makes every step pay for attention whatever its width, so extra tokens cost relatively
-less (what one table per batch bucket got wrong: docs/decisions.md).
+Costs are timed, not assumed, and on a CPU never with throw-away forwards: every step's wall time feeds
+`StepCostModel`, learned per (batch size bucket (1, 2, 4, ..., 64), context bucket (256, 1,024, 4,096, ... cached
+positions)). The context matters: a long cache makes every step pay for attention whatever its width, so extra tokens
+cost relatively less (what one table per batch bucket got wrong: docs/decisions.md). Where a device's steps are
+captured (a GPU), a timed step is one graph replay: the decoder times widths 1 to 8 when it meets a new bucket
+(`StepCostModel.calibrate`).
 """
 
 from __future__ import annotations
@@ -226,6 +228,21 @@ class StepCostModel:
         sums = self.sums.setdefault((batch_bucket(rows), where), [0.0] * 5)
         for i, term in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)):
             sums[i] = self.decay * sums[i] + term
+
+    def calibrate(self, rows: int, context: int, ratios: dict[int, float]) -> None:
+        """Steps timed on purpose at `rows` rows: ratios[width] = a padded step's seconds at that width over a plain
+        step's (graph_step.GraphStep.time_widths, where a device's steps are captured). Each counts as one
+        observation of this (batch bucket, context bucket), so the first wide steps are priced by the device
+        rather than by the priors; the steps that follow refine the fit as before."""
+        if self.fixed is not None:
+            return
+        sums = self.sums.setdefault((batch_bucket(rows), context_bucket(context)), [0.0] * 5)
+        for width, ratio in sorted(ratios.items()):
+            if width <= 1 or ratio <= 0:
+                continue
+            x, y = float(width - 1), ratio - 1.0  # padded: the extra tokens a row and the extra width are one
+            for i, term in enumerate((x * x, x * x, x * x, x * y, x * y)):
+                sums[i] = self.decay * sums[i] + term
 
 
 @dataclass

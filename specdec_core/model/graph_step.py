@@ -106,6 +106,9 @@ class GraphStep:
         self.mode = mode  # captured, compiled or eager
         self.attention = runner.gpu_attention  # sdpa or flex (block_attention.py)
         self.capture = mode in ("captured", "compiled")
+        # whether the decoder times this step's widths for its budget (time_widths): where steps are captured,
+        # a timed step costs a replay; eagerly it would cost a whole forward
+        self.calibrates = self.capture
         self.device = torch.device(runner.device)
         rope = getattr(runner.fast.rotary, "rope_type", "default")
         if self.capture and "dynamic" in rope:  # it reads the longest position on the host: no graph holds that
@@ -149,6 +152,29 @@ class GraphStep:
                 captured.graph.replay()
                 return captured.output[:live].tolist()  # the step's one device-to-host copy
         return self.compute(bucket, inputs, cache, verify)[:live].tolist()
+
+    def time_widths(self, cache, live: int, widths: list[int], verify: Verifier, reps: int = 3) -> dict[int, float]:
+        """Seconds a step over the first `live` rows of `cache` takes at each width (median of `reps`, after one
+        untimed run, in which a bucket met the first time is captured): what a verify step costs on this device,
+        for the speculation budget. The nodes are a chain of token 0 whose keys land past each row's length, where
+        a rejected draft's keys go, so no row's cached content changes. A width no bucket holds is left out."""
+        lengths = torch.tensor(cache.lengths[:live])
+        steps, seconds = self.steps, {}
+        for width in widths:
+            step_ids = torch.zeros(live, width, dtype=torch.long)
+            visible = torch.ones(width, width, dtype=torch.bool).tril().expand(live, width, width)
+            batch = StepBatch(step_ids, lengths[:, None] + torch.arange(width), visible,
+                              torch.zeros(0, 2, dtype=torch.long))
+            if self.run(cache, batch, step_ids, verify) is None:
+                continue
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                self.run(cache, batch, step_ids, verify)  # its [rows, 3] copy back waits for the device
+                times.append(time.perf_counter() - started)
+            seconds[width] = sorted(times)[len(times) // 2]
+        self.steps = steps  # these were no decoding steps
+        return seconds
 
     def _captured(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> _Captured | None:
         """The bucket's graph, captured on first use over this cache's storage (a cache that reallocated drops the

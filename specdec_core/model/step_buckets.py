@@ -12,6 +12,9 @@ from dataclasses import dataclass
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # beyond these, the cache's slot count is the last bucket
 # decode (1), the chain widths the methods verify and the tree widths up to their largest trees
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32)
+# the widths a decoder times on a device that captures its steps, for its speculation budget (wider steps are priced
+# by the fit through these, then by the steps themselves)
+CALIBRATED_WIDTHS = (1, 2, 4, 8)
 KEY_QUANTUM = 256  # keys attended grow in steps of this many positions (the cache grows in the same steps)
 
 

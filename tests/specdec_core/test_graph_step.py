@@ -5,6 +5,7 @@ log line. The real model's check is test_lossless.py's; the GPU's timing is benc
 
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.loop.draft_tree import ancestor_mask, build_trie, depths
 from specdec_core.loop.requests import DecodeParams
+from specdec_core.loop.speculation_budget import batch_bucket, context_bucket
 from specdec_core.loop.verification import accept_greedy, accept_greedy_nodes, verify_tree_greedy
 from specdec_core.methods import MethodOptions
 from specdec_core.model import graph_step
@@ -247,8 +249,6 @@ class _Replay:
 def test_capture_time_is_reported_apart(monkeypatch):
     """Captures (here slow stand-ins on a CPU) are counted in the pass's capture_s, within its wall time, and in no
     step's cost the budget learns from; each bucket is captured once, and replays give greedy's tokens."""
-    import time
-
     from specdec_core.loop.speculation_budget import StepCostModel
 
     engine = Engine.from_runners(_runner(tiny_llama, "captured", monkeypatch))
@@ -276,3 +276,70 @@ def test_capture_time_is_reported_apart(monkeypatch):
     assert learned and max(learned) < 0.2, max(learned)
     for key, prompt in enumerate(prompts):
         assert results[key].token_ids == hf_greedy(engine.target, prompt, MAX_NEW), key
+
+
+class _TimedReplay(_Replay):
+    """A stand-in replay that takes longer the wider its bucket: what the decoder's width timing should see."""
+
+    def replay(self):
+        time.sleep(0.01 + 0.002 * self.args[0].width)
+        super().replay()
+
+
+def test_captured_steps_time_their_widths_for_the_budget(monkeypatch):
+    """Where steps are captured, the first time the rows meet a (batch bucket, context bucket) with drafts, a step
+    is timed at widths 1, 2, 4 and 8 and the budget gets their cost ratios; the timing counts as capture time,
+    adds no decoding step, and decoding still gives greedy's tokens. Eager steps (a CPU) time nothing."""
+    from specdec_core.loop.speculation_budget import StepCostModel
+
+    engine = Engine.from_runners(_runner(tiny_llama, "captured", monkeypatch))
+    monkeypatch.setattr(GraphStep, "_capture", lambda self, bucket, inputs, cache, verify: graph_step._Captured(
+        _TimedReplay(self, (bucket, inputs, cache, verify), out := self.compute(bucket, inputs, cache, verify)), out))
+    calibrations, timed = [], []
+    calibrate, time_widths = StepCostModel.calibrate, GraphStep.time_widths
+    monkeypatch.setattr(StepCostModel, "calibrate", lambda self, rows, context, ratios: (
+        calibrations.append((rows, context, ratios)), calibrate(self, rows, context, ratios))[1])
+
+    def counted(self, *args, **kwargs):
+        steps, started = self.steps, time.perf_counter()
+        out = time_widths(self, *args, **kwargs)
+        timed.append(time.perf_counter() - started)
+        assert self.steps == steps  # no decoding step
+        return out
+
+    monkeypatch.setattr(GraphStep, "time_widths", counted)
+    decoder = engine.decoder(batch_size=3, speculation_budget=True)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    for key, prompt in enumerate(prompts):
+        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), "pld",
+                                      MethodOptions(), decoder))
+    results = {request.key: result for request, result in decoder.run()}
+    for key, prompt in enumerate(prompts):
+        assert results[key].token_ids == hf_greedy(engine.target, prompt, MAX_NEW), key
+    assert calibrations, "no widths timed"
+    buckets = {(batch_bucket(rows), context_bucket(context)) for rows, context, _ in calibrations}
+    assert len(buckets) == len(calibrations)  # once per (batch bucket, context bucket)
+    for _, _, ratios in calibrations:
+        assert sorted(ratios) == [1, 2, 4, 8]
+        assert ratios[2] < ratios[4] < ratios[8] and 1.3 < ratios[8] < 3.5, ratios  # sleeps alone: 0.026 / 0.012 s
+    assert sum(timed) <= decoder.stats.capture_s <= decoder.stats.wall_s
+
+    # eagerly, a timed step would cost a whole forward: nothing is timed
+    eager = Engine.from_runners(_runner(tiny_llama, "eager", monkeypatch))
+    calibrations.clear()
+    _decode_mixed(eager, prompts, MIXED)
+    assert not eager.target.graph_step().calibrates and not calibrations
+
+
+def test_calibrated_widths_price_the_first_wide_steps():
+    """One timing per width replaces the priors in its bucket (a GPU's wide steps cost little more than plain ones;
+    the priors are a CPU's), and buckets without a timing keep borrowing as before."""
+    from specdec_core.loop.speculation_budget import StepCostModel
+
+    model = StepCostModel()
+    before = model.ratio(128, 4, context=500)
+    assert model.ratio(64, 4, context=500) == before
+    model.calibrate(64, 500, {1: 1.0, 2: 1.02, 4: 1.06, 8: 1.14})
+    assert before > 1.3 and abs(model.ratio(64, 4, context=500) - 1.06) < 0.03, (before, model.ratio(64, 4, 500))
+    assert abs(model.ratio(64, 8, context=500) - 1.14) < 0.04
+    assert model.ratio(128, 4, context=500) == before  # more rows borrow no fewer rows' fit (it could overprice)
