@@ -89,7 +89,8 @@ class BatchStats:
     peak_rows: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
-    capture_s: float = 0.0  # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape) and timing their widths for the budget
+    # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape) and timing their widths
+    capture_s: float = 0.0
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
 

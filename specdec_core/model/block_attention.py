@@ -13,9 +13,10 @@ row costs its own keys, as in a ragged layout, while the cache keeps its padded 
 Nodes only see nodes before them (a tree's parents come before their children, draft_tree.py): the block mask
 prunes on that, the rule does not rely on it.
 
-The mode (`SPECBATCH_GPU_ATTENTION`): `sdpa` (the masked SDPA, the default until a GPU run measures `flex` faster:
-benchmarks/gpu_step_roofline.py times both) or `flex`. On a CUDA device `flex_attention` runs compiled (its eager
-form builds the whole score matrix); elsewhere eagerly, which is how the CPU suite checks it.
+The mode (`SPECBATCH_GPU_ATTENTION`): `auto` (the default: a step whose graphs are captured times its first bucket
+with each and keeps the faster, graph_step.py; everything else attends through `sdpa`), `sdpa` (the masked SDPA) or
+`flex`. On a CUDA device `flex_attention` runs compiled (its eager form builds the whole score matrix); elsewhere
+eagerly, which is how the CPU suite checks it. benchmarks/gpu_step_roofline.py times both.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 log = logging.getLogger(__name__)
 
 MODE_ENV = "SPECBATCH_GPU_ATTENTION"
-MODES = ("sdpa", "flex")
+CANDIDATES = ("sdpa", "flex")
+MODES = ("auto", *CANDIDATES)
 BLOCK = 128  # queries and keys per block: flex_attention's own default block size
 
 
 def attention_mode() -> str:
-    """`sdpa` or `flex` (see the module's docstring); a bad value gives one clear error."""
-    mode = os.environ.get(MODE_ENV, "sdpa")
+    """`auto`, `sdpa` or `flex` (see the module's docstring); a bad value gives one clear error."""
+    mode = os.environ.get(MODE_ENV, "auto")
     if mode not in MODES:
         raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)}")
     return mode

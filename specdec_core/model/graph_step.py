@@ -9,7 +9,8 @@ copy inside and no shape that depends on data. So this step:
 - writes each node's keys at its row's length + its index, and attends over the bucket's first `keys` positions of
   the cache slots `[0, rows)`: with `SPECBATCH_GPU_ATTENTION=sdpa`, SDPA and a boolean mask built on the device from
   the lengths (grouped-query heads folded into the query length, so no key is copied per query head); with `flex`,
-  flex_attention and a block mask that skips each row's dead keys (block_attention.py);
+  flex_attention and a block mask that skips each row's dead keys (block_attention.py); with `auto`, captured steps
+  time their first bucket's graph with each and keep the faster;
 - takes the argmax of every node's logits and verifies the drafts on the device (the verifier the loop hands it:
   verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the step's one sync.
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 MODE_ENV = "SPECBATCH_GRAPH_STEP"
 MODES = ("auto", "captured", "compiled", "eager", "off")
 WARM_UP_RUNS = 2  # eager runs of a bucket before its capture (allocator and library handles settle)
+PICK_REPLAYS = 5  # replays of the first bucket under each attention, where `auto` picks the faster
 
 # verify(step_ids [B, T], visible [B, T, T], depth [B, T], argmax [B, T]) -> [B, 3] (accepted, last node, next)
 Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -104,7 +106,9 @@ class GraphStep:
     def __init__(self, runner, mode: str):
         self.runner = runner
         self.mode = mode  # captured, compiled or eager
-        self.attention = runner.gpu_attention  # sdpa or flex (block_attention.py)
+        # sdpa or flex (block_attention.py); auto: the faster at the first capture (_pick_attention), else sdpa
+        self.attention = runner.gpu_attention
+        self.attention_ms: dict[str, float] = {}  # what each attention's first graph took a replay, where timed
         self.capture = mode in ("captured", "compiled")
         # whether the decoder times this step's widths for its budget (time_widths): where steps are captured,
         # a timed step costs a replay; eagerly it would cost a whole forward
@@ -114,6 +118,8 @@ class GraphStep:
         if self.capture and "dynamic" in rope:  # it reads the longest position on the host: no graph holds that
             log.warning("captured steps off: %s RoPE reads positions on the host; the steps run eagerly", rope)
             self.capture = False
+        if self.attention == "auto" and not self.capture:
+            self.attention = "sdpa"
         self.fused = None  # each layer's dense weights, for the compiled mode's fused functions
         if mode == "compiled":
             try:
@@ -189,7 +195,10 @@ class GraphStep:
         started = time.perf_counter()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
-            captured = self._capture(bucket, inputs, cache, verify)
+            if self.attention == "auto":
+                captured = self._pick_attention(bucket, inputs, cache, verify, stream)
+            else:
+                captured = self._capture(bucket, inputs, cache, verify)
         except Exception as exc:  # eager still gives the same tokens
             if stream is not None:  # a capture that raised may leave its own stream current
                 torch.cuda.set_stream(stream)
@@ -197,10 +206,42 @@ class GraphStep:
                         type(exc).__name__, exc)
             captured = None
             self.capture = False  # what failed once would fail again, at a price each time
+            self.attention = "sdpa" if self.attention == "auto" else self.attention
         self.capture_s += time.perf_counter() - started
         self.captures += captured is not None
         self.graphs[bucket] = captured
         return captured
+
+    def _pick_attention(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier, stream) -> _Captured:
+        """The first capture under `auto`: the bucket captured with each attention and replayed PICK_REPLAYS times;
+        the faster serves this bucket and every later one (one log line). An attention whose capture fails drops
+        out (one log line); where none captures, the last failure is raised."""
+        graphs, failure = {}, None
+        for attention in block_attention.CANDIDATES:
+            self.attention = attention
+            try:
+                captured = self._capture(bucket, inputs, cache, verify)
+            except Exception as exc:
+                if stream is not None:
+                    torch.cuda.set_stream(stream)
+                log.warning("captured step %s with %s attention failed (%s: %s); it is not a candidate", bucket,
+                            attention, type(exc).__name__, exc)
+                failure = exc
+                continue
+            times = []
+            for _ in range(PICK_REPLAYS):
+                started = time.perf_counter()
+                captured.graph.replay()
+                captured.output.tolist()  # waits for the device
+                times.append(time.perf_counter() - started)
+            self.attention_ms[attention] = sorted(times)[len(times) // 2] * 1e3
+            graphs[attention] = captured
+        if not graphs:
+            raise failure
+        self.attention = min(graphs, key=self.attention_ms.get)
+        log.info("graph-ready steps attend through %s (bucket %s: %s)", self.attention, bucket,
+                 ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.attention_ms.items()))
+        return graphs[self.attention]
 
     def _capture(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier) -> _Captured:
         if self.device.type != "cuda":
@@ -287,8 +328,11 @@ class GraphStep:
     def summary(self) -> str:
         """One line: the mode, the attention, the steps run, the graphs captured and what capturing cost."""
         failed = sum(1 for captured in self.graphs.values() if captured is None)
-        return (f"graph-ready steps: {self.mode}, {self.attention} attention, {self.steps} steps, {self.captures} "
-                f"graphs captured in {self.capture_s:.2f} s" + (f", {failed} buckets eager after a failed capture" if failed else ""))
+        timed = "" if not self.attention_ms else " (" + ", ".join(
+            f"{name} {ms:.3f} ms" for name, ms in self.attention_ms.items()) + ")"
+        return (f"graph-ready steps: {self.mode}, {self.attention} attention{timed}, {self.steps} steps, "
+                f"{self.captures} graphs captured in {self.capture_s:.2f} s"
+                + (f", {failed} buckets eager after a failed capture" if failed else ""))
 
 
 def _before_attention(x: torch.Tensor, layer, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,

@@ -81,7 +81,7 @@ class ModelRunner:
         self._deterministic = False
         self.fast = FastForward.build(model, self._routes()) if fast_forward and _sdpa_family(config) else None
         self.graph_mode = step_mode(device)  # of the graph-ready decode and verify step (graph_step.py)
-        self.gpu_attention = block_attention.attention_mode()  # masked SDPA or flex_attention (block_attention.py)
+        self.gpu_attention = block_attention.attention_mode()  # auto, sdpa or flex (block_attention.py)
         self._graph_step: GraphStep | None = None
 
     @property

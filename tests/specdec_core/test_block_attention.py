@@ -6,8 +6,10 @@ blocks by the rule, the rest skipped) equals the rule on every real query, and s
 compiled flex_attention (a kernel that does skip blocks; slow) gives the eager result, and the graph-ready step and
 the eager forward give greedy's tokens through it."""
 
+import logging
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -153,7 +155,58 @@ def test_flex_attention_gives_greedy_tokens_in_graph_steps_and_prefill(make, mon
 
 def test_mode(monkeypatch):
     monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
-    assert block_attention.attention_mode() == "sdpa"
+    assert block_attention.attention_mode() == "auto"
+    monkeypatch.setenv(graph_step.MODE_ENV, "eager")
+    assert tiny_llama(0).graph_step().attention == "sdpa"  # auto times captured graphs only
     monkeypatch.setenv(block_attention.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="SPECBATCH_GPU_ATTENTION='fast'"):
         block_attention.attention_mode()
+
+
+class _Replay:
+    """A CPU's stand-in for a captured graph: a replay sleeps as long as its attention's graph would take, then
+    recomputes the bucket with that attention into the captured output."""
+
+    def __init__(self, step, args, output, seconds):
+        self.step, self.args, self.output, self.seconds = step, args, output, seconds
+        self.attention = step.attention
+
+    def replay(self):
+        time.sleep(self.seconds[self.attention])
+        chosen, self.step.attention = self.step.attention, self.attention
+        try:
+            with torch.inference_mode():
+                self.output.copy_(self.step.compute(*self.args))
+        finally:
+            self.step.attention = chosen
+
+
+@pytest.mark.parametrize("seconds, fails, picked", [({"sdpa": 0.03, "flex": 0.005}, None, "flex"),
+                                                     ({"sdpa": 0.005, "flex": 0.03}, None, "sdpa"),
+                                                     ({"sdpa": 0.03, "flex": 0.005}, "flex", "sdpa")])
+def test_auto_keeps_the_faster_attention_of_the_first_capture(monkeypatch, caplog, seconds, fails, picked):
+    """`auto` under captured steps: the first bucket is captured with each attention and replayed; the faster
+    serves every bucket (one log line), a capture that fails drops its attention out, and the tokens are greedy's."""
+    monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
+    monkeypatch.setenv(graph_step.MODE_ENV, "captured")
+
+    def capture(self, bucket, inputs, cache, verify):
+        if self.attention == fails:
+            raise RuntimeError("no kernel for this")
+        output = self.compute(bucket, inputs, cache, verify)
+        return graph_step._Captured(_Replay(self, (bucket, inputs, cache, verify), output, seconds), output)
+
+    monkeypatch.setattr(graph_step.GraphStep, "_capture", capture)
+    engine = Engine.from_runners(tiny_llama(0))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    with caplog.at_level(logging.INFO, logger=graph_step.__name__):
+        results = _decode_mixed(engine, prompts, MIXED[:3], batch_size=3)
+    step = engine.target.graph_step()
+    assert step.attention == picked and step.capture and step.captures == len(step.graphs) >= 2
+    assert set(step.attention_ms) == {"sdpa", "flex"} - {fails}
+    assert all(graph.graph.attention == picked for graph in step.graphs.values())  # every bucket: the pick
+    messages = [r.message for r in caplog.records]
+    assert sum(f"attend through {picked}" in m for m in messages) == 1, messages
+    assert sum("is not a candidate" in m for m in messages) == (fails is not None), messages
+    for key, prompt in enumerate(prompts):
+        assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
