@@ -16,7 +16,8 @@ prunes on that, the rule does not rely on it.
 The mode (`SPECBATCH_GPU_ATTENTION`): `auto` (the default: a step whose graphs are captured times its first bucket
 with each and keeps the faster, graph_step.py; everything else attends through `sdpa`), `sdpa` (the masked SDPA) or
 `flex`. On a CUDA device `flex_attention` runs compiled (its eager form builds the whole score matrix); elsewhere
-eagerly, which is how the CPU suite checks it. benchmarks/gpu_step_roofline.py times both.
+eagerly, which is how the CPU suite checks it. Where the compiled kernel fails, masked SDPA takes over (`attend`).
+benchmarks/gpu_step_roofline.py times both.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import logging
 import os
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 log = logging.getLogger(__name__)
 
@@ -77,25 +79,35 @@ def block_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int, news: to
                                     seq_lengths=(width, keys), compute_q_blocks=False)
 
 
-_compiled = {}
+COMPILED_ON = ("cuda",)  # device types where flex_attention runs compiled (elsewhere eagerly: the CPU suite's checks)
+_kernels: dict[str, object] = {}  # device type -> compiled flex_attention, or None once it failed there
 
 
 def _kernel(device: torch.device):
-    """flex_attention compiled on a CUDA device (once per process; a failure logs one line and runs it eagerly)."""
-    if device.type != "cuda":
+    """flex_attention as it runs on `device`: compiled where COMPILED_ON says (once per process; shapes turn
+    dynamic at the first recompile), else eager; None where compiling failed (attend then masks SDPA)."""
+    if device.type not in COMPILED_ON:
         return flex_attention
-    if "cuda" not in _compiled:
-        try:
-            _compiled["cuda"] = torch.compile(flex_attention, dynamic=False)
-        except Exception as exc:
-            log.warning("flex_attention not compiled (%s: %s); it runs eagerly", type(exc).__name__, exc)
-            _compiled["cuda"] = flex_attention
-    return _compiled["cuda"]
+    if device.type not in _kernels:
+        _kernels[device.type] = torch.compile(flex_attention)
+    return _kernels[device.type]
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
            scale: float) -> torch.Tensor:
-    """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d]."""
-    out = _kernel(query.device)(query, keys, values, block_mask=mask, scale=scale,
-                                enable_gqa=query.shape[1] != keys.shape[1])
+    """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d].
+    Where compiled flex_attention fails (a shape its kernels do not take), it is dropped for the process with one
+    log line, and SDPA runs with the rule as a boolean mask: the same attention, at the masked kernel's speed."""
+    gqa = query.shape[1] != keys.shape[1]
+    kernel = _kernel(query.device)
+    if kernel is not None:
+        try:
+            return kernel(query, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
+        except Exception as exc:
+            log.warning("compiled flex_attention failed at queries %s, keys %s (%s: %s); masked SDPA from now on",
+                        tuple(query.shape), tuple(keys.shape), type(exc).__name__, str(exc).splitlines()[0][:200])
+            _kernels[query.device.type] = None
+    rows, _, width, _ = query.shape
+    allowed = create_mask(mask.mask_mod, rows, None, width, keys.shape[2], device=query.device)  # [b, 1, T, L]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)

@@ -106,6 +106,33 @@ def test_attend_equals_masked_sdpa():
         torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
+def test_where_the_compiled_kernel_fails_masked_sdpa_takes_over(monkeypatch, caplog):
+    """One log line, then the same attention through SDPA with the rule as a mask, for every later call too."""
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this shape\nand more")
+
+    monkeypatch.setattr(block_attention, "COMPILED_ON", ("cpu",))
+    monkeypatch.setattr(block_attention, "_kernels", {"cpu": failing})  # as torch.compile had made it
+    rng = random.Random(5)
+    for width, padded in ((3, False), (140, True)):
+        lengths, visible, news, keys = _case(rng, width, padded)
+        rows = lengths.shape[0]
+        query, cache_keys, cache_values = torch.randn(rows, 4, width, 8), *torch.randn(2, rows, 2, keys, 8)
+        mask = block_attention.block_mask(lengths, visible, keys, news)
+        with caplog.at_level(logging.WARNING, logger=block_attention.__name__):
+            out = block_attention.attend(query, cache_keys, cache_values, mask, 0.3)
+        expected = block_attention.flex_attention(query, cache_keys, cache_values, block_mask=mask, scale=0.3,
+                                                  enable_gqa=True).transpose(1, 2)
+        real = torch.ones(rows, width, dtype=torch.bool) if news is None else \
+            torch.arange(width)[None, :] < news[:, None]
+        torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and block_attention._kernels == {"cpu": None}
+    assert [r.message for r in caplog.records if "masked SDPA from now on" in r.message] and len(caplog.records) == 1
+
+
 @pytest.mark.slow  # Inductor compiles flex_attention's CPU kernel (~15 s)
 def test_compiled_flex_attention_honours_the_blocks(monkeypatch, tmp_path):
     """The compiled kernel skips what the block mask skips and still gives the rule's result: if the blocks missed a
