@@ -180,5 +180,7 @@ def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch, attention):
     check_equal_to_ar(results, reference)
     assert runner.graph_step().steps > 0 and runner.graph_step().attention == attention
     assert sum(row["accepted_tokens"] for _, row in results.values()) > 100
+    if attention == "flex":
+        return  # (the attention's rule is the same alone as in a batch: test_block_attention.py)
     alone = decode_mixed(engine, plans, with_context=own_answer_contexts(reference), batch_size=1, rows=range(3))
     check_equal_to_ar(alone, reference)  # a chain, a chain and a tree, each alone through the same step
