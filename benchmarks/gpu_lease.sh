@@ -39,8 +39,8 @@ assemble() {  # the kept pieces, in order, -> $1 (expects $2 pieces)
 
 if [ "$stage" = roofline ]; then
     install_wheels
-    timeout 120 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
-    timeout 420 python3 benchmarks/gpu_step_roofline.py --out $OUT/step_roofline.json 2>&1 | tee $OUT/step_roofline.log
+    timeout 160 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
+    timeout 400 python3 benchmarks/gpu_step_roofline.py --out $OUT/step_roofline.json 2>&1 | tee $OUT/step_roofline.log
 elif [ "$stage" = flex ]; then
     install_wheels
     timeout 500 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \

@@ -272,19 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{hardware(args.device)}, torch {torch.__version__}, {args.dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s,"
           f" ~{args.context} cached tokens a row, median of {args.reps}")
     records = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
         model = shaped_model(shape, args.device, dtype)
         runner = ModelRunner(model, DigitsTokenizer(), f"random {shape}", args.device, dtype, fast_forward=True)
         if runner.fast is None:
             raise SystemExit(f"{shape}: the fast forward does not cover it")
         records += measure(shape, runner, args, bandwidth)
+        out.write_text(json.dumps(records, indent=1) + "\n")  # after each shape: a run cut short keeps what it timed
         del runner, model
         torch._dynamo.reset()  # the next shape's compiled functions start specialised again
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
     print(f"wrote {len(records)} records to {out}")
     return 0
 
