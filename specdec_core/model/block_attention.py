@@ -64,10 +64,11 @@ def block_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int, news: to
     every = torch.arange(key_blocks, device=device, dtype=torch.int32)  # [Kb]
     partial_indices = (first_partial[:, None, None] + every.long()).clamp(max=key_blocks - 1)  # [b, 1, Kb]
     zero = torch.zeros((), dtype=torch.int32, device=device)
-    kv_num = torch.where(active, partial.int(), zero)[:, None]  # [b, 1, Qb]
-    full_num = torch.where(active, whole.int(), zero)[:, None]
-    kv_indices = partial_indices[:, :, None, :].expand(rows, 1, query_blocks, key_blocks).int()  # [b, 1, Qb, Kb]
-    full_indices = every.expand(rows, 1, query_blocks, key_blocks)
+    # int32 and contiguous, as create_block_mask gives them (a kernel may index them by their sizes, not strides)
+    kv_num = torch.where(active, partial.int(), zero)[:, None].contiguous()  # [b, 1, Qb]
+    full_num = torch.where(active, whole.int(), zero)[:, None].contiguous()
+    kv_indices = partial_indices[:, :, None, :].expand(rows, 1, query_blocks, key_blocks).int().contiguous()
+    full_indices = every.expand(rows, 1, query_blocks, key_blocks).contiguous()  # [b, 1, Qb, Kb]
     last_node = width - 1
 
     def seen(row, head, node, key):
