@@ -246,6 +246,16 @@ class _Replay:
             self.output.copy_(self.step.compute(*self.args))
 
 
+def _decode_pld(engine):
+    """Three prompts decoded with `pld` under the speculation budget -> (decoder, prompts, {key: DecodeResult})."""
+    decoder = engine.decoder(batch_size=3, speculation_budget=True)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    for key, prompt in enumerate(prompts):
+        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), "pld",
+                                      MethodOptions(), decoder))
+    return decoder, prompts, {request.key: result for request, result in decoder.run()}
+
+
 def test_capture_time_is_reported_apart(monkeypatch):
     """Captures (here slow stand-ins on a CPU) are counted in the pass's capture_s, within its wall time, and in no
     step's cost the budget learns from; each bucket is captured once, and replays give greedy's tokens."""
@@ -263,12 +273,7 @@ def test_capture_time_is_reported_apart(monkeypatch):
     record = StepCostModel.observe
     monkeypatch.setattr(StepCostModel, "observe", lambda self, rows, width, seconds, *a, **k: (
         learned.append(seconds), record(self, rows, width, seconds, *a, **k))[1])
-    decoder = engine.decoder(batch_size=3, speculation_budget=True)
-    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
-    for key, prompt in enumerate(prompts):
-        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), "pld",
-                                      MethodOptions(), decoder))
-    results = {request.key: result for request, result in decoder.run()}
+    decoder, prompts, results = _decode_pld(engine)
     step = engine.target.graph_step()
     buckets = len(step.graphs)
     assert buckets >= 2 and step.captures == buckets and step.steps > buckets  # replays after each capture
@@ -308,12 +313,7 @@ def test_captured_steps_time_their_widths_for_the_budget(monkeypatch):
         return out
 
     monkeypatch.setattr(GraphStep, "time_widths", counted)
-    decoder = engine.decoder(batch_size=3, speculation_budget=True)
-    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
-    for key, prompt in enumerate(prompts):
-        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=MAX_NEW)), "pld",
-                                      MethodOptions(), decoder))
-    results = {request.key: result for request, result in decoder.run()}
+    decoder, prompts, results = _decode_pld(engine)
     for key, prompt in enumerate(prompts):
         assert results[key].token_ids == hf_greedy(engine.target, prompt, MAX_NEW), key
     assert calibrations, "no widths timed"
