@@ -386,6 +386,7 @@ class BatchDecoder:
         seconds = graph.time_widths(self.cache, rows, [w for w in CALIBRATED_WIDTHS if w <= widest],
                                     accept_greedy_nodes)
         self.stats.capture_s += time.perf_counter() - started
+        self.last_progress = time.monotonic()  # (the hang watchdog: timing may have compiled and captured)
         if seconds.get(1):
             self.budget.cost.calibrate(rows, context, {w: s / seconds[1] for w, s in seconds.items()})
 

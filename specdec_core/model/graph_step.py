@@ -110,9 +110,6 @@ class GraphStep:
         self.attention = runner.gpu_attention
         self.attention_ms: dict[str, float] = {}  # what each attention's first graph took a replay, where timed
         self.capture = mode in ("captured", "compiled")
-        # whether the decoder times this step's widths for its budget (time_widths): where steps are captured,
-        # a timed step costs a replay; eagerly it would cost a whole forward
-        self.calibrates = self.capture
         self.device = torch.device(runner.device)
         rope = getattr(runner.fast.rotary, "rope_type", "default")
         if self.capture and "dynamic" in rope:  # it reads the longest position on the host: no graph holds that
@@ -158,6 +155,12 @@ class GraphStep:
                 captured.graph.replay()
                 return captured.output[:live].tolist()  # the step's one device-to-host copy
         return self.compute(bucket, inputs, cache, verify)[:live].tolist()
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the decoder times this step's widths for its budget (time_widths): only while steps are captured,
+        where a timed step costs a replay; eagerly it would cost a whole forward."""
+        return self.capture
 
     def time_widths(self, cache, live: int, widths: list[int], verify: Verifier, reps: int = 3) -> dict[int, float]:
         """Seconds a step over the first `live` rows of `cache` takes at each width (median of `reps`, after one
@@ -237,6 +240,7 @@ class GraphStep:
             self.attention_ms[attention] = sorted(times)[len(times) // 2] * 1e3
             graphs[attention] = captured
         if not graphs:
+            self.attention = "sdpa"  # the eager steps that follow attend as `auto` does where nothing is captured
             raise failure
         self.attention = min(graphs, key=self.attention_ms.get)
         log.info("graph-ready steps attend through %s (bucket %s: %s)", self.attention, bucket,
