@@ -204,6 +204,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                               "step_ms": round(step_ms, 4), "roofline_ms": round(roofline_ms, 4),
                               "roofline_ratio": round(step_ms / roofline_ms, 2),
                               "same_tokens_as_eager": outputs[mode] == outputs["eager"]}
+                    if attention == "flex":  # compiled, or masked SDPA after its kernel failed
+                        record["flex_kernel"] = block_attention.kernel_state(args.device)
                     if mode in ("captured", "compiled"):
                         step = steps[mode]
                         record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
@@ -227,9 +229,12 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
             record = {**base, "batch_size": rows, "width": max(lengths), "mode": "prefill", "attention": attention,
                       "step_ms": round(step_ms, 4), "prompt_tokens": sum(lengths),
                       "tokens_per_s": round(sum(lengths) / step_ms * 1e3)}
+            if attention == "flex":
+                record["flex_kernel"] = block_attention.kernel_state(args.device)
             records.append(record)
             print(f"{shape:>13} b{rows:<4} prefill {attention:>5}: {step_ms:9.3f} ms  {sum(lengths)} tokens, "
-                  f"{record['tokens_per_s']} tok/s", flush=True)
+                  f"{record['tokens_per_s']} tok/s" + (f", flex_attention {record['flex_kernel']}"
+                                                       if "flex_kernel" in record else ""), flush=True)
     return records
 
 
@@ -240,7 +245,8 @@ def _print(record: dict) -> None:
     attention = f" {record['attention']:>4}" if "attention" in record else ""
     print(f"{record['shape']:>13} b{record['batch_size']:<4} T{record['width']:<3} {record['mode']:>9}{attention}: "
           f"{record['step_ms']:9.3f} ms  roofline {record['roofline_ms']:8.3f} ms  x{record['roofline_ratio']:<7}"
-          f"{same}{extra}", flush=True)
+          f"{same}{extra}" + (f"  flex_attention {record['flex_kernel']}" if "flex_kernel" in record else ""),
+          flush=True)
 
 
 def _sync(device: str) -> None:

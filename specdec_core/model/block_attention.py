@@ -82,6 +82,7 @@ def block_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int, news: to
 
 COMPILED_ON = ("cuda",)  # device types where flex_attention runs compiled (elsewhere eagerly: the CPU suite's checks)
 _kernels: dict[str, object] = {}  # device type -> compiled flex_attention, or None once it failed there
+_dense: list = [None, None]  # [BlockMask, its [b, 1, T, L] bool mask]: the fallback builds it once per forward
 
 
 def _kernel(device: torch.device):
@@ -90,25 +91,53 @@ def _kernel(device: torch.device):
     if device.type not in COMPILED_ON:
         return flex_attention
     if device.type not in _kernels:
+        # Past Dynamo's recompile limit a compiled function runs its eager form without a word; flex_attention's
+        # builds the whole score matrix. Raising instead lets attend fall back to masked SDPA with a log line.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
         _kernels[device.type] = torch.compile(flex_attention)
     return _kernels[device.type]
+
+
+def kernel_state(device: torch.device | str) -> str:
+    """How flex_attention runs on `device`: `eager` (not compiled there), `compiled`, `not compiled yet`, or
+    `failed` (compiling failed: attend runs masked SDPA), for logs and the GPU scripts' records."""
+    device = torch.device(device)
+    if device.type not in COMPILED_ON:
+        return "eager"
+    if device.type not in _kernels:
+        return "not compiled yet"
+    return "failed" if _kernels[device.type] is None else "compiled"
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
            scale: float) -> torch.Tensor:
     """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d].
-    Where compiled flex_attention fails (a shape its kernels do not take), it is dropped for the process with one
-    log line, and SDPA runs with the rule as a boolean mask: the same attention, at the masked kernel's speed."""
-    gqa = query.shape[1] != keys.shape[1]
+    Where compiled flex_attention fails (a shape its kernels do not take, or Dynamo's recompile limit), it is
+    dropped for the process with one log line, and SDPA runs with the rule as a boolean mask: the same attention,
+    at the masked kernel's speed."""
     kernel = _kernel(query.device)
     if kernel is not None:
         try:
-            return kernel(query, keys, values, block_mask=mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
+            return kernel(query, keys, values, block_mask=mask, scale=scale,
+                          enable_gqa=query.shape[1] != keys.shape[1]).transpose(1, 2)
         except Exception as exc:
             log.warning("compiled flex_attention failed at queries %s, keys %s (%s: %s); masked SDPA from now on",
                         tuple(query.shape), tuple(keys.shape), type(exc).__name__, str(exc).splitlines()[0][:200])
             _kernels[query.device.type] = None
-    rows, _, width, _ = query.shape
-    allowed = create_mask(mask.mask_mod, rows, None, width, keys.shape[2], device=query.device)  # [b, 1, T, L]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2)
+    return _masked_sdpa(query, keys, values, mask, scale)
+
+
+def _masked_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
+                 scale: float) -> torch.Tensor:
+    """attend through SDPA with the block mask's rule as a boolean mask -> [b, T, H, d]. The query heads of one key
+    head lie side by side along the query axis (SDPA's enable_gqa with a mask takes its slowest kernel on CUDA)."""
+    rows, heads, width, head_dim = query.shape
+    kv_heads, keys_count = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    if _dense[0] is not mask:  # every layer of a forward shares one block mask
+        _dense[:] = mask, create_mask(mask.mask_mod, rows, None, width, keys_count, device=query.device)  # [b,1,T,L]
+    allowed = _dense[1][:, :, None].expand(rows, 1, group, width, keys_count).reshape(rows, 1, group * width,
+                                                                                      keys_count)
+    folded = query.reshape(rows, kv_heads, group * width, head_dim)  # [b, KV, group T, d]
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=allowed, scale=scale)
+    return out.view(rows, kv_heads, group, width, head_dim).reshape(rows, heads, width, head_dim).transpose(1, 2)

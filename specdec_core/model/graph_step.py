@@ -231,6 +231,10 @@ class GraphStep:
                             attention, type(exc).__name__, exc)
                 failure = exc
                 continue
+            if attention == "flex" and block_attention.kernel_state(self.device) == "failed":
+                log.warning("captured step %s with flex attention holds masked SDPA: flex_attention did not compile; "
+                            "it is not a candidate", bucket)
+                continue
             times = []
             for _ in range(PICK_REPLAYS):
                 started = time.perf_counter()
@@ -334,6 +338,8 @@ class GraphStep:
         failed = sum(1 for captured in self.graphs.values() if captured is None)
         timed = "" if not self.attention_ms else " (" + ", ".join(
             f"{name} {ms:.3f} ms" for name, ms in self.attention_ms.items()) + ")"
+        if self.attention == "flex":
+            timed += f" [flex_attention {block_attention.kernel_state(self.device)}]"
         return (f"graph-ready steps: {self.mode}, {self.attention} attention{timed}, {self.steps} steps, "
                 f"{self.captures} graphs captured in {self.capture_s:.2f} s"
                 + (f", {failed} buckets eager after a failed capture" if failed else ""))
@@ -413,6 +419,7 @@ class _Compiled:
         if self.run is None:
             # Inductor's generated code goes with the project's other compiled kernels, not to a shared /tmp
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+            torch._dynamo.config.fail_on_recompile_limit_hit = True  # past the limit: raise (and log), not run eager
             self.run = torch.compile(self.function)
         if self.run is self.function:
             return self.function(*args)

@@ -23,6 +23,8 @@ def test_the_roofline_records(tmp_path, monkeypatch):
          for attention in ("sdpa", "flex")] + [(1, "hf", None)], key=str)
     prefill = [r for r in records if r["mode"] == "prefill"]
     assert sorted(r["attention"] for r in prefill) == ["flex", "sdpa"]
+    flex = [r for r in json.loads(out.read_text()) if r.get("attention") == "flex"]
+    assert flex and all(r["flex_kernel"] == "eager" for r in flex)  # a CPU runs it uncompiled; a GPU says compiled
     assert all(0 < r["tokens_per_s"] and r["width"] < r["prompt_tokens"] < r["batch_size"] * r["width"]
                for r in prefill), prefill  # rows of different lengths: a padded block
     records = [r for r in records if r["mode"] != "prefill"]

@@ -133,6 +133,45 @@ def test_where_the_compiled_kernel_fails_masked_sdpa_takes_over(monkeypatch, cap
     assert [r.message for r in caplog.records if "masked SDPA from now on" in r.message] and len(caplog.records) == 1
 
 
+def test_past_the_recompile_limit_masked_sdpa_takes_over(monkeypatch, caplog):
+    """Past Dynamo's recompile limit a compiled function would silently run its eager form (for flex_attention, the
+    whole score matrix): here the limit raises, and attend falls back to masked SDPA with one log line."""
+    compile_ = torch.compile
+
+    def compile_eagerly(function, **options):  # attend's compile without Inductor; flex_attention's own unchanged
+        return compile_(function, **(options or {"backend": "eager"}))
+
+    monkeypatch.setattr(torch, "compile", compile_eagerly)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", False)  # attend's first call sets it
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)  # each new shape: a recompile
+    monkeypatch.setattr(block_attention, "COMPILED_ON", ("cpu",))
+    monkeypatch.setattr(block_attention, "_kernels", {})
+    torch._dynamo.reset()
+    rng = random.Random(11)
+    try:
+        with caplog.at_level(logging.WARNING, logger=block_attention.__name__):
+            for width, padded in ((2, False), (5, False), (7, True)):
+                assert block_attention.kernel_state("cpu") == ("not compiled yet" if width == 2 else
+                                                               "compiled" if width == 5 else "failed")
+                lengths, visible, news, keys = _case(rng, width, padded)
+                rows = lengths.shape[0]
+                query, cache_keys, cache_values = torch.randn(rows, 4, width, 8), *torch.randn(2, rows, 2, keys, 8)
+                mask = block_attention.block_mask(lengths, visible, keys, news)
+                out = block_attention.attend(query, cache_keys, cache_values, mask, 0.3)
+                expected = F.scaled_dot_product_attention(query, cache_keys, cache_values, scale=0.3,
+                                                          attn_mask=_rule(lengths, visible, news, keys)[:, None],
+                                                          enable_gqa=True).transpose(1, 2)
+                real = torch.ones(rows, width, dtype=torch.bool) if news is None else \
+                    torch.arange(width)[None, :] < news[:, None]
+                torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    assert block_attention._kernels == {"cpu": None} and block_attention.kernel_state("cpu") == "failed"
+    messages = [r.message for r in caplog.records]
+    assert len(messages) == 1 and "masked SDPA from now on" in messages[0] and "FailOnRecompileLimitHit" in messages[0]
+
+
 @pytest.mark.slow  # Inductor compiles flex_attention's CPU kernel (~15 s)
 def test_compiled_flex_attention_honours_the_blocks(monkeypatch, tmp_path):
     """The compiled kernel skips what the block mask skips and still gives the rule's result: if the blocks missed a
@@ -210,16 +249,22 @@ class _Replay:
 
 @pytest.mark.parametrize("seconds, fails, picked", [({"sdpa": 0.03, "flex": 0.005}, None, "flex"),
                                                      ({"sdpa": 0.005, "flex": 0.03}, None, "sdpa"),
-                                                     ({"sdpa": 0.03, "flex": 0.005}, "flex", "sdpa")])
+                                                     ({"sdpa": 0.03, "flex": 0.005}, "flex", "sdpa"),
+                                                     ({"sdpa": 0.03, "flex": 0.005}, "flex kernel", "sdpa")])
 def test_auto_keeps_the_faster_attention_of_the_first_capture(monkeypatch, caplog, seconds, fails, picked):
     """`auto` under captured steps: the first bucket is captured with each attention and replayed; the faster
-    serves every bucket (one log line), a capture that fails drops its attention out, and the tokens are greedy's."""
+    serves every bucket (one log line), and the tokens are greedy's. A capture that fails drops its attention out, as
+    does a flex capture whose compiled kernel failed (it holds masked SDPA)."""
     monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
     monkeypatch.setenv(graph_step.MODE_ENV, "captured")
+    monkeypatch.setattr(block_attention, "_kernels", {})
 
     def capture(self, bucket, inputs, cache, verify):
         if self.attention == fails:
             raise RuntimeError("no kernel for this")
+        if self.attention == "flex" and fails == "flex kernel":  # as attend's fallback leaves it
+            monkeypatch.setattr(block_attention, "COMPILED_ON", ("cpu",))
+            block_attention._kernels["cpu"] = None
         output = self.compute(bucket, inputs, cache, verify)
         return graph_step._Captured(_Replay(self, (bucket, inputs, cache, verify), output, seconds), output)
 
@@ -230,10 +275,11 @@ def test_auto_keeps_the_faster_attention_of_the_first_capture(monkeypatch, caplo
         results = _decode_mixed(engine, prompts, MIXED[:3], batch_size=3)
     step = engine.target.graph_step()
     assert step.attention == picked and step.capture and step.captures == len(step.graphs) >= 2
-    assert set(step.attention_ms) == {"sdpa", "flex"} - {fails}
+    assert set(step.attention_ms) == {"sdpa", "flex"} - {fails, "flex" if fails == "flex kernel" else None}
     assert all(graph.graph.attention == picked for graph in step.graphs.values())  # every bucket: the pick
     messages = [r.message for r in caplog.records]
     assert sum(f"attend through {picked}" in m for m in messages) == 1, messages
     assert sum("is not a candidate" in m for m in messages) == (fails is not None), messages
+    assert sum("did not compile" in m for m in messages) == (fails == "flex kernel"), messages
     for key, prompt in enumerate(prompts):
         assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
