@@ -87,33 +87,34 @@ _dense: list = [None, None]  # [BlockMask, its [b, 1, T, L] bool mask]: the fall
 
 def _kernel(device: torch.device):
     """flex_attention as it runs on `device`: compiled where COMPILED_ON says (once per process; shapes turn
-    dynamic at the first recompile), else eager; None where compiling failed (attend then masks SDPA)."""
+    dynamic at the first recompile), else eager; None where it failed once (attend then masks SDPA)."""
+    if device.type in _kernels:
+        return _kernels[device.type]
     if device.type not in COMPILED_ON:
         return flex_attention
-    if device.type not in _kernels:
-        # Past Dynamo's recompile limit a compiled function runs its eager form without a word; flex_attention's
-        # builds the whole score matrix. Raising instead lets attend fall back to masked SDPA with a log line.
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        _kernels[device.type] = torch.compile(flex_attention)
+    # Past Dynamo's recompile limit a compiled function runs its eager form without a word; flex_attention's builds
+    # the whole score matrix. Raising instead lets attend fall back to masked SDPA with a log line.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    _kernels[device.type] = torch.compile(flex_attention)
     return _kernels[device.type]
 
 
 def kernel_state(device: torch.device | str) -> str:
     """How flex_attention runs on `device`: `eager` (not compiled there), `compiled`, `not compiled yet`, or
-    `failed` (compiling failed: attend runs masked SDPA), for logs and the GPU scripts' records."""
+    `failed` (it failed there once: attend runs masked SDPA), for logs and the GPU scripts' records."""
     device = torch.device(device)
+    if _kernels.get(device.type, flex_attention) is None:
+        return "failed"
     if device.type not in COMPILED_ON:
         return "eager"
-    if device.type not in _kernels:
-        return "not compiled yet"
-    return "failed" if _kernels[device.type] is None else "compiled"
+    return "compiled" if device.type in _kernels else "not compiled yet"
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask,
            scale: float) -> torch.Tensor:
     """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d].
-    Where compiled flex_attention fails (a shape its kernels do not take, or Dynamo's recompile limit), it is
-    dropped for the process with one log line, and SDPA runs with the rule as a boolean mask: the same attention,
+    Where flex_attention fails (a shape its compiled kernels do not take, Dynamo's recompile limit, a device it
+    does not run on), it is dropped for the process and device with one log line, and SDPA runs with the rule as a boolean mask: the same attention,
     at the masked kernel's speed."""
     kernel = _kernel(query.device)
     if kernel is not None:
@@ -121,7 +122,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
             return kernel(query, keys, values, block_mask=mask, scale=scale,
                           enable_gqa=query.shape[1] != keys.shape[1]).transpose(1, 2)
         except Exception as exc:
-            log.warning("compiled flex_attention failed at queries %s, keys %s (%s: %s); masked SDPA from now on",
+            log.warning("flex_attention failed at queries %s, keys %s (%s: %s); masked SDPA from now on",
                         tuple(query.shape), tuple(keys.shape), type(exc).__name__, str(exc).splitlines()[0][:200])
             _kernels[query.device.type] = None
     return _masked_sdpa(query, keys, values, mask, scale)

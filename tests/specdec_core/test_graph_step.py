@@ -10,17 +10,21 @@ import time
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from specdec_core.engine import BatchItem, Engine
 from specdec_core.loop.draft_tree import ancestor_mask, build_trie, depths
+from specdec_core.loop.kv_cache import new_slot_cache
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import batch_bucket, context_bucket
 from specdec_core.loop.verification import accept_greedy, accept_greedy_nodes, verify_tree_greedy
 from specdec_core.methods import MethodOptions
-from specdec_core.model import graph_step
+from specdec_core.model import block_attention, graph_step
 from specdec_core.model.graph_step import GraphStep
+from specdec_core.model.model_runner import ModelRunner
 from specdec_core.model.step_buckets import KEY_QUANTUM, Bucket, bucket_for
-from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
+from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
 
 LENGTHS = [6, 41, 13, 60, 24, 9, 33, 18]
 MAX_NEW = 24
@@ -343,3 +347,57 @@ def test_calibrated_widths_price_the_first_wide_steps():
     assert before > 1.3 and abs(model.ratio(64, 4, context=500) - 1.06) < 0.03, (before, model.ratio(64, 4, 500))
     assert abs(model.ratio(64, 8, context=500) - 1.14) < 0.04
     assert model.ratio(128, 4, context=500) == before  # more rows borrow no fewer rows' fit (it could overprice)
+
+
+class _OffDevice(TorchDispatchMode):
+    """Records every op that gets a tensor from anywhere but `device` (on a GPU: a host copy inside the step, which
+    a CUDA graph cannot hold)."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.seen = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for leaf in tree_leaves((args, kwargs or {})):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != self.device:
+                self.seen.append(f"{func} got a {leaf.device} tensor of shape {tuple(leaf.shape)}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("mode, attention", [("eager", "sdpa"), ("eager", "flex"), ("compiled", "sdpa")])
+def test_the_step_holds_only_device_tensors(make, mode, attention, monkeypatch):
+    """What a CUDA graph captures, checked without a GPU: the step computed on the meta device (shapes without
+    data, and not the CPU, so the GPU's code paths run) over a mixed batch of a chain, a tree and a plain row. A
+    tensor made on the host inside it, or a read of a device value, would fail there or show in the op log."""
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # the fused functions, uncompiled
+    monkeypatch.setattr(block_attention, "_kernels", {"meta": None})  # flex_attention has no meta kernel: its
+    # block mask is still built, and attended through as the fallback does
+    model = make(0).model.to("meta")
+    runner = ModelRunner(model, DigitsTokenizer(), "tiny-on-meta", "meta", torch.float32, fast_forward=True)
+    runner.gpu_attention = attention
+    step = GraphStep(runner, mode)
+    assert runner.fast is not None and step.attention == attention and (step.fused is not None) == (mode != "eager")
+    cache = new_slot_cache(runner)
+    lengths = [10, 200, 37]
+    cache.fit(4, 512)
+    for row, length in enumerate(lengths):
+        cache.add_row()
+        cache.set_length(row, length)
+    parents = [-1, 0, 0, 1]  # the tree row: node 1 and 2 under the pending token, node 3 under node 1
+    width = 1 + len(parents)
+    visible = torch.ones(width, width, dtype=torch.bool).tril().repeat(3, 1, 1)  # [3, T, T]
+    visible[1] = ancestor_mask(parents, width)
+    visible[2, 1:] = False  # the plain row: its pending token alone (padding sees nothing)
+    offsets = torch.arange(width).repeat(3, 1)
+    offsets[1, 1:] = torch.tensor(depths(parents))
+    bucket = bucket_for(3, width, max(lengths), cache.slots, cache.capacity)
+    inputs = graph_step._Inputs(bucket.rows, bucket.width, torch.device("meta"))
+    inputs.fill(torch.randint(0, 90, (3, width)), torch.tensor(lengths)[:, None] + offsets, visible, lengths)
+    with _OffDevice("meta") as watch:
+        out = step.compute(bucket, inputs, cache, accept_greedy_nodes)
+    assert out.device.type == "meta" and tuple(out.shape) == (bucket.rows, 3) and out.dtype == torch.long
+    assert watch.seen == []
+    with _OffDevice("meta") as watch:  # the watch sees a host tensor that indexes (which the meta device takes)
+        inputs.packed[:, torch.tensor([0, 2])]
+    assert any("aten.index" in seen for seen in watch.seen), watch.seen
