@@ -89,7 +89,8 @@ class BatchStats:
     peak_rows: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0  # of wall_s, spent in prompts' prefill forwards (on a CPU, most of a long-prompt job)
-    # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape) and timing their widths
+    # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape), timing their widths and
+    # the prefill's attentions (ModelRunner._pick_prefill_attention)
     capture_s: float = 0.0
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
@@ -298,11 +299,13 @@ class BatchDecoder:
         ending = [(b, chunk - 1) for b, (entry, chunk) in enumerate(zip(group, chunks))
                   if entry.done + chunk == len(entry.row.request.prompt_ids)]  # (batch row, its last node)
         signals = wanted([p.row.request.drafter for p in group])
-        forward_started = time.perf_counter()
+        forward_started, picking = time.perf_counter(), self.target.attention_pick_s
         batch = StepBatch(input_ids, positions, visible, torch.tensor(ending, dtype=torch.long).view(-1, 2),
                           rows=indices, prefill=True, **signals.forward_kwargs())
         logits = self.target.forward_slots(self.cache, batch)  # [len(ending), vocab]
-        self.stats.prefill_s += time.perf_counter() - forward_started
+        picked = self.target.attention_pick_s - picking  # timing the attentions (a GPU's first masked prefill)
+        self.stats.capture_s += picked
+        self.stats.prefill_s += time.perf_counter() - forward_started - picked
         self._progress(time.perf_counter() - forward_started)
         for entry, chunk, index in zip(group, chunks, indices):
             entry.done += chunk

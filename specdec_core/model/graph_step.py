@@ -340,6 +340,10 @@ class GraphStep:
             f"{name} {ms:.3f} ms" for name, ms in self.attention_ms.items()) + ")"
         if self.attention == "flex":
             timed += f" [flex_attention {block_attention.kernel_state(self.device)}]"
+        picked = self.runner.prefill_attention_ms
+        if picked:
+            timed += f"; prefills {self.runner.prefill_attention} (" + ", ".join(
+                f"{name} {ms:.2f} ms" for name, ms in picked.items()) + ")"
         return (f"graph-ready steps: {self.mode}, {self.attention} attention{timed}, {self.steps} steps, "
                 f"{self.captures} graphs captured in {self.capture_s:.2f} s"
                 + (f", {failed} buckets eager after a failed capture" if failed else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 # "0" keeps HF's modules on a GPU. The fast forward is the default there: on an H100 its decode step took less time
 # than HF's modules over the same cache (decisions.md: specdec_core/model/model_runner.py).
 GPU_FAST_FORWARD_ENV = "SPECBATCH_GPU_FAST_FORWARD"
+PICK_RUNS = 2  # forwards of the first masked prefill with each attention under `auto`: a warm-up, then timed
 
 
 def gpu_fast_forward() -> bool:
@@ -83,6 +85,9 @@ class ModelRunner:
         self.graph_mode = step_mode(device)  # of the graph-ready decode and verify step (graph_step.py)
         self.gpu_attention = block_attention.attention_mode()  # auto, sdpa or flex (block_attention.py)
         self._graph_step: GraphStep | None = None
+        self.prefill_attention: str | None = None  # under auto: sdpa or flex, as timed at the first masked prefill
+        self.prefill_attention_ms: dict[str, float] = {}  # what each took that prefill's forward
+        self.attention_pick_s = 0.0  # seconds spent timing them, apart from the prefill
 
     @property
     def deterministic(self) -> bool:
@@ -278,12 +283,19 @@ class ModelRunner:
         num_new = batch.input_ids.shape[1]
         cache.bind(num_new, batch.rows)
         lengths = torch.tensor(cache.bound_lengths())  # [b]
-        real = batch.real  # [b, T]
         for layer in batch.captured:
             if not 0 <= layer <= self.num_layers:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         plan = self._attention_for(cache, lengths, batch)
-        with grouped_attention.real_keys(lengths + num_new, cache.kv_heads * cache.head_dim):
+        if self._picks_prefill_attention(batch, plan):
+            return self._pick_prefill_attention(cache, lengths, batch, head)
+        return self._run(cache, lengths, batch, plan, head)
+
+    def _run(self, cache: SlotKVCache, lengths: torch.Tensor, batch: StepBatch, plan: AttentionPlan,
+             head: SubsetHead | None) -> torch.Tensor:
+        """forward_slots's forward once its attention is planned -> [N, vocab] float32 logits."""
+        real = batch.real  # [b, T]
+        with grouped_attention.real_keys(lengths + batch.input_ids.shape[1], cache.kv_heads * cache.head_dim):
             if self.fast is not None:
                 mask = plan.mask["full_attention"] if isinstance(plan.mask, dict) else plan.mask
                 plan.mask = None if mask is None else mask.to(self.device)
@@ -292,6 +304,56 @@ class ModelRunner:
             else:
                 hidden = self._hf_hidden(cache, batch, plan.mask, real)
         return head(hidden) if head is not None else self.head_logits(hidden)  # [N, vocab]
+
+    def masked_attention(self, prefill: bool) -> str:
+        """sdpa or flex: how a fast forward that needs a mask attends (block_attention.py). Under `auto`, prefills
+        as timed at the first masked prefill (_pick_prefill_attention), other forwards (eager decode and verify
+        steps) as the graph-ready steps picked; sdpa until then, and where nothing is captured."""
+        if self.gpu_attention != "auto":
+            return self.gpu_attention
+        if prefill:
+            return self.prefill_attention or "sdpa"
+        step = self._graph_step
+        return step.attention if step is not None and step.attention in block_attention.CANDIDATES else "sdpa"
+
+    def _picks_prefill_attention(self, batch: StepBatch, plan: AttentionPlan) -> bool:
+        """Whether this forward times the attentions for prefills: the first masked prefill under `auto` where the
+        steps are captured (a GPU; elsewhere a timed forward would cost a whole prefill)."""
+        return (batch.prefill and self.gpu_attention == "auto" and self.prefill_attention is None
+                and self.fast is not None and self.captures_steps and self.graph_step() is not None
+                and self.graph_step().capture and (plan.mask is not None or plan.blocks is not None))
+
+    def _pick_prefill_attention(self, cache: SlotKVCache, lengths: torch.Tensor, batch: StepBatch,
+                                head: SubsetHead | None) -> torch.Tensor:
+        """The first masked prefill under `auto`, run PICK_RUNS times with each attention (the first run of each
+        compiles and warms up, the last is timed); the faster serves every later prefill (one log line). The same
+        keys land in the cache each time; masked SDPA runs last, so the cache and the logits are what `sdpa` gives.
+        A flex forward that fails, or whose kernel failed, drops out. -> the forward's [N, vocab] logits."""
+        started = time.perf_counter()
+        logits = None
+        for attention in ("flex", "sdpa"):
+            self.prefill_attention = attention
+            try:
+                for _ in range(PICK_RUNS):
+                    self.synchronize()
+                    run_started = time.perf_counter()
+                    logits = self._run(cache, lengths, batch, self._attention_for(cache, lengths, batch), head)
+                    self.synchronize()
+                    self.prefill_attention_ms[attention] = (time.perf_counter() - run_started) * 1e3
+            except Exception as exc:
+                if attention == "sdpa":
+                    raise
+                log.warning("a prefill with flex attention failed (%s: %s); it is not a candidate",
+                            type(exc).__name__, exc)
+                self.prefill_attention_ms.pop(attention, None)
+            if attention == "flex" and block_attention.kernel_state(self.device) == "failed":
+                self.prefill_attention_ms.pop(attention, None)  # it ran as masked SDPA
+        self.prefill_attention = min(self.prefill_attention_ms, key=self.prefill_attention_ms.get)
+        log.info("prefills attend through %s (%d prompt tokens: %s)", self.prefill_attention, int(batch.real.sum()),
+                 ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.prefill_attention_ms.items()))
+        # one forward's time is the prefill's; the rest was the choice's
+        self.attention_pick_s += time.perf_counter() - started - self.prefill_attention_ms["sdpa"] / 1e3
+        return logits
 
     def _attention_for(self, cache: SlotKVCache, lengths: torch.Tensor, batch: StepBatch) -> AttentionPlan:
         """Which attention a forward_slots call runs, and what it needs: bf16_attention.py for prompt chains in bf16,
@@ -315,7 +377,7 @@ class ModelRunner:
         masked = invariant is None and not compiled and not self._plain_prefill(lengths, positions, visible)
         # built on the forward's device: on a GPU, CPU ops building a prefill's [b, T, L] mask slowed each admission
         device = self.device
-        if masked and self.fast is not None and self.gpu_attention == "flex":  # no mask: each row's own keys
+        if masked and self.fast is not None and self.masked_attention(prefill) == "flex":  # each row's own keys
             news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]: real nodes, the first of each row's T
             blocks = block_attention.block_mask(lengths.to(device), visible.to(device), cache.kv_length(),
                                                 news.to(device))

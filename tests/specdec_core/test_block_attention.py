@@ -15,10 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_core.engine import Engine
+from specdec_core.engine import BatchItem, Engine
+from specdec_core.loop.requests import DecodeParams
 from specdec_core.model import block_attention, graph_step
 from specdec_core.model.attention_masks import visible_keys
 from specdec_core.model.graph_step import key_mask
+from specdec_core.model.model_runner import ModelRunner
 from tests.specdec_core.test_graph_step import LENGTHS, MAX_NEW, MIXED, _decode_mixed
 from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
 
@@ -283,3 +285,59 @@ def test_auto_keeps_the_faster_attention_of_the_first_capture(monkeypatch, caplo
     assert sum("did not compile" in m for m in messages) == (fails == "flex kernel"), messages
     for key, prompt in enumerate(prompts):
         assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
+
+
+@pytest.mark.parametrize("seconds, fails, picked", [({"sdpa": 0.04, "flex": 0.005}, None, "flex"),
+                                                     ({"sdpa": 0.005, "flex": 0.04}, None, "sdpa"),
+                                                     ({"sdpa": 0.04, "flex": 0.005}, "flex", "sdpa"),
+                                                     ({"sdpa": 0.04, "flex": 0.005}, "flex kernel", "sdpa")])
+def test_auto_times_the_first_masked_prefill(monkeypatch, caplog, seconds, fails, picked):
+    """`auto` where steps are captured: the first prefill of several prompts runs with each attention (stand-in
+    times here), the faster serves the later prefills, the timing counts apart from the prefill, a flex forward that
+    fails (or whose kernel did) drops out, and the tokens are greedy's."""
+    monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
+    monkeypatch.setenv(graph_step.MODE_ENV, "captured")  # on a CPU the steps go eager at their first capture
+    monkeypatch.setattr(block_attention, "_kernels", {})
+    run, prefills = ModelRunner._run, []
+
+    def timed(self, cache, lengths, batch, plan, head):
+        if batch.prefill:
+            attention = "sdpa" if plan.blocks is None else "flex"
+            prefills.append(attention)
+            if attention == fails:
+                raise RuntimeError("no kernel for this")
+            if attention == "flex" and fails == "flex kernel":  # as attend's fallback leaves it
+                monkeypatch.setattr(block_attention, "COMPILED_ON", ("cpu",))
+                block_attention._kernels["cpu"] = None
+            time.sleep(seconds[attention])
+        return run(self, cache, lengths, batch, plan, head)
+
+    monkeypatch.setattr(ModelRunner, "_run", timed)
+    engine = Engine.from_runners(tiny_llama(0))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([30, 12, 25, 40])]
+    decoder = engine.decoder(batch_size=2, speculation_budget=False)  # `ar` rows end together: two masked prefills
+    for key, prompt in enumerate(prompts):
+        decoder.submit(engine.request(BatchItem(key, prompt, DecodeParams(max_new_tokens=8)), "ar", None, decoder))
+    with caplog.at_level(logging.INFO, logger="specdec_core.model.model_runner"):
+        results = {request.key: result for request, result in decoder.run()}
+    runner = engine.target
+    assert runner.prefill_attention == picked
+    assert set(runner.prefill_attention_ms) == {"sdpa", "flex"} - {fails, "flex" if fails == "flex kernel" else None}
+    tried = ["flex"] * (1 if fails == "flex" else 2) + ["sdpa"] * 2  # a failing forward stops its attention's runs
+    assert prefills == tried + [picked], prefills  # the second masked prefill: the pick alone
+    pick_s = 2 * seconds["sdpa"] + (2 * seconds["flex"] if fails != "flex" else 0) - seconds["sdpa"]
+    assert pick_s <= runner.attention_pick_s <= decoder.stats.capture_s
+    assert decoder.stats.prefill_s < runner.attention_pick_s + 2 * seconds[picked] + 0.5
+    assert sum(f"prefills attend through {picked}" in r.message for r in caplog.records) == 1
+    for key, prompt in enumerate(prompts):
+        assert results[key].token_ids == hf_greedy(runner, prompt, 8), key
+
+
+def test_no_prefill_is_timed_where_steps_are_not_captured(monkeypatch):
+    monkeypatch.delenv(block_attention.MODE_ENV, raising=False)
+    monkeypatch.setenv(graph_step.MODE_ENV, "eager")
+    engine = Engine.from_runners(tiny_llama(0))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate([30, 12])]
+    engine.decode_batch([BatchItem(k, p, DecodeParams(max_new_tokens=4)) for k, p in enumerate(prompts)], "ar",
+                        None, 2)
+    assert engine.target.prefill_attention is None and engine.target.attention_pick_s == 0
