@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..loop.kv_cache import new_slot_cache
-from ..loop.sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs, sample
 from ..method_options import DEFAULT_DRAFT_TOKENS, DEFAULTS
 from ..model.lm_head import SubsetHead
 from ..model.model_runner import ModelRunner
@@ -236,7 +236,7 @@ def choose_token(request: RequestContext, logits: torch.Tensor, probs: list[torc
         return int(torch.argmax(logits).item()), True
     q = logits_to_probs(logits, request.sampling)  # [vocab]
     probs.append(q)
-    return int(torch.multinomial(q, 1, generator=request.generator).item()), True
+    return sample(q, request.generator), True
 
 
 class PooledDrafter(Drafter):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loop.sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs, sample
 from .base import Draft
 from .cross_vocab import outside_id
 from .cross_vocab_model import CrossVocabDrafter
@@ -56,7 +56,7 @@ class SlrsDrafter(CrossVocabDrafter):
             # 0 is a placeholder that is never fed (drafting ends): translate() proposes t itself
             return (fed, self.sure_of(logits, fed)) if fed >= 0 else (0, False)
         q = logits_to_probs(logits, sampling)  # [|D|]
-        token = int(torch.multinomial(q, 1, generator=self.request.generator).item())
+        token = sample(q, self.request.generator)
         probs.append(self.string_distribution(q))
         first = int(self.pool.first_tokens[token])
         self._targets.append(first if first >= 0 else outside_id(mapping))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loop.sampling import logits_to_probs
+from ..loop.sampling import logits_to_probs, sample
 from .base import Draft
 from .cross_vocab import outside_id, tli_distribution, union_distribution
 from .cross_vocab_model import CrossVocabDrafter
@@ -44,7 +44,7 @@ class TliDrafter(CrossVocabDrafter):
         on_target = tli_distribution(_full_width(q, len(mapping.draft_to_target)), mapping)  # [|T|] or None
         if on_target is None:
             return None, False
-        target = int(torch.multinomial(on_target, 1, generator=self.request.generator).item())
+        target = sample(on_target, self.request.generator)
         probs.append(on_target)
         token = int(mapping.target_to_draft[target])
         return token, self.sure_of(logits, token)
@@ -71,7 +71,7 @@ class UnionDrafter(TliDrafter):
             token = int(torch.argmax(logits).item())
             return (token, self.sure_of(logits, token)) if mapping.draft_to_target[token] >= 0 else (None, False)
         q = logits_to_probs(logits, sampling)  # [|D|]
-        token = int(torch.multinomial(q, 1, generator=self.request.generator).item())
+        token = sample(q, self.request.generator)
         probs.append(union_distribution(_full_width(q, len(mapping.draft_to_target)), mapping))  # [|T| + 1]
         return token, bool(mapping.draft_to_target[token] >= 0) and self.sure_of(logits, token)
 

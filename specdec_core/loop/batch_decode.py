@@ -27,6 +27,7 @@ import torch
 from ..defaults import DEFAULT_BATCH_SIZE
 from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.model_runner import ModelRunner
+from ..model.graph_step import Sampling
 from ..model.step_batch import StepBatch
 from ..model.step_buckets import CALIBRATED_WIDTHS, row_bucket
 from .draft_tree import ancestor_mask, depths, prefix_depths
@@ -43,7 +44,7 @@ from .requests import (
     emit,
     final_text,
 )
-from .sampling import make_generator, select_token
+from .sampling import SamplingParams, draw_nodes, make_generator, row_seed, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket
 from .target_signals import Signals, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
@@ -221,8 +222,8 @@ class BatchDecoder:
         started = time.perf_counter()
         pending = []
         for request in requests:
-            row = Row(request, SequenceState.new(request.prompt_ids, make_generator(request.params.sampling.seed)),
-                      started)
+            seed = request.params.sampling.seed
+            row = Row(request, SequenceState.new(request.prompt_ids, make_generator(seed), row_seed(seed)), started)
             self.cache.add_row()
             self.rows.append(row)
             self.stats.prompt_tokens += len(request.prompt_ids)
@@ -328,7 +329,7 @@ class BatchDecoder:
         row, request = entry.row, entry.row.request
         state = row.state
         state.metrics.target_forwards += 1  # the prefill counts once, however many forwards fed it
-        first = select_token(logits, request.params.sampling, state.generator)
+        first = select_token(logits, request.params.sampling, state.target_draws())
         emit(self.target, state, [(first, TARGET_SOURCE, False)], request.params)
         state.metrics.ttft_s = time.perf_counter() - row.admitted_at
         request.drafter.start(state.tokens, RequestContext(
@@ -376,9 +377,8 @@ class BatchDecoder:
         if not any(r.request.drafter.proposes for r in self.rows):
             return
         signals = wanted([r.request.drafter for r in self.rows])
-        if signals.hidden or signals.heads or not all(r.request.params.sampling.greedy and r.request.rule is None
-                                                      for r in self.rows):
-            return  # these steps run the eager forward (_argmax_only): the graph's cost is not theirs
+        if not _graph_ready(self.rows, signals):
+            return  # these steps run the eager forward: the graph's cost is not theirs
         rows, context = len(self.rows), max(self.cache.lengths[:len(self.rows)], default=0)
         key = (batch_bucket(rows), context_bucket(context))
         if key in self._calibrated:
@@ -387,7 +387,7 @@ class BatchDecoder:
         widest = 1 + min(self.max_draft, self.budget.most_nodes(rows))
         started = time.perf_counter()
         seconds = graph.time_widths(self.cache, rows, [w for w in CALIBRATED_WIDTHS if w <= widest],
-                                    accept_greedy_nodes)
+                                    accept_greedy_nodes, _sampling(self.rows))
         self.stats.capture_s += time.perf_counter() - started
         self.last_progress = time.monotonic()  # (the hang watchdog: timing may have compiled and captured)
         if seconds.get(1):
@@ -454,9 +454,9 @@ class BatchDecoder:
         count = len(rows)
         graph = self.target.graph_step()  # (None on a CPU by default)
         on_host = None
-        if graph is not None and _argmax_only(rows, signals):
+        if graph is not None and _graph_ready(rows, signals):
             captured = graph.capture_s
-            on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes)
+            on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes, _sampling(rows))
             self.stats.capture_s += graph.capture_s - captured
         if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
             results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
@@ -548,8 +548,10 @@ class BatchDecoder:
                 step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> None:
         """Verify (unless the step did: `results`, and no logits) and commit every row."""
         if results is None:
+            # drafts with probabilities are verified against them with the request's generator; others by position
+            sources = [r.state.generator if r.draft.probs is not None else r.state.target_draws() for r in rows]
             results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
-                                  [r.state.generator for r in rows], step_ids, [r.request.rule for r in rows])
+                                  sources, step_ids, [r.request.rule for r in rows])
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit
         handing_over = signals is not None and bool(signals.hidden or signals.heads)
         self.stats.steps += 1
@@ -653,11 +655,28 @@ class _Prefill:
     hidden: list[torch.Tensor] = field(default_factory=list)  # [chunk, hidden] per earlier chunk (PLD+ (h) rows)
 
 
-def _argmax_only(rows: list[Row], signals: Signals) -> bool:
-    """Whether a step needs nothing of the target but each node's argmax (what the graph-ready step verifies on the
-    device): greedy rows under the exact rule, no signals read, no probed nodes."""
-    return (not signals.hidden and not signals.heads
-            and all(r.request.params.sampling.greedy and r.request.rule is None and not r.draft.probes for r in rows))
+def _graph_ready(rows: list[Row], signals: Signals) -> bool:
+    """Whether a step needs nothing of the target but each node's argmax or draw (what the graph-ready step verifies
+    on the device): greedy rows, and sampling rows at a temperature alone whose drafts carry no probabilities, under
+    the exact rule, no signals read, no probed nodes."""
+    return not signals.hidden and not signals.heads and all(
+        r.request.rule is None and (r.draft is None or not r.draft.probes)
+        and (r.request.params.sampling.greedy or _drawn_on_device(r.request.params.sampling, r.draft)) for r in rows)
+
+
+def _drawn_on_device(sampling: SamplingParams, draft: Draft | None) -> bool:
+    """A sampling row the graph-ready step draws for: temperature only (top-k and top-p would sort each node's
+    logits), its draft one-hot (drawn by position: sampling.PositionDraws). No draft yet (a step's width timing,
+    before the proposals): as its last."""
+    return sampling.top_k == 0 and sampling.top_p == 1.0 and (draft is None or draft.probs is None)
+
+
+def _sampling(rows: list[Row]) -> Sampling | None:
+    """The step's temperatures and draw seeds where some row samples, for the graph-ready step; else None."""
+    if all(r.request.params.sampling.greedy for r in rows):
+        return None
+    return Sampling([r.request.params.sampling.temperature for r in rows], [r.state.draw_seed for r in rows],
+                    draw_nodes)
 
 
 def _node_result(draft: Draft, accepted: int, last: int, token: int) -> VerifyResult:

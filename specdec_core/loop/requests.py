@@ -14,7 +14,7 @@ from ..defaults import DEFAULT_MAX_NEW_TOKENS
 from ..errors import BadRequestError
 from ..model.model_runner import ModelRunner
 from .metrics import RequestMetrics
-from .sampling import SamplingParams
+from .sampling import PositionDraws, SamplingParams
 
 FINISH_STOP = "stop"  # EOS or a stop string
 FINISH_LENGTH = "length"  # max_new_tokens or the model's context limit
@@ -35,15 +35,20 @@ class DecodeParams:
 class SequenceState:
     tokens: list[int]
     prompt_len: int
-    generator: torch.Generator
+    generator: torch.Generator  # a draft model's draws, and verification against its probabilities (sampling.py)
     metrics: RequestMetrics
     finish_reason: str | None = None
     stop_text: str | None = None  # output text cut at a stop string
+    draw_seed: int = 0  # the target's draws of this row: by position (sampling.PositionDraws)
 
     @classmethod
-    def new(cls, prompt_ids: Sequence[int], generator: torch.Generator) -> "SequenceState":
+    def new(cls, prompt_ids: Sequence[int], generator: torch.Generator, draw_seed: int = 0) -> "SequenceState":
         return cls(tokens=list(prompt_ids), prompt_len=len(prompt_ids), generator=generator,
-                   metrics=RequestMetrics(prompt_tokens=len(prompt_ids)))
+                   metrics=RequestMetrics(prompt_tokens=len(prompt_ids)), draw_seed=draw_seed)
+
+    def target_draws(self) -> PositionDraws:
+        """The target's draws for the tokens that follow: the next is at position len(tokens)."""
+        return PositionDraws(self.draw_seed, len(self.tokens))
 
     @property
     def generated(self) -> list[int]:

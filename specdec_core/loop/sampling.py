@@ -1,7 +1,19 @@
-"""Per-request sampling parameters and the logits -> probabilities transform shared by target and drafters."""
+"""Per-request sampling parameters, the logits -> probabilities transform shared by target and drafters, and the
+draws.
+
+A draw is an inverse CDF: the first token whose cumulative probability passes a uniform number u. Where u comes from:
+- the target's tokens of a row whose drafts carry no probabilities (`ar`, copying and lookup drafts; chains and
+  trees): u is a hash of the row's seed and the token's position (PositionDraws). A token's draw then depends on
+  nothing else, so a seeded row samples the same tokens alone, inside any batch, at any draft width and as `ar`
+  does, and the device computes the same u inside a captured step (graph_step.py) as the host does here;
+- everything else (a draft model's own tokens, and verification against its probabilities, which takes a uniform
+  for the acceptance test besides the draw): the request's torch.Generator, on the host.
+Either way only u is drawn on the host: the probabilities stay on their device.
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +53,9 @@ def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator:
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab] logits -> [..., vocab] float32 probabilities under temperature / top-k / top-p."""
-    logits = logits.float() / params.temperature
+    # a float32 tensor, not a Python number: a GPU may multiply by a scalar's reciprocal instead of dividing, and a
+    # captured step divides by its rows' temperatures (graph_step._draws): both divide, to the same bits
+    logits = logits.float() / torch.tensor(params.temperature, dtype=torch.float32, device=logits.device)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -55,13 +69,93 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a [vocab] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+MASK32 = 0xFFFFFFFF
+UNIFORM_BITS = 24  # of a hash, as the uniform number: a float32's mantissa holds them exactly
 
 
-def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+def _times(x, factor: int):
+    """(x * factor) mod 2^32 for x in [0, 2^32), an int or an int64 tensor, without passing 2^63 (a tensor's int64
+    product would overflow): the low and high 16 bits multiplied apart."""
+    return ((x & 0xFFFF) * factor + (((x >> 16) * factor) & 0xFFFF) * 65536) & MASK32
+
+
+def hash32(x):
+    """A 32-bit integer hash (Wellons' lowbias32), on an int or elementwise on an int64 tensor of values in
+    [0, 2^32): the same bits on every device."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_at(seed, position):
+    """The uniform number in [0, 1) of the token at `position` of a row with `seed` (ints, or int64 tensors that
+    broadcast: then a float32 tensor). Exactly representable, so host and device agree to the bit."""
+    h = hash32((hash32(seed) + _times(position & MASK32, 0x9E3779B9)) & MASK32)
+    if isinstance(h, torch.Tensor):
+        return (h >> (32 - UNIFORM_BITS)).float() * 2.0 ** -UNIFORM_BITS
+    return (h >> (32 - UNIFORM_BITS)) * 2.0 ** -UNIFORM_BITS
+
+
+def row_seed(seed: int | None) -> int:
+    """A row's 32-bit draw seed: from the request's seed (all its bits), else at random."""
+    if seed is None:
+        return random.getrandbits(32)
+    seed = int(seed)
+    mixed = 0
+    while True:
+        mixed = hash32(mixed ^ (seed & MASK32))
+        seed >>= 32
+        if seed in (0, -1):
+            return mixed
+
+
+class PositionDraws:
+    """The target's draws for one row's step, from the token at `position` on: each call of `uniform` gives the next
+    position's number (a step emits its tokens in position order, one draw each)."""
+
+    def __init__(self, seed: int, position: int):
+        self.seed, self.position = seed, position
+
+    def uniform(self) -> float:
+        self.position += 1
+        return uniform_at(self.seed, self.position - 1)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [..., vocab] (need not sum to 1), uniforms [...] in [0, 1) -> [...] int64: the first token whose
+    cumulative probability passes u x the total. A token of probability 0 is never drawn."""
+    cumulative = probs.float().cumsum(-1)  # [..., vocab]
+    wanted = (uniforms.to(cumulative.device) * cumulative[..., -1])[..., None]  # [..., 1]
+    token = torch.searchsorted(cumulative, wanted, right=True)[..., 0]
+    # u x total rounded up to the total: the likeliest token (a float's edge, about once in 2^24 draws)
+    return torch.where(token < probs.shape[-1], token, probs.argmax(-1))
+
+
+def sample(probs: torch.Tensor, source: torch.Generator | PositionDraws) -> int:
+    """Draw one token id from a [vocab] distribution, with the next uniform of `source` (see the module's
+    docstring)."""
+    u = source.uniform() if isinstance(source, PositionDraws) else float(torch.rand(1, generator=source))
+    return int(inverse_cdf(probs, torch.tensor(u, dtype=torch.float32)))
+
+
+def select_token(logits: torch.Tensor, params: SamplingParams, source: torch.Generator | PositionDraws) -> int:
     """The target's next token from [vocab] logits: argmax when greedy, else a draw."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    return sample(logits_to_probs(logits, params), generator)
+    return sample(logits_to_probs(logits, params), source)
+
+
+def draw_nodes(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """A graph-ready step's draws (graph_step.py), in tensor operations of fixed shapes.
+    logits [B, T, vocab], argmax [B, T], temperature [B] (0: greedy), seeds [B], positions [B, T] -> [B, T] the
+    token each node's row emits after it: its argmax if greedy, else its draw from softmax(logits / temperature)
+    with the uniform number of the position after the node (what the host draws there). With these in place of
+    argmaxes, greedy node verification is one-hot speculative sampling: a node is accepted when its token is what
+    its parent's distribution drew (verification.verify_tree_sampling)."""
+    scale = torch.where(temperature > 0, temperature, 1.0)[:, None, None]  # [B, 1, 1] float32, as logits_to_probs
+    probs = (logits.float() / scale).softmax(-1)  # [B, T, vocab]
+    drawn = inverse_cdf(probs, uniform_at(seeds[:, None], positions + 1))  # [B, T]
+    return torch.where(temperature[:, None] > 0, drawn, argmax)

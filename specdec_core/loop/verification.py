@@ -12,6 +12,10 @@ Lossless: greedy verification reproduces the target's argmax sequence exactly; t
 target distribution p exactly (Leviathan et al. 2023, Thm. 1), whatever the draft distribution q. Drafts without
 probabilities (copying, lookup) are one-hot q: the target's own draw at each position is compared with the draft
 (accepts x with probability p(x); a rejection emits a draw from p with x removed), one draw per emitted token.
+
+Where draws come from (sampling.py): a one-hot row's draws are by position (sampling.PositionDraws), so they do not
+depend on how wide the step was; a row verified against a draft's probabilities uses its torch.Generator. The
+`generator` arguments below take either.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from .draft_tree import children_of, depths
 from ..errors import BadRequestError
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import PositionDraws, SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -88,14 +92,14 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verif
     return VerifyResult(*accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1).tolist()))
 
 
-def _uniform(generator: torch.Generator) -> float:
-    return float(torch.rand(1, generator=generator).item())
+def _uniform(generator: torch.Generator | PositionDraws) -> float:
+    return generator.uniform() if isinstance(generator, PositionDraws) else float(torch.rand(1, generator=generator))
 
 
 def verify_speculative_sampling(
     draft_tokens: list[int],
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    generator: torch.Generator | PositionDraws,
     draft_probs: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Leviathan speculative sampling; names follow the paper: p = target, q = draft.
@@ -129,7 +133,7 @@ def verify_speculative_sampling(
 
 
 def _verify_one_hot_chain(draft_tokens: list[int], target_probs: torch.Tensor,
-                          generator: torch.Generator) -> VerifyResult:
+                          generator: torch.Generator | PositionDraws) -> VerifyResult:
     """One-hot drafts (copying, lookup): draw the target's token at each position and accept the draft token while
     the draws equal it. P(accept x) = p(x), and a rejected position emits a draw from p given that it is not x, i.e.
     the residual max(0, p - delta_x) renormalised: the same law as the accept-with-p(x)-then-resample rule. Unlike
@@ -156,7 +160,7 @@ def verify(
     draft_tokens: list[int],
     target_logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    generator: torch.Generator | PositionDraws,
     draft_probs: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Dispatch on the request's sampling mode; target_logits is [k + 1, vocab] from one target forward."""
@@ -184,7 +188,7 @@ def verify_tree_greedy(parents: list[int], draft_tokens: list[int], node_argmax:
 
 
 def verify_tree_sampling(parents: list[int], draft_tokens: list[int], node_probs: torch.Tensor,
-                         generator: torch.Generator) -> VerifyResult:
+                         generator: torch.Generator | PositionDraws) -> VerifyResult:
     """Multi-candidate speculative sampling for one-hot (copied) branches, exact in distribution.
 
     At each node draw the target's token from p(. | node's path) and move into the child carrying it; a draw no
@@ -277,13 +281,14 @@ def accept_greedy_nodes(step_ids: torch.Tensor, visible: torch.Tensor, depth: to
 
 
 def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParams],
-                generators: list[torch.Generator], step_ids: torch.Tensor | None = None,
+                generators: list[torch.Generator | PositionDraws], step_ids: torch.Tensor | None = None,
                 rules: list[ConditionalRule | None] | None = None) -> list[VerifyResult]:
     """Verify every row of a batched step. logits [N, vocab]: row r's k_r + 1 rows, in row order (chain: after the
     pending token and each draft token; tree: per node). Greedy rows share one argmax over the whole [N, vocab];
     with step_ids ([B, T], the step's input ids before any are replaced) greedy chains are verified as one tensor
-    operation, and the step copies one tensor to the host. Sampling rows use their own generator, so a seeded row
-    draws the same numbers whatever shares its batch. rules: each row's lossy rule (None: exact; default all)."""
+    operation, and the step copies one tensor to the host. Sampling rows use their own draws (a row's
+    PositionDraws, or its generator where its draft has probabilities), so a seeded row draws the same numbers
+    whatever shares its batch. rules: each row's lossy rule (None: exact; default all)."""
     argmax = torch.argmax(logits, dim=-1)  # [N]
     chains = None
     if step_ids is not None and step_ids.shape[1] == 1:  # no row drafted: a greedy row takes its argmax

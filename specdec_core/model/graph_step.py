@@ -11,11 +11,16 @@ copy inside and no shape that depends on data. So this step:
   the lengths (grouped-query heads folded into the query length, so no key is copied per query head); with `flex`,
   flex_attention and a block mask that skips each row's dead keys (block_attention.py); with `auto`, captured steps
   time their first bucket's graph with each and keep the faster;
-- takes the argmax of every node's logits and verifies the drafts on the device (the verifier the loop hands it:
-  verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the step's one sync.
+- takes the argmax of every node's logits (or a sampling row's draw, below) and verifies the drafts on the device
+  (the verifier the loop hands it: verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the
+  step's one sync.
 
-Prefill and steps that need more than argmaxes (sampling, drafters that read the target's hidden states or
-attention, CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
+Sampling rows at a temperature alone, whose drafts carry no probabilities, are drawn on the device too: each node's
+token is drawn from its distribution with the uniform number of its position (sampling.py), and greedy verification
+of those draws is one-hot speculative sampling. A step with such rows has graphs of its own: the draw the loop hands
+it (sampling.draw_nodes) adds a softmax and a cumulative sum over every node's logits. Prefill and steps that need
+more (top-k or top-p, a draft model's probabilities, drafters that read the target's hidden states or attention,
+CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
 
 Modes (`SPECBATCH_GRAPH_STEP`): `auto` (captured on a GPU, off on a CPU, whose compiled kernels beat these static
 shapes), `captured`, `compiled` (each layer's norms, projections, RoPE, residual adds and SiLU-gate fused by
@@ -50,6 +55,8 @@ PICK_REPLAYS = 5  # replays of the first bucket under each attention, where `aut
 
 # verify(step_ids [B, T], visible [B, T, T], depth [B, T], argmax [B, T]) -> [B, 3] (accepted, last node, next)
 Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# draw(logits [B, T, vocab], argmax [B, T], temperature [B], seeds [B], positions [B, T]) -> [B, T] each node's token
+Drawer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def step_mode(device: str) -> str:
@@ -69,15 +76,20 @@ class _Inputs:
     def __init__(self, rows: int, width: int, device: torch.device):
         self.rows, self.width = rows, width
         pinned = device.type == "cuda"
-        # [B, 2T + 1]: each row's node ids, their positions, then its cached length
-        self.packed = torch.zeros(rows, 2 * width + 1, dtype=torch.long, device=device)
+        # [B, 2T + 2]: each row's node ids, their positions, its cached length, its draw seed
+        self.packed = torch.zeros(rows, 2 * width + 2, dtype=torch.long, device=device)
         self.visible = torch.zeros(rows, width, width, dtype=torch.bool, device=device)  # [B, T, T]
-        self.host_packed = torch.zeros(rows, 2 * width + 1, dtype=torch.long, pin_memory=pinned)
+        self.temperature = torch.zeros(rows, device=device)  # [B]: 0 for a greedy row
+        self.host_packed = torch.zeros(rows, 2 * width + 2, dtype=torch.long, pin_memory=pinned)
         self.host_visible = torch.zeros(rows, width, width, dtype=torch.bool, pin_memory=pinned)
+        self.host_temperature = torch.zeros(rows, pin_memory=pinned)
         self.offsets = torch.arange(width, device=device)  # [T]: where node t's keys go, past its row's length
         self.write_rows = torch.arange(rows, device=device).repeat_interleave(width)  # [B T]: its cache slot
+        self.sampled = False  # whether the step has sampling rows (its graphs draw tokens; others take argmaxes)
+        self.draw: Drawer | None = None
 
-    def fill(self, step_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, lengths: list[int]) -> None:
+    def fill(self, step_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, lengths: list[int],
+             sampling: Sampling | None = None) -> None:
         """step_ids, positions [n, T'], visible [n, T', T'] of the live rows (T' <= width); lengths [n]."""
         live, width = step_ids.shape
         packed, shown = self.host_packed, self.host_visible
@@ -90,8 +102,26 @@ class _Inputs:
         places.copy_(length[:, None] + torch.arange(self.width))  # a padding node sits at its own place
         places[:live, :width] = positions
         shown[:live, :width, :width] = visible  # padding sees nothing (the mask lets it see itself)
+        self.sampled = sampling is not None
+        if self.sampled:
+            self.draw = sampling.draw
+            packed[:live, 2 * self.width + 1] = torch.tensor(sampling.seeds)
+            self.host_temperature.zero_()
+            self.host_temperature[:live] = torch.tensor(sampling.temperatures)
+            self.temperature.copy_(self.host_temperature, non_blocking=True)
         self.packed.copy_(packed, non_blocking=True)
         self.visible.copy_(shown, non_blocking=True)
+
+
+@dataclass
+class Sampling:
+    """A step's sampling rows, for the device's draws: each live row's temperature (0: greedy) and draw seed
+    (SequenceState.draw_seed), and what draws (the loop's sampling.draw_nodes). Temperature only: a row with top-k
+    or top-p runs the eager forward."""
+
+    temperatures: list[float]
+    seeds: list[int]
+    draw: Drawer
 
 
 @dataclass
@@ -128,16 +158,19 @@ class GraphStep:
         self.before_attention = _Compiled(_dense_before_attention)
         self.after_attention = _Compiled(_dense_after_attention)
         self.inputs: dict[tuple[int, int], _Inputs] = {}
-        self.graphs: dict[Bucket, _Captured | None] = {}  # None: its capture failed, the bucket runs eagerly
+        # (bucket, whether it draws tokens) -> its graph; None: its capture failed, the bucket runs eagerly
+        self.graphs: dict[tuple[Bucket, bool], _Captured | None] = {}
         self.pool = None  # the captured graphs' shared memory pool
         self.cache_key = None  # the cache storage the graphs were captured over
         self.capture_s = 0.0  # seconds spent capturing, apart from the steps
         self.captures = 0
         self.steps = 0
 
-    def run(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier) -> list[list[int]] | None:
+    def run(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier,
+            sampling: Sampling | None = None) -> list[list[int]] | None:
         """One step over every live row of `cache` (batch.rows must be None: rows 0..n-1).
         step_ids [n, T] the rows' pending tokens and drafts as proposed (ids past the vocabulary never match).
+        sampling: the rows' temperatures and draw seeds where some row samples (its drafts one-hot), else None.
         -> per row [accepted, last accepted node, next token]; None where no bucket holds the step (run the eager
         forward). The caller commits: lengths are not advanced."""
         live, width = step_ids.shape
@@ -147,7 +180,7 @@ class GraphStep:
         inputs = self.inputs.get((bucket.rows, bucket.width))
         if inputs is None:
             inputs = self.inputs[(bucket.rows, bucket.width)] = _Inputs(bucket.rows, bucket.width, self.device)
-        inputs.fill(step_ids, batch.positions, batch.visible, cache.lengths[:live])
+        inputs.fill(step_ids, batch.positions, batch.visible, cache.lengths[:live], sampling)
         self.steps += 1
         if self.capture:
             captured = self._captured(bucket, inputs, cache, verify)
@@ -162,7 +195,8 @@ class GraphStep:
         where a timed step costs a replay; eagerly it would cost a whole forward."""
         return self.capture
 
-    def time_widths(self, cache, live: int, widths: list[int], verify: Verifier, reps: int = 3) -> dict[int, float]:
+    def time_widths(self, cache, live: int, widths: list[int], verify: Verifier, sampling: Sampling | None = None,
+                    reps: int = 3) -> dict[int, float]:
         """Seconds a step over the first `live` rows of `cache` takes at each width (median of `reps`, after one
         untimed run, in which a bucket met the first time is captured): what a verify step costs on this device,
         for the speculation budget. The nodes are a chain of token 0 whose keys land past each row's length, where
@@ -174,12 +208,12 @@ class GraphStep:
             visible = torch.ones(width, width, dtype=torch.bool).tril().expand(live, width, width)
             batch = StepBatch(step_ids, lengths[:, None] + torch.arange(width), visible,
                               torch.zeros(0, 2, dtype=torch.long))
-            if self.run(cache, batch, step_ids, verify) is None:
+            if self.run(cache, batch, step_ids, verify, sampling) is None:
                 continue
             times = []
             for _ in range(reps):
                 started = time.perf_counter()
-                self.run(cache, batch, step_ids, verify)  # its [rows, 3] copy back waits for the device
+                self.run(cache, batch, step_ids, verify, sampling)  # its [rows, 3] copy back waits for the device
                 times.append(time.perf_counter() - started)
             seconds[width] = sorted(times)[len(times) // 2]
         self.steps = steps  # these were no decoding steps
@@ -193,8 +227,9 @@ class GraphStep:
         if key != self.cache_key:
             self.graphs.clear()
             self.cache_key = key
-        if bucket in self.graphs:
-            return self.graphs[bucket]
+        shape = (bucket, inputs.sampled)  # a step that draws tokens has a graph of its own
+        if shape in self.graphs:
+            return self.graphs[shape]
         started = time.perf_counter()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
@@ -212,7 +247,7 @@ class GraphStep:
             self.attention = "sdpa" if self.attention == "auto" else self.attention
         self.capture_s += time.perf_counter() - started
         self.captures += captured is not None
-        self.graphs[bucket] = captured
+        self.graphs[shape] = captured
         return captured
 
     def _pick_attention(self, bucket: Bucket, inputs: _Inputs, cache, verify: Verifier, stream) -> _Captured:
@@ -290,9 +325,13 @@ class GraphStep:
         for index, layer in enumerate(fast.layers):
             x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
+        logits = self.runner.model.get_output_embeddings()(hidden)  # [B T, vocab]
         # argmax over the head's own dtype: a bf16 logit converts to fp32 exactly, so it picks what fp32 would
-        argmax = self.runner.model.get_output_embeddings()(hidden).argmax(dim=-1).view(rows, width)  # [B, T]
-        return verify(step_ids, inputs.visible, positions - lengths[:, None], argmax)
+        chosen = logits.argmax(dim=-1).view(rows, width)  # [B, T]
+        if inputs.sampled:
+            chosen = inputs.draw(logits.view(rows, width, -1), chosen, inputs.temperature, packed[:, 2 * width + 1],
+                                 positions)
+        return verify(step_ids, inputs.visible, positions - lengths[:, None], chosen)
 
     def _layer(self, index: int, layer, x: torch.Tensor, cache, step: tuple, bucket: Bucket) -> torch.Tensor:
         """One decoder layer over the bucket's [B T, hidden] residual stream."""

@@ -17,6 +17,8 @@ from specdec_core.engine import BatchItem, Engine
 from specdec_core.loop.draft_tree import ancestor_mask, build_trie, depths
 from specdec_core.loop.kv_cache import new_slot_cache
 from specdec_core.loop.requests import DecodeParams
+from specdec_core.loop.sampling import (PositionDraws, SamplingParams, draw_nodes, logits_to_probs, row_seed,
+                                        sample)
 from specdec_core.loop.speculation_budget import batch_bucket, context_bucket
 from specdec_core.loop.verification import accept_greedy, accept_greedy_nodes, verify_tree_greedy
 from specdec_core.methods import MethodOptions
@@ -365,11 +367,13 @@ class _OffDevice(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
-@pytest.mark.parametrize("mode, attention", [("eager", "sdpa"), ("eager", "flex"), ("compiled", "sdpa")])
-def test_the_step_holds_only_device_tensors(make, mode, attention, monkeypatch):
+@pytest.mark.parametrize("mode, attention, sampled", [("eager", "sdpa", False), ("eager", "flex", False),
+                                                      ("compiled", "sdpa", False), ("eager", "sdpa", True)])
+def test_the_step_holds_only_device_tensors(make, mode, attention, sampled, monkeypatch):
     """What a CUDA graph captures, checked without a GPU: the step computed on the meta device (shapes without
-    data, and not the CPU, so the GPU's code paths run) over a mixed batch of a chain, a tree and a plain row. A
-    tensor made on the host inside it, or a read of a device value, would fail there or show in the op log."""
+    data, and not the CPU, so the GPU's code paths run) over a mixed batch of a chain, a tree and a plain row, with
+    sampling rows' draws too. A tensor made on the host inside it, or a read of a device value, would fail there or
+    show in the op log."""
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)  # the fused functions, uncompiled
     monkeypatch.setattr(block_attention, "_kernels", {"meta": None})  # flex_attention has no meta kernel: its
     # block mask is still built, and attended through as the fallback does
@@ -393,7 +397,9 @@ def test_the_step_holds_only_device_tensors(make, mode, attention, monkeypatch):
     offsets[1, 1:] = torch.tensor(depths(parents))
     bucket = bucket_for(3, width, max(lengths), cache.slots, cache.capacity)
     inputs = graph_step._Inputs(bucket.rows, bucket.width, torch.device("meta"))
-    inputs.fill(torch.randint(0, 90, (3, width)), torch.tensor(lengths)[:, None] + offsets, visible, lengths)
+    sampling = graph_step.Sampling([0.8, 0.0, 1.2], [row_seed(s) for s in (1, 2, 3)], draw_nodes) if sampled else None
+    inputs.fill(torch.randint(0, 90, (3, width)), torch.tensor(lengths)[:, None] + offsets, visible, lengths,
+                sampling)
     with _OffDevice("meta") as watch:
         out = step.compute(bucket, inputs, cache, accept_greedy_nodes)
     assert out.device.type == "meta" and tuple(out.shape) == (bucket.rows, 3) and out.dtype == torch.long
@@ -401,3 +407,106 @@ def test_the_step_holds_only_device_tensors(make, mode, attention, monkeypatch):
     with _OffDevice("meta") as watch:  # the watch sees a host tensor that indexes (which the meta device takes)
         inputs.packed[:, torch.tensor([0, 2])]
     assert any("aten.index" in seen for seen in watch.seen), watch.seen
+
+
+def test_the_device_draws_what_the_host_draws():
+    """sampling.draw_nodes (a captured step's draws) gives each sampling node the token the host's verifier draws for
+    the same position (sampling.sample with PositionDraws), and greedy rows their argmax."""
+    gen = torch.Generator().manual_seed(4)
+    for vocab in (7, 96, 1000):
+        rows, width = 5, 6
+        logits = torch.randn(rows, width, vocab, generator=gen) * 3
+        temperature = torch.tensor([0.8, 0.0, 1.3, 0.31, 2.0])
+        seeds = torch.tensor([row_seed(s) for s in (1, 2, 3, None, 5)])
+        positions = torch.randint(0, 5000, (rows, 1), generator=gen) + torch.arange(width)
+        argmax = logits.argmax(-1)
+        drawn = draw_nodes(logits, argmax, temperature, seeds, positions)
+        for b in range(rows):
+            for t in range(width):
+                if temperature[b] == 0:
+                    assert drawn[b, t] == argmax[b, t]
+                    continue
+                probs = logits_to_probs(logits[b, t], SamplingParams(temperature=float(temperature[b])))
+                host = sample(probs, PositionDraws(int(seeds[b]), int(positions[b, t]) + 1))
+                assert int(drawn[b, t]) == host, (vocab, b, t)
+        assert (drawn != argmax)[temperature > 0].any()  # the draws are not argmaxes in disguise
+
+
+def test_position_draws_follow_the_distribution():
+    """Inverse-CDF draws with the position hash's uniform numbers reproduce p: along one row's positions, and across
+    rows' seeds at one position (chi-square, 5 degrees of freedom, under the 0.001 point 20.5)."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    trials = 20000
+    along = [sample(probs, PositionDraws(row_seed(9), position)) for position in range(trials)]
+    across = [sample(probs, PositionDraws(row_seed(seed), 123)) for seed in range(trials)]
+    for draws in (along, across):
+        counts = torch.bincount(torch.tensor(draws), minlength=len(probs)).float()
+        expected = probs * trials
+        assert float(((counts - expected) ** 2 / expected).sum()) < 20.5, counts
+
+
+PEAKED = {"tiny-llama": 30.0, "tiny-qwen2": 20.0}  # head scales: drafts accepted, draws still not all argmaxes
+
+
+def _peaked(make):
+    """A tiny model whose next-token distributions are peaked (its head scaled up), as a trained model's are: a
+    sampled row repeats itself, so copy drafts get accepted under sampling too."""
+    runner = make(0)
+    with torch.no_grad():
+        runner.model.get_output_embeddings().weight.mul_(PEAKED[runner.name])
+    return runner
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypatch):
+    """Seeded sampling rows (temperature alone, one-hot drafts: `ar`, chains and trees) beside greedy rows: the
+    graph-ready step draws on the device and gives each row the tokens the eager forward and the host's verifier
+    give, and a seeded row's tokens are `ar`'s whatever its method (draws by position)."""
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS)]
+    plans = [("ar", MethodOptions()), ("pld", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
+             ("copyspec", MethodOptions())]
+
+    def decode(mode, method=None, greedy_only=False):
+        monkeypatch.setenv(graph_step.MODE_ENV, mode)
+        engine = Engine.from_runners(_peaked(make))
+        decoder = engine.decoder(batch_size=4, speculation_budget=False)
+        sampled = []
+        run = GraphStep.run
+
+        def counted(self, cache, batch, step_ids, verify, sampling=None):
+            sampled.append(sampling is not None)
+            return run(self, cache, batch, step_ids, verify, sampling)
+
+        monkeypatch.setattr(GraphStep, "run", counted)
+        for key, prompt in enumerate(prompts):
+            greedy = greedy_only or key % 3 == 2
+            params = DecodeParams(max_new_tokens=48, sampling=SamplingParams(
+                temperature=0.0 if greedy else 0.8 + 0.1 * (key % 2), seed=None if greedy else 100 + key))
+            name, options = (method, MethodOptions()) if method else plans[key % len(plans)]
+            decoder.submit(engine.request(BatchItem(key, prompt, params), name, options, decoder))
+        results = {request.key: result for request, result in decoder.run()}
+        monkeypatch.setattr(GraphStep, "run", run)
+        return results, sampled
+
+    on_device, sampled = decode("eager")
+    eager, _ = decode("off")
+    ar, _ = decode("off", "ar")
+    greedy, _ = decode("off", greedy_only=True)
+    assert sum(sampled) > 5, sampled  # steps drawn on the device
+    sampling_rows = [key for key in range(len(prompts)) if key % 3 != 2]
+    accepted = sum(on_device[key].metrics.accepted_tokens for key in sampling_rows)
+    assert accepted > 15, f"{accepted} draft tokens of sampling rows accepted: the test would prove little"
+    assert sum(on_device[key].token_ids != greedy[key].token_ids for key in sampling_rows) >= 3  # they do sample
+    for key in range(len(prompts)):
+        assert on_device[key].token_ids == eager[key].token_ids == ar[key].token_ids, key
+
+
+def test_top_p_and_draft_probabilities_run_the_eager_forward():
+    from specdec_core.drafters.base import Draft
+    from specdec_core.loop.batch_decode import _drawn_on_device
+
+    one_hot, with_probs = Draft([1, 2], "copy"), Draft([1, 2], "draft_model", probs=torch.full((2, 5), 0.2))
+    assert _drawn_on_device(SamplingParams(temperature=0.7), one_hot)
+    assert not _drawn_on_device(SamplingParams(temperature=0.7, top_p=0.9), one_hot)
+    assert not _drawn_on_device(SamplingParams(temperature=0.7, top_k=20), one_hot)
+    assert not _drawn_on_device(SamplingParams(temperature=0.7), with_probs)
