@@ -184,3 +184,34 @@ def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch, attention):
         return  # (the attention's rule is the same alone as in a batch: test_block_attention.py)
     alone = decode_mixed(engine, plans, with_context=own_answer_contexts(reference), batch_size=1, rows=range(3))
     check_equal_to_ar(alone, reference)  # a chain, a chain and a tree, each alone through the same step
+
+
+def test_graph_ready_steps_sample_what_ar_samples(engine, monkeypatch):
+    """Seeded sampling rows on the real model (fp32, temperature 0.7): `ar` through the eager forward and the host's
+    draws, and chains and trees through the graph-ready step's draws on the device (graph_step.py), give the same
+    tokens: the draws are by position (sampling.PositionDraws), so neither the width nor the path changes them."""
+    from specdec_core.engine import BatchItem
+    from specdec_core.loop.requests import DecodeParams
+    from specdec_core.loop.sampling import SamplingParams
+
+    runner = engine.target
+    cases = [BatchItem(item.key, item.prompt_ids, DecodeParams(max_new_tokens=32, sampling=SamplingParams(
+        temperature=0.7, seed=index))) for index, item in enumerate(lossless_items(engine)[:4])]
+    plans = [("pld", MethodOptions()), ("copyspec", MethodOptions(candidates=3)), ("copyspec", MethodOptions()),
+             ("pld", MethodOptions(candidates=3))]
+
+    def decode(plan_of):
+        decoder = engine.decoder(batch_size=4, speculation_budget=False)
+        for item in cases:
+            method, options = plan_of(item)
+            decoder.submit(engine.request(item, method, options, decoder))
+        return {request.key: result for request, result in decoder.run()}
+
+    ar = decode(lambda item: ("ar", MethodOptions()))
+    monkeypatch.setattr(runner, "graph_mode", "eager")
+    monkeypatch.setattr(runner, "_graph_step", None)
+    drafted = decode(lambda item: plans[cases.index(item)])
+    assert runner.graph_step().steps > 0
+    assert sum(result.metrics.accepted_tokens for result in drafted.values()) > 10
+    for item in cases:
+        assert drafted[item.key].token_ids == ar[item.key].token_ids, item.key
