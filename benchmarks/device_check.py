@@ -2,8 +2,10 @@
 `--device` (default cuda); every row of batched ar / copyspec / copyspec trees must equal the model's own greedy
 `generate` on that device, through HF's modules and through fast_forward.py (where it covers the model), its steps
 eager and graph-ready (model/graph_step.py: captured on a GPU), with masked SDPA, with flex_attention
-(model/block_attention.py) and with the faster of the two at the first capture (`auto`). CI has no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a
-mismatch).
+(model/block_attention.py) and with the faster of the two at the first capture (`auto`). Then seeded sampling rows
+(temperature 0.8, a peaked head): copyspec chains and trees through the graph-ready step's draws on the device must
+give each row the tokens `ar` gives through the eager forward and the host's draws (sampling.PositionDraws). CI has
+no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
 
   python benchmarks/device_check.py --device cuda
 """
@@ -19,6 +21,7 @@ from specdec_core.drafters.base import NoDrafter  # noqa: E402
 from specdec_core.drafters.copyspec import CopySpecDrafter  # noqa: E402
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from specdec_core.loop.requests import DecodeParams  # noqa: E402
+from specdec_core.model.graph_step import step_mode  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 
 
@@ -69,7 +72,41 @@ def main() -> int:
             print(f"{runner.name} ({forward}) {name} on {device}: {same}/{len(prompts)} rows equal HF greedy "
                   f"(drafted {decoder.stats.drafted_tokens}, accepted {decoder.stats.accepted_tokens}){steps}"
                   + ("" if same == len(prompts) else f"; errors: {[g for g in got.values() if isinstance(g, str)]}"))
+    failures += sampling_check(device, drafters)
     return 1 if failures else 0
+
+
+def sampling_check(device: str, drafters: dict) -> int:
+    """Seeded sampling rows: each drafter's rows through the device's default graph-ready steps against `ar`'s rows
+    through the eager forward (graph-ready steps off), tokens compared row by row. -> 1 on a mismatch, else 0."""
+    import torch
+
+    from specdec_core.loop.sampling import SamplingParams
+    from tests.tiny_models import repetitive_prompt, tiny_llama
+
+    cpu_runner = tiny_llama()
+    with torch.no_grad():
+        cpu_runner.model.lm_head.weight.mul_(30.0)  # peaked, as a trained model's: sampled rows repeat, drafts accepted
+    runner = ModelRunner(cpu_runner.model.to(device), cpu_runner.tokenizer, cpu_runner.name, device, torch.float32)
+    prompts = [repetitive_prompt(seed, n) for seed, n in enumerate([5, 23, 11, 40, 17])]
+    outputs = {}
+    for name, make in drafters.items():
+        runner.graph_mode = "off" if name == "ar" else runner.graph_mode
+        decoder = BatchDecoder(runner, max_batch=3)
+        for key, prompt in enumerate(prompts):
+            params = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=key))
+            decoder.submit(DecodeRequest(key, prompt, params, make()))
+        got = {request.key: result for request, result in decoder.run()}
+        outputs[name] = [got[k].token_ids if not isinstance(got[k], str) else got[k] for k in range(len(prompts))]
+        runner.graph_mode = step_mode(device)
+        graph = runner.graph_step()
+        steps = f"; {graph.summary()}" if graph is not None and name != "ar" else ""
+        same = sum(a == b for a, b in zip(outputs[name], outputs["ar"]))
+        print(f"{runner.name} seeded sampling {name} on {device}: {same}/{len(prompts)} rows equal ar's "
+              f"(drafted {decoder.stats.drafted_tokens}, accepted {decoder.stats.accepted_tokens}){steps}")
+        if same != len(prompts):
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
