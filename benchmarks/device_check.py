@@ -21,6 +21,7 @@ from specdec_core.drafters.base import NoDrafter  # noqa: E402
 from specdec_core.drafters.copyspec import CopySpecDrafter  # noqa: E402
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest  # noqa: E402
 from specdec_core.loop.requests import DecodeParams  # noqa: E402
+from specdec_core.loop.sampling import SamplingParams  # noqa: E402
 from specdec_core.model.graph_step import step_mode  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 
@@ -72,19 +73,15 @@ def main() -> int:
             print(f"{runner.name} ({forward}) {name} on {device}: {same}/{len(prompts)} rows equal HF greedy "
                   f"(drafted {decoder.stats.drafted_tokens}, accepted {decoder.stats.accepted_tokens}){steps}"
                   + ("" if same == len(prompts) else f"; errors: {[g for g in got.values() if isinstance(g, str)]}"))
-    failures += sampling_check(device, drafters)
+    failures += sampling_check(device, drafters, tiny_llama(), repetitive_prompt)
     return 1 if failures else 0
 
 
-def sampling_check(device: str, drafters: dict) -> int:
+def sampling_check(device: str, drafters: dict, cpu_runner: ModelRunner, repetitive_prompt) -> int:
     """Seeded sampling rows: each drafter's rows through the device's default graph-ready steps against `ar`'s rows
     through the eager forward (graph-ready steps off), tokens compared row by row. -> 1 on a mismatch, else 0."""
     import torch
 
-    from specdec_core.loop.sampling import SamplingParams
-    from tests.tiny_models import repetitive_prompt, tiny_llama
-
-    cpu_runner = tiny_llama()
     with torch.no_grad():
         cpu_runner.model.lm_head.weight.mul_(30.0)  # peaked, as a trained model's: sampled rows repeat, drafts accepted
     runner = ModelRunner(cpu_runner.model.to(device), cpu_runner.tokenizer, cpu_runner.name, device, torch.float32)

@@ -13,7 +13,7 @@ Either way only u is drawn on the host: the probabilities stay on their device.
 
 from __future__ import annotations
 
-import random
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +99,10 @@ def uniform_at(seed, position):
 
 
 def row_seed(seed: int | None) -> int:
-    """A row's 32-bit draw seed: from the request's seed (all its bits), else at random."""
+    """A row's 32-bit draw seed: from the request's seed (all its bits), else at random (the OS's: a program that
+    seeds Python's `random` does not make unseeded rows repeat)."""
     if seed is None:
-        return random.getrandbits(32)
+        return secrets.randbits(32)
     seed = int(seed)
     mixed = 0
     while True:

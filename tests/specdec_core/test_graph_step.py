@@ -13,7 +13,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from specdec_core.drafters.base import Draft
 from specdec_core.engine import BatchItem, Engine
+from specdec_core.loop.batch_decode import _drawn_on_device
 from specdec_core.loop.draft_tree import ancestor_mask, build_trie, depths
 from specdec_core.loop.kv_cache import new_slot_cache
 from specdec_core.loop.requests import DecodeParams
@@ -502,9 +504,6 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
 
 
 def test_top_p_and_draft_probabilities_run_the_eager_forward():
-    from specdec_core.drafters.base import Draft
-    from specdec_core.loop.batch_decode import _drawn_on_device
-
     one_hot, with_probs = Draft([1, 2], "copy"), Draft([1, 2], "draft_model", probs=torch.full((2, 5), 0.2))
     assert _drawn_on_device(SamplingParams(temperature=0.7), one_hot)
     assert not _drawn_on_device(SamplingParams(temperature=0.7, top_p=0.9), one_hot)

@@ -6,6 +6,7 @@ import torch
 
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.loop.kv_cache import SlotKVCache
 from specdec_core.loop.requests import DecodeParams
@@ -162,7 +163,6 @@ def test_a_seeded_sampling_row_samples_the_same_whatever_the_budget_and_its_neig
     seeded sampling row the same tokens. One-hot drafts (echo) draw by position, so the budget plans them as any
     row's; a draft model draws from the row's generator, whose draws depend on how many tokens it verifies, so its
     drafts bypass the budget (capped only by the token budget over a full batch)."""
-    from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
     from specdec_core.loop.sampling import SamplingParams
     from specdec_core.loop.speculation_budget import SpeculationBudget, StepCostModel
 

@@ -6,6 +6,9 @@ model in test_lossless_mechanics.py."""
 
 import pytest
 
+from specdec_core.engine import BatchItem
+from specdec_core.loop.requests import DecodeParams
+from specdec_core.loop.sampling import SamplingParams
 from specdec_core.methods import METHODS, MethodOptions
 from tests.prompts import LOSSLESS_MAX_NEW, lossless_items
 
@@ -190,10 +193,6 @@ def test_graph_ready_steps_sample_what_ar_samples(engine, monkeypatch):
     """Seeded sampling rows on the real model (fp32, temperature 0.7): `ar` through the eager forward and the host's
     draws, and chains and trees through the graph-ready step's draws on the device (graph_step.py), give the same
     tokens: the draws are by position (sampling.PositionDraws), so neither the width nor the path changes them."""
-    from specdec_core.engine import BatchItem
-    from specdec_core.loop.requests import DecodeParams
-    from specdec_core.loop.sampling import SamplingParams
-
     runner = engine.target
     cases = [BatchItem(item.key, item.prompt_ids, DecodeParams(max_new_tokens=32, sampling=SamplingParams(
         temperature=0.7, seed=index))) for index, item in enumerate(lossless_items(engine)[:4])]
