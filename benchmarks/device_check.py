@@ -3,7 +3,7 @@
 `generate` on that device, through HF's modules and through fast_forward.py (where it covers the model), its steps
 eager and graph-ready (model/graph_step.py: captured on a GPU), with masked SDPA, with flex_attention
 (model/block_attention.py) and with the faster of the two at the first capture (`auto`). Then seeded sampling rows
-(temperature 0.8, a peaked head): copyspec chains and trees through the graph-ready step's draws on the device must
+(temperature 0.8, some with top-p 0.9; a peaked head): copyspec chains and trees through the graph-ready step's draws on the device must
 give each row the tokens `ar` gives through the eager forward and the host's draws (sampling.PositionDraws). CI has
 no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
 
@@ -91,7 +91,8 @@ def sampling_check(device: str, drafters: dict, cpu_runner: ModelRunner, repetit
         runner.graph_mode = "off" if name == "ar" else runner.graph_mode
         decoder = BatchDecoder(runner, max_batch=3)
         for key, prompt in enumerate(prompts):
-            params = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=key))
+            params = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=key,
+                                                                             top_p=0.9 if key % 2 else 1.0))
             decoder.submit(DecodeRequest(key, prompt, params, make()))
         got = {request.key: result for request, result in decoder.run()}
         outputs[name] = [got[k].token_ids if not isinstance(got[k], str) else got[k] for k in range(len(prompts))]

@@ -659,26 +659,26 @@ class _Prefill:
 
 def _graph_ready(rows: list[Row], signals: Signals) -> bool:
     """Whether a step needs nothing of the target but each node's argmax or draw (what the graph-ready step verifies
-    on the device): greedy rows, and sampling rows at a temperature alone whose drafts carry no probabilities, under
-    the exact rule, no signals read, no probed nodes."""
+    on the device): greedy rows, and sampling rows whose drafts carry no probabilities, under the exact rule, no
+    signals read, no probed nodes."""
     return not signals.hidden and not signals.heads and all(
         r.request.rule is None and (r.draft is None or not r.draft.probes)
-        and (r.request.params.sampling.greedy or _drawn_on_device(r.request.params.sampling, r.draft)) for r in rows)
+        and (r.request.params.sampling.greedy or _drawn_on_device(r.draft)) for r in rows)
 
 
-def _drawn_on_device(sampling: SamplingParams, draft: Draft | None) -> bool:
-    """A sampling row the graph-ready step draws for: temperature only (top-k and top-p would sort each node's
-    logits), its draft one-hot (drawn by position: sampling.PositionDraws). No draft yet (a step's width timing,
-    before the proposals): as its last."""
-    return sampling.top_k == 0 and sampling.top_p == 1.0 and (draft is None or draft.probs is None)
+def _drawn_on_device(draft: Draft | None) -> bool:
+    """Whether the graph-ready step draws for a sampling row: where its draft is one-hot (drawn by position:
+    sampling.PositionDraws). No draft (a step's width timing, before the first proposals): as one-hot."""
+    return draft is None or draft.probs is None
 
 
 def _sampling(rows: list[Row]) -> Sampling | None:
-    """The step's temperatures and draw seeds where some row samples, for the graph-ready step; else None."""
-    if all(r.request.params.sampling.greedy for r in rows):
+    """The rows' sampling parameters and draw seeds where some row samples, for the graph-ready step; else None."""
+    params = [r.request.params.sampling for r in rows]
+    if all(p.greedy for p in params):
         return None
-    return Sampling([r.request.params.sampling.temperature for r in rows], [r.state.draw_seed for r in rows],
-                    draw_nodes)
+    return Sampling([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                    [r.state.draw_seed for r in rows], draw_nodes)
 
 
 def _node_result(draft: Draft, accepted: int, last: int, token: int) -> VerifyResult:

@@ -148,15 +148,34 @@ def select_token(logits: torch.Tensor, params: SamplingParams, source: torch.Gen
     return sample(logits_to_probs(logits, params), source)
 
 
-def draw_nodes(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+def draw_nodes(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, filtered: bool) -> torch.Tensor:
     """A graph-ready step's draws (graph_step.py), in tensor operations of fixed shapes.
-    logits [B, T, vocab], argmax [B, T], temperature [B] (0: greedy), seeds [B], positions [B, T] -> [B, T] the
-    token each node's row emits after it: its argmax if greedy, else its draw from softmax(logits / temperature)
-    with the uniform number of the position after the node (what the host draws there). With these in place of
-    argmaxes, greedy node verification is one-hot speculative sampling: a node is accepted when its token is what
-    its parent's distribution drew (verification.verify_tree_sampling)."""
+    logits [B, T, vocab], argmax [B, T]; each row's temperature [B] float32 (0: greedy), top_k [B] int64 (0: off),
+    top_p [B] float32 (1: off) and draw seed [B] int64; positions [B, T]; filtered: whether some row has top-k or
+    top-p (they sort every node's logits; else they are skipped)
+    -> [B, T] the token each node's row emits after it: its argmax if greedy, else its draw from its distribution
+    (logits_to_probs's, row by row) with the uniform number of the position after the node (what the host draws
+    there). With these in place of argmaxes, greedy node verification is one-hot speculative sampling: a node is
+    accepted when its token is what its parent's distribution drew (verification.verify_tree_sampling)."""
     scale = torch.where(temperature > 0, temperature, 1.0)[:, None, None]  # [B, 1, 1] float32, as logits_to_probs
-    probs = (logits.float() / scale).softmax(-1)  # [B, T, vocab]
-    drawn = inverse_cdf(probs, uniform_at(seeds[:, None], positions + 1))  # [B, T]
+    scaled = logits.float() / scale  # [B, T, vocab]
+    if filtered:
+        scaled = _filtered(scaled, top_k, top_p)
+    drawn = inverse_cdf(scaled.softmax(-1), uniform_at(seeds[:, None], positions + 1))  # [B, T]
     return torch.where(temperature[:, None] > 0, drawn, argmax)
+
+
+def _filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits_to_probs's top-k, then top-p, over [B, T, vocab] scaled logits with each row's top_k [B] (0: off) and
+    top_p [B] (1: off) -> the logits, the tokens they drop at -inf."""
+    vocab = scaled.shape[-1]
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [B, T, vocab]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [B]
+    kth = ordered.gather(-1, (k - 1)[:, None, None].expand(*ordered.shape[:2], 1))  # [B, T, 1]
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    # the kept logits in the order the host's sort gives them: the same values first, -inf after
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None, None]) & (top_p < 1)[:, None, None]  # [B, T, vocab], sorted
+    return scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))

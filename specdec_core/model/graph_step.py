@@ -15,12 +15,12 @@ copy inside and no shape that depends on data. So this step:
   (the verifier the loop hands it: verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the
   step's one sync.
 
-Sampling rows at a temperature alone, whose drafts carry no probabilities, are drawn on the device too: each node's
-token is drawn from its distribution with the uniform number of its position (sampling.py), and greedy verification
-of those draws is one-hot speculative sampling. A step with such rows has graphs of its own: the draw the loop hands
-it (sampling.draw_nodes) adds a softmax and a cumulative sum over every node's logits. Prefill and steps that need
-more (top-k or top-p, a draft model's probabilities, drafters that read the target's hidden states or attention,
-CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
+Sampling rows whose drafts carry no probabilities are drawn on the device too: each node's token is drawn from its
+distribution with the uniform number of its position (sampling.py), and greedy verification of those draws is
+one-hot speculative sampling. A step with such rows has graphs of its own: the draw the loop hands it
+(sampling.draw_nodes) adds a softmax and a cumulative sum over every node's logits, and with top-k or top-p a sort
+of them. Prefill and steps that need more (a draft model's probabilities, drafters that read the target's hidden
+states or attention, CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
 
 Modes (`SPECBATCH_GRAPH_STEP`): `auto` (captured on a GPU, off on a CPU, whose compiled kernels beat these static
 shapes), `captured`, `compiled` (each layer's norms, projections, RoPE, residual adds and SiLU-gate fused by
@@ -55,8 +55,9 @@ PICK_REPLAYS = 5  # replays of the first bucket under each attention, where `aut
 
 # verify(step_ids [B, T], visible [B, T, T], depth [B, T], argmax [B, T]) -> [B, 3] (accepted, last node, next)
 Verifier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# draw(logits [B, T, vocab], argmax [B, T], temperature [B], seeds [B], positions [B, T]) -> [B, T] each node's token
-Drawer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# draw(logits [B, T, vocab], argmax [B, T], temperature [B], top_k [B], top_p [B], seeds [B], positions [B, T],
+#      filtered) -> [B, T] each node's token
+Drawer = Callable[..., torch.Tensor]
 
 
 def step_mode(device: str) -> str:
@@ -76,16 +77,17 @@ class _Inputs:
     def __init__(self, rows: int, width: int, device: torch.device):
         self.rows, self.width = rows, width
         pinned = device.type == "cuda"
-        # [B, 2T + 2]: each row's node ids, their positions, its cached length, its draw seed
-        self.packed = torch.zeros(rows, 2 * width + 2, dtype=torch.long, device=device)
+        # [B, 2T + 3]: each row's node ids, their positions, its cached length, its draw seed and top-k
+        self.packed = torch.zeros(rows, 2 * width + 3, dtype=torch.long, device=device)
         self.visible = torch.zeros(rows, width, width, dtype=torch.bool, device=device)  # [B, T, T]
-        self.temperature = torch.zeros(rows, device=device)  # [B]: 0 for a greedy row
-        self.host_packed = torch.zeros(rows, 2 * width + 2, dtype=torch.long, pin_memory=pinned)
+        self.floats = torch.zeros(rows, 2, device=device)  # [B, 2]: each row's temperature (0: greedy) and top-p
+        self.host_packed = torch.zeros(rows, 2 * width + 3, dtype=torch.long, pin_memory=pinned)
         self.host_visible = torch.zeros(rows, width, width, dtype=torch.bool, pin_memory=pinned)
-        self.host_temperature = torch.zeros(rows, pin_memory=pinned)
+        self.host_floats = torch.zeros(rows, 2, pin_memory=pinned)
         self.offsets = torch.arange(width, device=device)  # [T]: where node t's keys go, past its row's length
         self.write_rows = torch.arange(rows, device=device).repeat_interleave(width)  # [B T]: its cache slot
         self.sampled = False  # whether the step has sampling rows (its graphs draw tokens; others take argmaxes)
+        self.filtered = False  # whether some row has top-k or top-p (its graphs sort every node's logits)
         self.draw: Drawer | None = None
 
     def fill(self, step_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, lengths: list[int],
@@ -103,25 +105,35 @@ class _Inputs:
         places[:live, :width] = positions
         shown[:live, :width, :width] = visible  # padding sees nothing (the mask lets it see itself)
         self.sampled = sampling is not None
+        self.filtered = self.sampled and sampling.filtered
         if self.sampled:
             self.draw = sampling.draw
             packed[:live, 2 * self.width + 1] = torch.tensor(sampling.seeds)
-            self.host_temperature.zero_()
-            self.host_temperature[:live] = torch.tensor(sampling.temperatures)
-            self.temperature.copy_(self.host_temperature, non_blocking=True)
+            packed[:live, 2 * self.width + 2] = torch.tensor(sampling.top_k)
+            floats = self.host_floats
+            floats.zero_()
+            floats[:live, 0] = torch.tensor(sampling.temperatures)
+            floats[:live, 1] = torch.tensor(sampling.top_p)
+            self.floats.copy_(floats, non_blocking=True)
         self.packed.copy_(packed, non_blocking=True)
         self.visible.copy_(shown, non_blocking=True)
 
 
 @dataclass
 class Sampling:
-    """A step's sampling rows, for the device's draws: each live row's temperature (0: greedy) and draw seed
-    (SequenceState.draw_seed), and what draws (the loop's sampling.draw_nodes). Temperature only: a row with top-k
-    or top-p runs the eager forward."""
+    """A step's sampling rows, for the device's draws: each live row's temperature (0: greedy), top-k (0: off),
+    top-p (1: off) and draw seed (SequenceState.draw_seed), and what draws (the loop's sampling.draw_nodes)."""
 
     temperatures: list[float]
+    top_k: list[int]
+    top_p: list[float]
     seeds: list[int]
     draw: Drawer
+
+    @property
+    def filtered(self) -> bool:
+        """Whether some sampling row has top-k or top-p: its graphs sort every node's logits."""
+        return any(t > 0 and (k > 0 or p < 1) for t, k, p in zip(self.temperatures, self.top_k, self.top_p))
 
 
 @dataclass
@@ -158,8 +170,9 @@ class GraphStep:
         self.before_attention = _Compiled(_dense_before_attention)
         self.after_attention = _Compiled(_dense_after_attention)
         self.inputs: dict[tuple[int, int], _Inputs] = {}
-        # (bucket, whether it draws tokens) -> its graph; None: its capture failed, the bucket runs eagerly
-        self.graphs: dict[tuple[Bucket, bool], _Captured | None] = {}
+        # (bucket, whether it draws tokens, whether with top-k or top-p) -> its graph; None: its capture failed, the
+        # bucket runs eagerly
+        self.graphs: dict[tuple[Bucket, bool, bool], _Captured | None] = {}
         self.pool = None  # the captured graphs' shared memory pool
         self.cache_key = None  # the cache storage the graphs were captured over
         self.capture_s = 0.0  # seconds spent capturing, apart from the steps
@@ -227,7 +240,7 @@ class GraphStep:
         if key != self.cache_key:
             self.graphs.clear()
             self.cache_key = key
-        shape = (bucket, inputs.sampled)  # a step that draws tokens has a graph of its own
+        shape = (bucket, inputs.sampled, inputs.filtered)  # a step that draws tokens has graphs of its own
         if shape in self.graphs:
             return self.graphs[shape]
         started = time.perf_counter()
@@ -329,8 +342,8 @@ class GraphStep:
         # argmax over the head's own dtype: a bf16 logit converts to fp32 exactly, so it picks what fp32 would
         chosen = logits.argmax(dim=-1).view(rows, width)  # [B, T]
         if inputs.sampled:
-            chosen = inputs.draw(logits.view(rows, width, -1), chosen, inputs.temperature, packed[:, 2 * width + 1],
-                                 positions)
+            chosen = inputs.draw(logits.view(rows, width, -1), chosen, inputs.floats[:, 0], packed[:, 2 * width + 2],
+                                 inputs.floats[:, 1], packed[:, 2 * width + 1], positions, inputs.filtered)
         return verify(step_ids, inputs.visible, positions - lengths[:, None], chosen)
 
     def _layer(self, index: int, layer, x: torch.Tensor, cache, step: tuple, bucket: Bucket) -> torch.Tensor:

@@ -369,8 +369,9 @@ class _OffDevice(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
-@pytest.mark.parametrize("mode, attention, sampled", [("eager", "sdpa", False), ("eager", "flex", False),
-                                                      ("compiled", "sdpa", False), ("eager", "sdpa", True)])
+@pytest.mark.parametrize("mode, attention, sampled", [("eager", "sdpa", None), ("eager", "flex", None),
+                                                      ("compiled", "sdpa", None), ("eager", "sdpa", "temperature"),
+                                                      ("eager", "sdpa", "top-p")])
 def test_the_step_holds_only_device_tensors(make, mode, attention, sampled, monkeypatch):
     """What a CUDA graph captures, checked without a GPU: the step computed on the meta device (shapes without
     data, and not the CPU, so the GPU's code paths run) over a mixed batch of a chain, a tree and a plain row, with
@@ -399,7 +400,9 @@ def test_the_step_holds_only_device_tensors(make, mode, attention, sampled, monk
     offsets[1, 1:] = torch.tensor(depths(parents))
     bucket = bucket_for(3, width, max(lengths), cache.slots, cache.capacity)
     inputs = graph_step._Inputs(bucket.rows, bucket.width, torch.device("meta"))
-    sampling = graph_step.Sampling([0.8, 0.0, 1.2], [row_seed(s) for s in (1, 2, 3)], draw_nodes) if sampled else None
+    top_p = [0.9 if sampled == "top-p" else 1.0] * 3
+    sampling = graph_step.Sampling([0.8, 0.0, 1.2], [0, 0, 4 if sampled == "top-p" else 0], top_p, [row_seed(s) for s in (1, 2, 3)],
+                                   draw_nodes) if sampled else None
     inputs.fill(torch.randint(0, 90, (3, width)), torch.tensor(lengths)[:, None] + offsets, visible, lengths,
                 sampling)
     with _OffDevice("meta") as watch:
@@ -411,26 +414,33 @@ def test_the_step_holds_only_device_tensors(make, mode, attention, sampled, monk
     assert any("aten.index" in seen for seen in watch.seen), watch.seen
 
 
-def test_the_device_draws_what_the_host_draws():
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_device_draws_what_the_host_draws(filtered):
     """sampling.draw_nodes (a captured step's draws) gives each sampling node the token the host's verifier draws for
-    the same position (sampling.sample with PositionDraws), and greedy rows their argmax."""
+    the same position (sampling.sample with PositionDraws, over logits_to_probs's distribution: temperature, top-k,
+    top-p), and greedy rows their argmax."""
     gen = torch.Generator().manual_seed(4)
     for vocab in (7, 96, 1000):
         rows, width = 5, 6
         logits = torch.randn(rows, width, vocab, generator=gen) * 3
         temperature = torch.tensor([0.8, 0.0, 1.3, 0.31, 2.0])
+        top_k = torch.tensor([0, 4, 5, 0, 3] if filtered else [0] * rows)
+        top_p = torch.tensor([1.0, 0.5, 1.0, 0.9, 0.8] if filtered else [1.0] * rows)
         seeds = torch.tensor([row_seed(s) for s in (1, 2, 3, None, 5)])
         positions = torch.randint(0, 5000, (rows, 1), generator=gen) + torch.arange(width)
         argmax = logits.argmax(-1)
-        drawn = draw_nodes(logits, argmax, temperature, seeds, positions)
+        drawn = draw_nodes(logits, argmax, temperature, top_k, top_p, seeds, positions, filtered)
         for b in range(rows):
             for t in range(width):
                 if temperature[b] == 0:
                     assert drawn[b, t] == argmax[b, t]
                     continue
-                probs = logits_to_probs(logits[b, t], SamplingParams(temperature=float(temperature[b])))
+                params = SamplingParams(temperature=float(temperature[b]), top_k=int(top_k[b]),
+                                        top_p=float(top_p[b]))
+                probs = logits_to_probs(logits[b, t], params)
                 host = sample(probs, PositionDraws(int(seeds[b]), int(positions[b, t]) + 1))
                 assert int(drawn[b, t]) == host, (vocab, b, t)
+                assert probs[host] > 0
         assert (drawn != argmax)[temperature > 0].any()  # the draws are not argmaxes in disguise
 
 
@@ -461,9 +471,9 @@ def _peaked(make):
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
 def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypatch):
-    """Seeded sampling rows (temperature alone, one-hot drafts: `ar`, chains and trees) beside greedy rows: the
-    graph-ready step draws on the device and gives each row the tokens the eager forward and the host's verifier
-    give, and a seeded row's tokens are `ar`'s whatever its method (draws by position)."""
+    """Seeded sampling rows (temperature, some with top-p or top-k; one-hot drafts: `ar`, chains and trees) beside
+    greedy rows: the graph-ready step draws on the device and gives each row the tokens the eager forward and the
+    host's verifier give, and a seeded row's tokens are `ar`'s whatever its method (draws by position)."""
     prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS)]
     plans = [("ar", MethodOptions()), ("pld", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
              ("copyspec", MethodOptions())]
@@ -476,14 +486,15 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
         run = GraphStep.run
 
         def counted(self, cache, batch, step_ids, verify, sampling=None):
-            sampled.append(sampling is not None)
+            sampled.append(0 if sampling is None else 1 + sampling.filtered)
             return run(self, cache, batch, step_ids, verify, sampling)
 
         monkeypatch.setattr(GraphStep, "run", counted)
         for key, prompt in enumerate(prompts):
             greedy = greedy_only or key % 3 == 2
             params = DecodeParams(max_new_tokens=48, sampling=SamplingParams(
-                temperature=0.0 if greedy else 0.8 + 0.1 * (key % 2), seed=None if greedy else 100 + key))
+                temperature=0.0 if greedy else 0.8 + 0.1 * (key % 2), seed=None if greedy else 100 + key,
+                top_p=0.9 if key % 4 == 1 else 1.0, top_k=5 if key % 4 == 3 else 0))
             name, options = (method, MethodOptions()) if method else plans[key % len(plans)]
             decoder.submit(engine.request(BatchItem(key, prompt, params), name, options, decoder))
         results = {request.key: result for request, result in decoder.run()}
@@ -494,7 +505,7 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
     eager, _ = decode("off")
     ar, _ = decode("off", "ar")
     greedy, _ = decode("off", greedy_only=True)
-    assert sum(sampled) > 5, sampled  # steps drawn on the device
+    assert sampled.count(2) > 5, sampled  # steps drawn on the device, with top-p and top-k
     sampling_rows = [key for key in range(len(prompts)) if key % 3 != 2]
     accepted = sum(on_device[key].metrics.accepted_tokens for key in sampling_rows)
     assert accepted > 15, f"{accepted} draft tokens of sampling rows accepted: the test would prove little"
@@ -503,9 +514,9 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
         assert on_device[key].token_ids == eager[key].token_ids == ar[key].token_ids, key
 
 
-def test_top_p_and_draft_probabilities_run_the_eager_forward():
+def test_drafts_with_probabilities_run_the_eager_forward():
     one_hot, with_probs = Draft([1, 2], "copy"), Draft([1, 2], "draft_model", probs=torch.full((2, 5), 0.2))
-    assert _drawn_on_device(SamplingParams(temperature=0.7), one_hot)
-    assert not _drawn_on_device(SamplingParams(temperature=0.7, top_p=0.9), one_hot)
-    assert not _drawn_on_device(SamplingParams(temperature=0.7, top_k=20), one_hot)
-    assert not _drawn_on_device(SamplingParams(temperature=0.7), with_probs)
+    assert _drawn_on_device(one_hot) and _drawn_on_device(None) and not _drawn_on_device(with_probs)
+    sampling = graph_step.Sampling([0.0, 0.7], [20, 0], [0.5, 1.0], [1, 2], draw_nodes)
+    assert not sampling.filtered  # a greedy row's top-k and top-p change nothing
+    assert graph_step.Sampling([0.0, 0.7], [0, 0], [1.0, 0.9], [1, 2], draw_nodes).filtered

@@ -190,12 +190,14 @@ def test_graph_ready_steps_equal_ar(engine, reference, monkeypatch, attention):
 
 
 def test_graph_ready_steps_sample_what_ar_samples(engine, monkeypatch):
-    """Seeded sampling rows on the real model (fp32, temperature 0.7): `ar` through the eager forward and the host's
-    draws, and chains and trees through the graph-ready step's draws on the device (graph_step.py), give the same
-    tokens: the draws are by position (sampling.PositionDraws), so neither the width nor the path changes them."""
+    """Seeded sampling rows on the real model (fp32, temperature 0.7, two with top-p, one with top-k too): `ar`
+    through the eager forward and the host's draws, and chains and trees through the graph-ready step's draws on the
+    device (graph_step.py), give the same tokens: the draws are by position (sampling.PositionDraws), so neither the
+    width nor the path changes them."""
     runner = engine.target
     cases = [BatchItem(item.key, item.prompt_ids, DecodeParams(max_new_tokens=32, sampling=SamplingParams(
-        temperature=0.7, seed=index))) for index, item in enumerate(lossless_items(engine)[:4])]
+        temperature=0.7, seed=index, top_p=0.9 if index % 2 else 1.0, top_k=40 if index == 3 else 0)))
+        for index, item in enumerate(lossless_items(engine)[:4])]
     plans = [("pld", MethodOptions()), ("copyspec", MethodOptions(candidates=3)), ("copyspec", MethodOptions()),
              ("pld", MethodOptions(candidates=3))]
 
