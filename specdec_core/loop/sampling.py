@@ -54,7 +54,7 @@ def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator:
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., vocab] logits -> [..., vocab] float32 probabilities under temperature / top-k / top-p."""
     # a float32 tensor, not a Python number: a GPU may multiply by a scalar's reciprocal instead of dividing, and a
-    # captured step divides by its rows' temperatures (graph_step._draws): both divide, to the same bits
+    # captured step divides by its rows' temperatures (draw_nodes): both divide, to the same bits
     logits = logits.float() / torch.tensor(params.temperature, dtype=torch.float32, device=logits.device)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]

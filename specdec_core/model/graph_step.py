@@ -183,7 +183,7 @@ class GraphStep:
             sampling: Sampling | None = None) -> list[list[int]] | None:
         """One step over every live row of `cache` (batch.rows must be None: rows 0..n-1).
         step_ids [n, T] the rows' pending tokens and drafts as proposed (ids past the vocabulary never match).
-        sampling: the rows' temperatures and draw seeds where some row samples (its drafts one-hot), else None.
+        sampling: the rows' sampling parameters and draw seeds where some row samples (its drafts one-hot), else None.
         -> per row [accepted, last accepted node, next token]; None where no bucket holds the step (run the eager
         forward). The caller commits: lengths are not advanced."""
         live, width = step_ids.shape
