@@ -8,6 +8,9 @@
 #   stage flex: the attention without masks (model/block_attention.py) against masked SDPA: gpu_step_roofline.py on the
 #             Qwen2.5-1.5B shape, batch 64 / 256, widths 1 and 4, eager and captured steps, and a prefill forward of
 #             64 prompts under each -> $OUT/step_roofline_flex.json (device_check's flex rows are in stage roofline)
+#   stage sampling: what drawing on the device costs a captured step: gpu_step_roofline.py on the Qwen2.5-1.5B shape,
+#             batch 64, widths 1 and 4, greedy against every row sampling (temperature; top-p, which sorts every node's
+#             logits) -> $OUT/step_roofline_sampling.json (device_check's sampling rows are in stage roofline)
 #   stage ff: device_check, then the shaped random models (SmolLM2, Qwen2.5-1.5B, a tiny Llama) with our forward
 #             through HF's modules and fast_forward.py side by side, against HF generate (no weights to carry)
 #   stage recv (once per piece): a model's GGUF piece (.piece1/, .piece2/, ... split here) kept on the machine; the first
@@ -46,6 +49,11 @@ elif [ "$stage" = flex ]; then
     timeout 500 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \
         --modes eager captured --attention sdpa flex --prefill --out $OUT/step_roofline_flex.json 2>&1 \
         | tee $OUT/step_roofline_flex.log
+elif [ "$stage" = sampling ]; then
+    install_wheels
+    timeout 300 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 --widths 1 4 \
+        --modes eager captured --sampling temperature top-p --out $OUT/step_roofline_sampling.json 2>&1 \
+        | tee $OUT/step_roofline_sampling.log
 elif [ "$stage" = ff ]; then
     install_wheels
     timeout 100 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
@@ -76,5 +84,5 @@ elif [ "$stage" = qwen15 ]; then
         --max-new-tokens 64 --methods ar spectra spectra:budget=off --no-hf --json $OUT/qwen15_spectra.json \
         2>&1 | tee $OUT/qwen15_spectra.log
 else
-    echo "unknown stage $stage (roofline, flex, ff, recv, smollm2 N, qwen15 N)"; exit 2
+    echo "unknown stage $stage (roofline, flex, sampling, ff, recv, smollm2 N, qwen15 N)"; exit 2
 fi

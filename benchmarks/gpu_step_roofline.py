@@ -10,7 +10,9 @@ machine needs no model files. For each shape, batch size and step width, on a ca
 
 Each of the step modes runs with each `--attention` (model/block_attention.py): `sdpa`, SDPA with a boolean or
 float mask over every padded key, and `flex`, flex_attention (compiled) with a block mask that skips each row's dead
-keys; a record's tokens are compared with the eager step's under the same attention. `--prefill` also times one
+keys; a record's tokens are compared with the eager step's under the same attention. `--sampling` times the step
+modes again with every row drawing on the device (`temperature`, or `top-p`: a sort of every node's logits; records
+with a `sampling` field, not compared with the greedy eager step). `--prefill` also times one
 prefill forward of `--batch-sizes`' first size prompts of ~`--context` tokens (lengths spread from 1/4 to the full
 context, so a padded [b, T] block is ~3/8 padding) under each attention.
 
@@ -41,9 +43,10 @@ import torch  # noqa: E402
 from benchmarks.batch_bench import hardware  # noqa: E402
 from benchmarks.host_overhead_bench import SHAPES, shaped_model  # noqa: E402
 from specdec_core.loop.kv_cache import new_slot_cache  # noqa: E402
+from specdec_core.loop.sampling import draw_nodes  # noqa: E402
 from specdec_core.loop.verification import accept_greedy_chains, accept_greedy_nodes  # noqa: E402
 from specdec_core.model import block_attention  # noqa: E402
-from specdec_core.model.graph_step import GraphStep  # noqa: E402
+from specdec_core.model.graph_step import GraphStep, Sampling  # noqa: E402
 from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 from specdec_core.model.step_batch import StepBatch  # noqa: E402
 from tests.tiny_models import DigitsTokenizer  # noqa: E402
@@ -212,6 +215,23 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                                       syncs_per_step=syncs_in(run, args.device))
                     records.append(record)
                     _print(record)
+                for kind in args.sampling:  # the same steps, every row drawing on the device (seeded)
+                    sampling = Sampling([0.8] * batch_size, [0] * batch_size,
+                                        [0.9 if kind == "top-p" else 1.0] * batch_size, list(range(batch_size)),
+                                        draw_nodes)
+                    for mode, step in steps.items():
+                        step_ms, _ = timed(lambda: step.run(cache, batch, step_ids, accept_greedy_nodes, sampling),
+                                           args.device, args.reps)
+                        record = {**base, "batch_size": batch_size, "width": width, "mode": mode,
+                                  "attention": attention, "sampling": kind, "step_ms": round(step_ms, 4),
+                                  "roofline_ms": round(roofline_ms, 4),
+                                  "roofline_ratio": round(step_ms / roofline_ms, 2)}
+                        if attention == "flex":
+                            record["flex_kernel"] = block_attention.kernel_state(args.device)
+                        if mode in ("captured", "compiled"):
+                            record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3))
+                        records.append(record)
+                        _print(record)
             del cache
         if "hf" in args.modes and 1 in args.widths:
             step_ms = hf_step_ms(runner, lengths, args.hf_new_tokens)
@@ -243,6 +263,7 @@ def _print(record: dict) -> None:
         f"  captured {record['captured']} in {record['capture_s']:.2f} s, syncs {record['syncs_per_step']}")
     same = "" if "same_tokens_as_eager" not in record else f"  same tokens as eager: {record['same_tokens_as_eager']}"
     attention = f" {record['attention']:>4}" if "attention" in record else ""
+    attention += f" {record['sampling']}" if "sampling" in record else ""
     print(f"{record['shape']:>13} b{record['batch_size']:<4} T{record['width']:<3} {record['mode']:>9}{attention}: "
           f"{record['step_ms']:9.3f} ms  roofline {record['roofline_ms']:8.3f} ms  x{record['roofline_ratio']:<7}"
           f"{same}{extra}" + (f"  flex_attention {record['flex_kernel']}" if "flex_kernel" in record else ""),
@@ -269,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=block_attention.CANDIDATES,
                         help="the steps' attention: masked SDPA, flex_attention with a block mask, or both")
     parser.add_argument("--prefill", action="store_true", help="also time a prefill forward under each attention")
+    parser.add_argument("--sampling", nargs="*", default=[], choices=["temperature", "top-p"],
+                        help="also time the graph-ready steps with every row sampling: at temperature 0.8, or with "
+                             "top-p 0.9 too (a sort of every node's logits)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -15,8 +15,13 @@ def test_the_roofline_records(tmp_path, monkeypatch):
     out = tmp_path / "step_roofline.json"
     assert gpu_step_roofline.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--batch-sizes", "3",
                                    "--widths", "1", "4", "--context", "30", "--reps", "1", "--hf-new-tokens", "3",
-                                   "--attention", "sdpa", "flex", "--prefill", "--out", str(out)]) == 0
+                                   "--attention", "sdpa", "flex", "--prefill", "--sampling", "top-p",
+                                   "--out", str(out)]) == 0
     records = json.loads(out.read_text())
+    sampled = [(r["width"], r["mode"], r["attention"]) for r in records if "sampling" in r]
+    assert sorted(sampled) == sorted((width, mode, attention) for width in (1, 4)
+                                     for mode in ("static", "captured", "compiled") for attention in ("sdpa", "flex"))
+    records = [r for r in records if "sampling" not in r]
     modes = [(r["width"], r["mode"], r.get("attention")) for r in records if r["mode"] != "prefill"]
     assert sorted(modes, key=str) == sorted(
         [(width, mode, attention) for width in (1, 4) for mode in ("eager", "static", "captured", "compiled")
