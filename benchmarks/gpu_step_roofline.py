@@ -220,8 +220,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                                         [0.9 if kind == "top-p" else 1.0] * batch_size, list(range(batch_size)),
                                         draw_nodes)
                     for mode, step in steps.items():
-                        step_ms, _ = timed(lambda: step.run(cache, batch, step_ids, accept_greedy_nodes, sampling),
-                                           args.device, args.reps)
+                        run = (lambda step=step: step.run(cache, batch, step_ids, accept_greedy_nodes, sampling))
+                        step_ms, _ = timed(run, args.device, args.reps)
                         record = {**base, "batch_size": batch_size, "width": width, "mode": mode,
                                   "attention": attention, "sampling": kind, "step_ms": round(step_ms, 4),
                                   "roofline_ms": round(roofline_ms, 4),
@@ -229,7 +229,8 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                         if attention == "flex":
                             record["flex_kernel"] = block_attention.kernel_state(args.device)
                         if mode in ("captured", "compiled"):
-                            record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3))
+                            record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
+                                          syncs_per_step=syncs_in(run, args.device))
                         records.append(record)
                         _print(record)
             del cache
