@@ -27,6 +27,7 @@ from specdec_core.methods import MethodOptions
 from specdec_core.model import block_attention, graph_step
 from specdec_core.model.graph_step import GraphStep
 from specdec_core.model.model_runner import ModelRunner
+from specdec_core.model.step_batch import StepBatch
 from specdec_core.model.step_buckets import KEY_QUANTUM, Bucket, bucket_for
 from tests.tiny_models import DigitsTokenizer, hf_greedy, repetitive_prompt, tiny_llama, tiny_qwen2
 
@@ -520,3 +521,31 @@ def test_drafts_with_probabilities_run_the_eager_forward():
     sampling = graph_step.Sampling([0.0, 0.7], [20, 0], [0.5, 1.0], [1, 2], draw_nodes)
     assert not sampling.filtered  # a greedy row's top-k and top-p change nothing
     assert graph_step.Sampling([0.0, 0.7], [0, 0], [1.0, 0.9], [1, 2], draw_nodes).filtered
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_the_eager_forward_runs_on_another_device(attention, monkeypatch):
+    """The eager forward's GPU path (no CPU kernels: prefill of padded prompts, a verify step), on the meta device:
+    a host tensor mixed into a device op there fails, as it would on a GPU."""
+    monkeypatch.setattr(block_attention, "_kernels", {"meta": None})  # no meta flex kernel: its fallback, as above
+    runner = ModelRunner(tiny_llama(0).model.to("meta"), DigitsTokenizer(), "tiny-on-meta", "meta", torch.float32,
+                         fast_forward=True)
+    runner.gpu_attention = attention
+    cache = new_slot_cache(runner)
+    cache.fit(4, 512)
+    news, width = torch.tensor([20, 7, 13]), 20
+    for _ in news:
+        cache.add_row()
+    real = torch.arange(width)[None, :] < news[:, None]  # [b, T]
+    visible = torch.ones(width, width, dtype=torch.bool).tril() & real[:, None, :] & real[:, :, None]
+    prefill = StepBatch(torch.randint(1, 90, (3, width)), torch.arange(width).expand(3, width).clone(), visible,
+                        torch.stack([torch.arange(3), news - 1], 1), prefill=True)
+    logits = runner.forward_slots(cache, prefill)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (3, runner.vocab_size)
+    for row, length in enumerate(news.tolist()):
+        cache.set_length(row, length)
+    chain = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 4, 4).clone()
+    verify = StepBatch(torch.randint(1, 90, (3, 4)), news[:, None] + torch.arange(4), chain,
+                       torch.stack([torch.arange(3).repeat_interleave(4), torch.arange(4).repeat(3)], 1))
+    logits = runner.forward_slots(cache, verify)
+    assert logits.device.type == "meta" and tuple(logits.shape) == (12, runner.vocab_size)
