@@ -398,12 +398,12 @@ class BatchDecoder:
         self.slowest_forward_s = max(self.slowest_forward_s, seconds)
 
     def _propose(self, drafting: bool) -> dict[int, DraftPool]:
-        """Each row's proposal, or only the pinned rows' while drafting rests. A seeded sampling row drafted by a
-        draft model draws from its generator (the draft model's tokens, and verification against their
-        probabilities), so its draws depend on how many draft tokens it verifies: its drafts never go through the
-        budget, whose choices follow the clock. It always drafts and verifies what its drafter proposed, and
-        reproduces whatever shares its batch, run after run (the batch pays for its width). Rows with one-hot drafts
-        draw by position (sampling.PositionDraws) and go through the budget. -> the draft-model pools asked."""
+        """Each row's proposal, or only the pinned rows' while drafting rests. A seeded sampling row's drafts never
+        go through the budget, whose choices follow the clock: it always drafts and verifies what its drafter
+        proposed, and reproduces whatever shares its batch, run after run (the batch pays for its width). Its draws
+        come by position (sampling.PositionDraws), or from its generator where a draft model drafts, whose draws
+        depend on how many tokens it verifies; in bf16 a token's logits also change with its step's width.
+        -> the draft-model pools asked."""
         for row in self.rows:
             row.draft = empty_draft() if row.request.drafter.proposes else NO_DRAFT
         proposing = [r for r in self.rows if r.request.drafter.proposes]
@@ -469,7 +469,7 @@ class BatchDecoder:
         return count, width, real
 
     def _pinned_draft_limit(self) -> int:
-        """Most draft tokens a pinned row (_pinned) verifies: --token-budget split over a full batch, if set."""
+        """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""
         budget = self.budget.token_budget
         return self.max_draft if budget is None else max(0, budget // self.max_batch - 1)
 
@@ -708,10 +708,9 @@ def _tokens_left(row: Row) -> int:
 
 
 def _pinned(row: Row) -> bool:
-    """A seeded sampling row whose draft model draws with the request's generator: its draft is verified as
-    proposed (see BatchDecoder._propose). Other rows' draws are by position, whatever their drafts' widths."""
+    """A seeded sampling row: its draft is verified as proposed (see BatchDecoder.step)."""
     sampling = row.request.params.sampling
-    return not sampling.greedy and sampling.seed is not None and row.request.drafter.pool is not None
+    return not sampling.greedy and sampling.seed is not None
 
 
 def _reach(draft: Draft, pools: dict[int, DraftPool] | None = None) -> list[int]:
