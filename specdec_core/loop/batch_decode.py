@@ -307,7 +307,7 @@ class BatchDecoder:
         picked = self.target.attention_pick_s - picking  # timing the attentions (a GPU's first masked prefill)
         self.stats.capture_s += picked
         self.stats.prefill_s += time.perf_counter() - forward_started - picked
-        self._progress(time.perf_counter() - forward_started)
+        self._progress(time.perf_counter() - forward_started - picked)  # (the hang watchdog's slowest forward)
         for entry, chunk, index in zip(group, chunks, indices):
             entry.done += chunk
             self.cache.set_length(index, entry.done)

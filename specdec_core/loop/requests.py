@@ -42,7 +42,7 @@ class SequenceState:
     draw_seed: int = 0  # the target's draws of this row: by position (sampling.PositionDraws)
 
     @classmethod
-    def new(cls, prompt_ids: Sequence[int], generator: torch.Generator, draw_seed: int = 0) -> "SequenceState":
+    def new(cls, prompt_ids: Sequence[int], generator: torch.Generator, draw_seed: int) -> "SequenceState":
         return cls(tokens=list(prompt_ids), prompt_len=len(prompt_ids), generator=generator,
                    metrics=RequestMetrics(prompt_tokens=len(prompt_ids)), draw_seed=draw_seed)
 

@@ -3,9 +3,10 @@ draws.
 
 A draw is an inverse CDF: the first token whose cumulative probability passes a uniform number u. Where u comes from:
 - the target's tokens of a row whose drafts carry no probabilities (`ar`, copying and lookup drafts; chains and
-  trees): u is a hash of the row's seed and the token's position (PositionDraws). A token's draw then depends on
-  nothing else, so a seeded row samples the same tokens alone, inside any batch, at any draft width and as `ar`
-  does, and the device computes the same u inside a captured step (graph_step.py) as the host does here;
+  trees): u is a hash of the row's seed and the token's position (PositionDraws). A token's u then depends on
+  nothing else, so where its probabilities do not change with the step (fp32, or bf16 with --deterministic) a
+  seeded row samples the same tokens alone, inside any batch, at any draft width and as `ar` does; and the device
+  computes the same u inside a captured step (graph_step.py) as the host does here;
 - everything else (a draft model's own tokens, and verification against its probabilities, which takes a uniform
   for the acceptance test besides the draw): the request's torch.Generator, on the host.
 Either way only u is drawn on the host: the probabilities stay on their device.
@@ -99,17 +100,16 @@ def uniform_at(seed, position):
 
 
 def row_seed(seed: int | None) -> int:
-    """A row's 32-bit draw seed: from the request's seed (all its bits), else at random (the OS's: a program that
-    seeds Python's `random` does not make unseeded rows repeat)."""
+    """A row's 32-bit draw seed: from the request's seed (each 32-bit part, how many there are and the sign), else
+    at random (the OS's: a program that seeds Python's `random` does not make unseeded rows repeat)."""
     if seed is None:
         return secrets.randbits(32)
-    seed = int(seed)
-    mixed = 0
+    magnitude, parts, mixed = abs(int(seed)), 0, 0x5EED5EED  # (not 0: hash32(0) is 0, a zero part would vanish)
     while True:
-        mixed = hash32(mixed ^ (seed & MASK32))
-        seed >>= 32
-        if seed in (0, -1):
-            return mixed
+        mixed = hash32(mixed ^ (magnitude & MASK32))
+        magnitude, parts = magnitude >> 32, parts + 1
+        if not magnitude:
+            return hash32(mixed ^ (parts << 1 | (int(seed) < 0)))
 
 
 class PositionDraws:
@@ -129,9 +129,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cumulative probability passes u x the total. A token of probability 0 is never drawn."""
     cumulative = probs.float().cumsum(-1)  # [..., vocab]
     wanted = (uniforms.to(cumulative.device) * cumulative[..., -1])[..., None]  # [..., 1]
-    token = torch.searchsorted(cumulative, wanted, right=True)[..., 0]
-    # u x total rounded up to the total: the likeliest token (a float's edge, about once in 2^24 draws)
-    return torch.where(token < probs.shape[-1], token, probs.argmax(-1))
+    token = torch.searchsorted(cumulative, wanted, right=True)[..., 0].clamp(max=probs.shape[-1] - 1)
+    # a parallel scan (a GPU's) may step by an ulp across a run of zeros: never draw a token of probability 0
+    return torch.where(probs.gather(-1, token[..., None])[..., 0] > 0, token, probs.argmax(-1))
 
 
 def sample(probs: torch.Tensor, source: torch.Generator | PositionDraws) -> int:

@@ -109,6 +109,8 @@ def verify_speculative_sampling(
     """
     if draft_probs is None:
         return _verify_one_hot_chain(draft_tokens, target_probs, generator)
+    if isinstance(generator, PositionDraws):  # two numbers a position here: position draws would misalign
+        raise TypeError("verification against a draft's probabilities draws with the request's generator")
     vocab = target_probs.shape[-1]
     for i, x in enumerate(draft_tokens):
         p = target_probs[i]  # [vocab]
@@ -137,9 +139,9 @@ def _verify_one_hot_chain(draft_tokens: list[int], target_probs: torch.Tensor,
     """One-hot drafts (copying, lookup): draw the target's token at each position and accept the draft token while
     the draws equal it. P(accept x) = p(x), and a rejected position emits a draw from p given that it is not x, i.e.
     the residual max(0, p - delta_x) renormalised: the same law as the accept-with-p(x)-then-resample rule. Unlike
-    that rule it takes exactly one draw per emitted token, so a seeded row's stream of draws lines up with its
-    positions whatever width the batch verified it at: the row samples the same tokens alone, inside any batch,
-    and as `ar` does."""
+    that rule it takes exactly one draw per emitted token, so a seeded row's draws line up with its positions
+    whatever width the batch verified it at: where its probabilities do not change with the step (fp32, or bf16
+    with --deterministic) the row samples the same tokens alone, inside any batch, and as `ar` does."""
     for i, x in enumerate(draft_tokens):
         drawn = sample(target_probs[i], generator)
         if drawn != x:

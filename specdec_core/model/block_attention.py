@@ -82,7 +82,6 @@ def block_mask(lengths: torch.Tensor, visible: torch.Tensor, keys: int, news: to
 
 COMPILED_ON = ("cuda",)  # device types where flex_attention runs compiled (elsewhere eagerly: the CPU suite's checks)
 _kernels: dict[str, object] = {}  # device type -> compiled flex_attention, or None once it failed there
-_dense: list = [None, None]  # [BlockMask, its [b, 1, T, L] bool mask]: the fallback builds it once per forward
 
 
 def _kernel(device: torch.device):
@@ -114,8 +113,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
            scale: float) -> torch.Tensor:
     """query [b, H, T, d], keys and values [b, KV, L, d] (H a multiple of KV) -> [b, T, H, d].
     Where flex_attention fails (a shape its compiled kernels do not take, Dynamo's recompile limit, a device it
-    does not run on), it is dropped for the process and device with one log line, and SDPA runs with the rule as a boolean mask: the same attention,
-    at the masked kernel's speed."""
+    does not run on), it is dropped for the process and device with one log line, and SDPA runs with the rule as a
+    boolean mask: the same attention, at the masked kernel's speed."""
     kernel = _kernel(query.device)
     if kernel is not None:
         try:
@@ -135,10 +134,10 @@ def _masked_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rows, heads, width, head_dim = query.shape
     kv_heads, keys_count = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    if _dense[0] is not mask:  # every layer of a forward shares one block mask
-        _dense[:] = mask, create_mask(mask.mask_mod, rows, None, width, keys_count, device=query.device)  # [b,1,T,L]
-    allowed = _dense[1][:, :, None].expand(rows, 1, group, width, keys_count).reshape(rows, 1, group * width,
-                                                                                      keys_count)
+    dense = getattr(mask, "dense", None)  # [b, 1, T, L] bool: built once, for every layer of the forward
+    if dense is None:
+        dense = mask.dense = create_mask(mask.mask_mod, rows, None, width, keys_count, device=query.device)
+    allowed = dense[:, :, None].expand(rows, 1, group, width, keys_count).reshape(rows, 1, group * width, keys_count)
     folded = query.reshape(rows, kv_heads, group * width, head_dim)  # [b, KV, group T, d]
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=allowed, scale=scale)
     return out.view(rows, kv_heads, group, width, head_dim).reshape(rows, heads, width, head_dim).transpose(1, 2)

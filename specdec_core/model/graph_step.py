@@ -111,7 +111,7 @@ class _Inputs:
             packed[:live, 2 * self.width + 1] = torch.tensor(sampling.seeds)
             packed[:live, 2 * self.width + 2] = torch.tensor(sampling.top_k)
             floats = self.host_floats
-            floats.zero_()
+            floats[:, 0], floats[:, 1] = 0.0, 1.0  # padding rows: greedy, nothing filtered (no row of -inf)
             floats[:live, 0] = torch.tensor(sampling.temperatures)
             floats[:live, 1] = torch.tensor(sampling.top_p)
             self.floats.copy_(floats, non_blocking=True)
@@ -178,6 +178,7 @@ class GraphStep:
         self.capture_s = 0.0  # seconds spent capturing, apart from the steps
         self.captures = 0
         self.steps = 0
+        self.uncapturable: set[tuple[bool, bool]] = set()  # (sampled, filtered) kinds of step whose capture failed
 
     def run(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier,
             sampling: Sampling | None = None) -> list[list[int]] | None:
@@ -195,7 +196,7 @@ class GraphStep:
             inputs = self.inputs[(bucket.rows, bucket.width)] = _Inputs(bucket.rows, bucket.width, self.device)
         inputs.fill(step_ids, batch.positions, batch.visible, cache.lengths[:live], sampling)
         self.steps += 1
-        if self.capture:
+        if self.capture and (inputs.sampled, inputs.filtered) not in self.uncapturable:
             captured = self._captured(bucket, inputs, cache, verify)
             if captured is not None:
                 captured.graph.replay()
@@ -253,11 +254,16 @@ class GraphStep:
         except Exception as exc:  # eager still gives the same tokens
             if stream is not None:  # a capture that raised may leave its own stream current
                 torch.cuda.set_stream(stream)
-            log.warning("captured step %s failed (%s: %s); every step runs eagerly on the same buffers", bucket,
-                        type(exc).__name__, exc)
             captured = None
-            self.capture = False  # what failed once would fail again, at a price each time
-            self.attention = "sdpa" if self.attention == "auto" else self.attention
+            if inputs.sampled:  # the draws' ops (a sort, a search) failed: greedy steps keep their graphs
+                log.warning("captured step %s with draws failed (%s: %s); such steps run eagerly on the same "
+                            "buffers", bucket, type(exc).__name__, exc)
+                self.uncapturable.add((inputs.sampled, inputs.filtered))
+            else:
+                log.warning("captured step %s failed (%s: %s); every step runs eagerly on the same buffers", bucket,
+                            type(exc).__name__, exc)
+                self.capture = False  # what failed once would fail again, at a price each time
+                self.attention = "sdpa" if self.attention == "auto" else self.attention
         self.capture_s += time.perf_counter() - started
         self.captures += captured is not None
         self.graphs[shape] = captured

@@ -288,6 +288,7 @@ class ModelRunner:
                 raise ValueError(f"hidden layer {layer} is out of range: {self.name} has layers 0..{self.num_layers}")
         plan = self._attention_for(cache, lengths, batch)
         if self._picks_prefill_attention(batch, plan):
+            plan = None  # (its [b, T, L] mask: each attention's run plans its own)
             return self._pick_prefill_attention(cache, lengths, batch, head)
         return self._run(cache, lengths, batch, plan, head)
 

@@ -287,10 +287,10 @@ def test_auto_keeps_the_faster_attention_of_the_first_capture(monkeypatch, caplo
         assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
 
 
-@pytest.mark.parametrize("seconds, fails, picked", [({"sdpa": 0.04, "flex": 0.005}, None, "flex"),
-                                                     ({"sdpa": 0.005, "flex": 0.04}, None, "sdpa"),
-                                                     ({"sdpa": 0.04, "flex": 0.005}, "flex", "sdpa"),
-                                                     ({"sdpa": 0.04, "flex": 0.005}, "flex kernel", "sdpa")])
+@pytest.mark.parametrize("seconds, fails, picked", [({"sdpa": 0.2, "flex": 0.03}, None, "flex"),
+                                                     ({"sdpa": 0.03, "flex": 0.2}, None, "sdpa"),
+                                                     ({"sdpa": 0.2, "flex": 0.03}, "flex", "sdpa"),
+                                                     ({"sdpa": 0.2, "flex": 0.03}, "flex kernel", "sdpa")])
 def test_auto_times_the_first_masked_prefill(monkeypatch, caplog, seconds, fails, picked):
     """`auto` where steps are captured: the first prefill of several prompts runs with each attention (stand-in
     times here), the faster serves the later prefills, the timing counts apart from the prefill, a flex forward that
@@ -327,7 +327,8 @@ def test_auto_times_the_first_masked_prefill(monkeypatch, caplog, seconds, fails
     assert prefills == tried + [picked], prefills  # the second masked prefill: the pick alone
     pick_s = 2 * seconds["sdpa"] + (2 * seconds["flex"] if fails != "flex" else 0) - seconds["sdpa"]
     assert pick_s <= runner.attention_pick_s <= decoder.stats.capture_s
-    assert decoder.stats.prefill_s < runner.attention_pick_s + 2 * seconds[picked] + 0.5
+    kept = seconds["sdpa"] + seconds[picked]  # the first prefill's last forward, then the second prefill's
+    assert kept <= decoder.stats.prefill_s < kept + 0.15  # (the pick's seconds counted once, apart)
     assert sum(f"prefills attend through {picked}" in r.message for r in caplog.records) == 1
     for key, prompt in enumerate(prompts):
         assert results[key].token_ids == hf_greedy(runner, prompt, 8), key

@@ -549,3 +549,45 @@ def test_the_eager_forward_runs_on_another_device(attention, monkeypatch):
                        torch.stack([torch.arange(3).repeat_interleave(4), torch.arange(4).repeat(3)], 1))
     logits = runner.forward_slots(cache, verify)
     assert logits.device.type == "meta" and tuple(logits.shape) == (12, runner.vocab_size)
+
+
+def test_a_failed_capture_of_draws_leaves_greedy_steps_captured(monkeypatch, caplog):
+    """Steps that draw have graphs of their own (a sort, a search): where their capture fails, they run eagerly (one
+    log line) while greedy steps keep being captured, and every row's tokens stay the same."""
+    engine = Engine.from_runners(_runner(tiny_llama, "captured", monkeypatch))
+    engine.target.gpu_attention = "sdpa"
+
+    def capture(self, bucket, inputs, cache, verify):
+        if inputs.sampled:
+            raise RuntimeError("no capture of a sort here")
+        output = self.compute(bucket, inputs, cache, verify)
+        return graph_step._Captured(_Replay(self, (bucket, inputs, cache, verify), output), output)
+
+    monkeypatch.setattr(GraphStep, "_capture", capture)
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    sampled = DecodeParams(max_new_tokens=8, sampling=SamplingParams(temperature=0.8, seed=5))
+
+    def decode(engine):
+        decoder = engine.decoder(batch_size=3, speculation_budget=False)
+        for key, prompt in enumerate(prompts):
+            params = sampled if key == 0 else DecodeParams(max_new_tokens=MAX_NEW)
+            decoder.submit(engine.request(BatchItem(key, prompt, params), "pld", None, decoder))
+        return {request.key: result for request, result in decoder.run()}
+
+    with caplog.at_level(logging.WARNING, logger=graph_step.__name__):
+        results = decode(engine)
+    step = engine.target.graph_step()
+    assert step.capture and step.uncapturable == {(True, False)} and step.captures >= 1
+    assert sum("with draws failed" in r.message for r in caplog.records) == 1
+    monkeypatch.setenv(graph_step.MODE_ENV, "off")
+    eager = decode(Engine.from_runners(tiny_llama(0)))
+    for key, prompt in enumerate(prompts):
+        assert results[key].token_ids == eager[key].token_ids, key
+        if key:
+            assert results[key].token_ids == hf_greedy(engine.target, prompt, MAX_NEW), key
+
+
+def test_row_seeds_keep_every_part_of_the_seed():
+    seeds = [0, 1, 2, 2**32, 2**32 + 1, 2**64, -1, 2**32 - 1, -2, 2**32 - 2, 7, -7]
+    assert len({row_seed(seed) for seed in seeds}) == len(seeds)
+    assert row_seed(12345) == row_seed(12345) and 0 <= row_seed(-12345) < 2**32

@@ -6,6 +6,7 @@ import torch
 
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
+from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.loop.kv_cache import SlotKVCache
 from specdec_core.loop.requests import DecodeParams
@@ -156,7 +157,8 @@ class EchoDrafter(Drafter):
         return Draft(tokens=list(tokens[-6:])[:max_tokens], source="echo")
 
 
-def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_its_neighbours(llama):
+@pytest.mark.parametrize("drafter", ["echo", "draft model"])
+def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_its_neighbours(llama, drafter):
     """A seeded row's drafts bypass the budget, whose choices follow the clock (capped only by the token budget over
     a full batch): its forwards' widths then do not change run after run, which in bf16, where a token's logits
     change with its step's width, keeps its draws the same. A budget that never drafts (and so rests) and one that
@@ -166,11 +168,12 @@ def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_i
 
     prompt = repetitive_prompt(3, 30)
     sampled = DecodeParams(max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=11))
-    outputs = []
+    outputs, drafted = [], []
     for cost, neighbours in ((lambda rows, width: float(width), 0), (lambda rows, width: 1.0, 2)):
         budget = SpeculationBudget.for_target(llama, cost=StepCostModel(fixed=cost), token_budget=15)
         decoder = BatchDecoder(llama, max_batch=3, budget=budget)
-        decoder.submit(DecodeRequest("seeded", prompt, sampled, EchoDrafter()))
+        own = EchoDrafter() if drafter == "echo" else DraftModelDrafter(DraftModelPool(tiny_llama(1)), num_tokens=6)
+        decoder.submit(DecodeRequest("seeded", prompt, sampled, own))
         for key in range(neighbours):
             decoder.submit(DecodeRequest(key, repetitive_prompt(key, 17), DecodeParams(max_new_tokens=24),
                                          CopySpecDrafter(gamma=2, copy_tokens=8)))
@@ -179,7 +182,8 @@ def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_i
         assert seeded.metrics.drafted_tokens > 0 and len(seeded.token_ids) == 24
         assert seeded.metrics.drafted_tokens <= 4 * seeded.metrics.target_forwards  # 15 // 3 - 1 per step
         outputs.append(seeded.token_ids)
-    assert outputs[0] == outputs[1]
+        drafted.append(seeded.metrics.drafted_tokens)
+    assert outputs[0] == outputs[1] and drafted[0] == drafted[1]  # the budget changed none of its widths
 
 
 class StallingDrafter(Drafter):
