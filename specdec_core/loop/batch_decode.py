@@ -550,8 +550,9 @@ class BatchDecoder:
                 step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> None:
         """Verify (unless the step did: `results`, and no logits) and commit every row."""
         if results is None:
-            # drafts with probabilities are verified against them with the request's generator; others by position
-            sources = [r.state.generator if r.draft.probs is not None else r.state.target_draws() for r in rows]
+            # sampling rows draw by position, unless verified against a draft's probabilities (the generator)
+            sources = [r.state.target_draws() if not r.request.params.sampling.greedy and r.draft.probs is None
+                       else r.state.generator for r in rows]
             results = verify_rows([r.draft for r in rows], logits, [r.request.params.sampling for r in rows],
                                   sources, step_ids, [r.request.rule for r in rows])
         starts = list(accumulate((1 + len(r.draft.tokens) for r in rows), initial=0))  # row -> its first logit

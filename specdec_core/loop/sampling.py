@@ -134,11 +134,14 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(probs.gather(-1, token[..., None])[..., 0] > 0, token, probs.argmax(-1))
 
 
+def next_uniform(source: torch.Generator | PositionDraws) -> float:
+    """The next uniform number in [0, 1) of a row's draws (see the module's docstring)."""
+    return source.uniform() if isinstance(source, PositionDraws) else float(torch.rand(1, generator=source))
+
+
 def sample(probs: torch.Tensor, source: torch.Generator | PositionDraws) -> int:
-    """Draw one token id from a [vocab] distribution, with the next uniform of `source` (see the module's
-    docstring)."""
-    u = source.uniform() if isinstance(source, PositionDraws) else float(torch.rand(1, generator=source))
-    return int(inverse_cdf(probs, torch.tensor(u, dtype=torch.float32)))
+    """Draw one token id from a [vocab] distribution, with the next uniform of `source`."""
+    return int(inverse_cdf(probs, torch.tensor(next_uniform(source), dtype=torch.float32)))
 
 
 def select_token(logits: torch.Tensor, params: SamplingParams, source: torch.Generator | PositionDraws) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from .draft_tree import children_of, depths
 from ..errors import BadRequestError
-from .sampling import PositionDraws, SamplingParams, logits_to_probs, sample
+from .sampling import PositionDraws, SamplingParams, logits_to_probs, next_uniform, sample
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,6 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verif
     return VerifyResult(*accept_greedy(draft_tokens, torch.argmax(target_logits, dim=-1).tolist()))
 
 
-def _uniform(generator: torch.Generator | PositionDraws) -> float:
-    return generator.uniform() if isinstance(generator, PositionDraws) else float(torch.rand(1, generator=generator))
-
-
 def verify_speculative_sampling(
     draft_tokens: list[int],
     target_probs: torch.Tensor,
@@ -119,7 +115,7 @@ def verify_speculative_sampling(
         p_x = float(p[x]) if x < vocab else 0.0
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
         # accept with probability min(1, p(x) / q(x))
-        if q_x > 0 and _uniform(generator) * q_x < p_x:
+        if q_x > 0 and next_uniform(generator) * q_x < p_x:
             continue
         if draft_probs is None:
             residual = p.clone()
