@@ -209,8 +209,13 @@ class Drafter(ABC):
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         """ATTENTION readers only: [length] the max over `attention_heads` of their attention weights from the query at
-        position length - 1 (the token that produced the pending one) over positions 0..length-1; after prefill
-        and after every step."""
+        position length - 1 (the token that produced the pending one) over positions 0..length-1; after start()
+        and after each step's observe(), where wants_attention(tokens) said so."""
+
+    def wants_attention(self, tokens: Sequence[int]) -> bool:
+        """ATTENTION readers only: whether the next propose(tokens) reads the weights (computing them costs a pass
+        over the row's keys in every chosen layer). Default: always."""
+        return True
 
     def observe_logits(self, probes: list[int], logits: torch.Tensor) -> None:
         """DRAFT_LOGITS readers only: [len(probes), vocab] the target's logits after each draft node in `probes` (the

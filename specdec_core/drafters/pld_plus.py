@@ -154,13 +154,16 @@ def rank_by_attention(history: np.ndarray, weights: torch.Tensor) -> int | None:
 
     history [t + 1] int64 (x_t pending); weights [t]: the max over the induction heads of their attention from the
     query at t - 1 (the one that produced x_t) over positions 0..t-1. Returns the j < t with x_j = x_t that got the
-    most attention (the earliest on ties): an induction head attends to the token it copies.
+    most attention (the earliest on ties): an induction head attends to the token it copies. A lone candidate needs
+    no weights (the loop computes none for it: AttentionLookupDrafter.wants_attention).
     """
     t = len(history) - 1
-    if t < 1 or len(weights) != t:
+    if t < 1:
         return None
     candidates = np.flatnonzero(history[:t] == history[t])  # [C]
-    if len(candidates) == 0:
+    if len(candidates) <= 1:
+        return int(candidates[0]) if len(candidates) else None
+    if len(weights) != t:
         return None
     return int(candidates[int(torch.argmax(weights[torch.from_numpy(candidates)]))])
 
@@ -183,6 +186,10 @@ class AttentionLookupDrafter(RankedLookupDrafter):
     def prepare(self, target) -> None:
         if self.attention_heads is None:
             self.attention_heads = top_heads(head_ranking(target), self.top_heads)
+
+    def wants_attention(self, tokens: Sequence[int]) -> bool:
+        history = self._as_array(tokens)
+        return len(history) > 1 and np.count_nonzero(history[:-1] == history[-1]) > 1  # a choice to rank
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         self._weights = weights

@@ -46,7 +46,7 @@ from .requests import (
 )
 from .sampling import SamplingParams, draw_nodes, make_generator, row_seed, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket
-from .target_signals import Signals, hand_over, wanted
+from .target_signals import PendingAttention, Signals, deliver_attention, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
@@ -74,6 +74,7 @@ class Row:
     draft: Draft | None = None
     limit: int = 0  # draft tokens the step verifies (its plan's, or the pinned limit)
     error: str | None = None
+    attention: PendingAttention | None = None  # what its drafter asked for at the last commit, until it proposes
 
 
 @dataclass
@@ -337,8 +338,8 @@ class BatchDecoder:
             generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory))
         if entry.hidden:
             request.drafter.observe_hidden(torch.cat(entry.hidden))  # the earlier chunks' positions, in order
-        hand_over(self.target, signals, request.drafter, self.cache, index, batch_row,
-                  list(range(chunk)))
+        row.attention = hand_over(signals, request.drafter, self.cache, index, batch_row,
+                                  list(range(chunk)))
 
     # ----------------------------------------------------------------------------------------------- one step
     def step(self) -> None:
@@ -489,11 +490,13 @@ class BatchDecoder:
         """Each of `rows`' proposals (all live rows, or the pinned ones while drafting rests). Drafters that share
         a pool (a draft model) only ask here; `_flush` drafts for them together. -> the pools asked."""
         pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
-        failed = []
+        failed = self._deliver_attention(rows)
         with ExitStack() as collecting:
             for pool in pools.values():
                 collecting.enter_context(pool.collecting_proposals())
             for row in rows:
+                if row.error is not None:
+                    continue
                 try:
                     limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
                     row.draft = row.request.drafter.propose(row.state.tokens, limit)
@@ -502,6 +505,24 @@ class BatchDecoder:
                     failed.append(row)
         self._retire_rows(failed)
         return pools
+
+    def _deliver_attention(self, rows: list[Row]) -> list[Row]:
+        """The attention weights of `rows` about to propose, as asked at their last commit, in one pass, where the
+        drafter will read them. -> the rows that failed (a failure is their error)."""
+        index = {id(row): i for i, row in enumerate(self.rows)}  # rows move when others leave (remove_row)
+        asks, asking = [], []
+        for row in rows:
+            ask, row.attention = row.attention, None
+            if ask is not None and row.request.drafter.wants_attention(row.state.tokens):
+                asks.append((row.request.drafter, ask, index[id(row)]))
+                asking.append(row)
+        try:
+            deliver_attention(self.target, self.cache, asks)
+        except Exception as exc:
+            for row in asking:
+                row.error = f"{type(exc).__name__}: {exc}"
+            return asking
+        return []
 
     def _flush(self, pools: dict[int, DraftPool]) -> None:
         """Fill the pooled drafts asked for in `_collect`; a pool that fails fails its rows, the others go on."""
@@ -598,7 +619,7 @@ class BatchDecoder:
         if signals is not None:
             # The nodes now in the cache: the pending token (node 0) and the accepted path.
             nodes = [0] + [i + 1 for i in result.accepted_indices()]
-            hand_over(self.target, signals, row.request.drafter, self.cache, index, index, nodes)
+            row.attention = hand_over(signals, row.request.drafter, self.cache, index, index, nodes)
         state.metrics.target_forwards += 1
         state.metrics.drafted_tokens += drafted
         kept = emit(self.target, state, _sourced(draft, result) if drafted

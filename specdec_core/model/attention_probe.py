@@ -15,10 +15,12 @@ modeling module); a model without it gets one clear error.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import SpecbatchError
+from ..kernels import head_attention as compiled
 
 Heads = dict[int, list[int]]  # layer index (0-based decoder layer) -> query head indices
 
@@ -88,6 +90,49 @@ def head_attention(runner, keys_by_layer, queries: dict[int, torch.Tensor], head
             scores[:, : max(0, position - window + 1)] = float("-inf")
         best = torch.maximum(best, torch.softmax(scores, dim=-1).amax(dim=0).cpu())
     return best
+
+
+@dataclass
+class AttentionAsk:
+    """One row's ask: the weights from its query at position length - 1 over its keys 0..length-1."""
+
+    cache_row: int
+    length: int
+    heads: Heads
+    queries: dict[int, torch.Tensor]  # layer -> [len(heads[layer]), d] float32
+
+
+def rows_attention(runner, key_cache: list[torch.Tensor], asks: list[AttentionAsk]) -> list[torch.Tensor]:
+    """head_attention for every ask at once: one compiled pass a layer over all rows where the cache is a CPU
+    tensor (kernels/head_attention.py), else head_attention a row at a time. key_cache[layer]: [slots, KV,
+    capacity, d] -> [ask.length] float32 weights for each ask, in order."""
+    if not asks:
+        return []
+    layers = sorted({layer for ask in asks for layer in ask.heads})
+    if not compiled.usable(key_cache[layers[0]]):
+        return [head_attention(runner, {layer: key_cache[layer][ask.cache_row] for layer in ask.heads},
+                               ask.queries, ask.heads, ask.length, ask.length - 1) for ask in asks]
+    out = torch.zeros(len(asks), max(ask.length for ask in asks))  # [R, L]
+    rows, lengths = [ask.cache_row for ask in asks], [ask.length for ask in asks]
+    for layer in layers:
+        module = attention_module(runner, layer)
+        heads = asks[0].heads.get(layer)
+        if all(ask.heads.get(layer) == heads for ask in asks):  # the usual case: one drafter configuration
+            queries = torch.stack([ask.queries[layer] for ask in asks])  # [R, n, d]
+            wanted = torch.ones(len(asks), len(heads), dtype=torch.bool)  # [R, n]
+        else:
+            heads = sorted({h for ask in asks for h in ask.heads.get(layer, ())})  # the union: [n]
+            queries = torch.zeros(len(asks), len(heads), module.head_dim)
+            wanted = torch.zeros(len(asks), len(heads), dtype=torch.bool)
+            for r, ask in enumerate(asks):
+                for i, head in enumerate(ask.heads.get(layer, ())):
+                    queries[r, heads.index(head)] = ask.queries[layer][i]
+                    wanted[r, heads.index(head)] = True
+        window = attention_window(runner, layer)
+        starts = [0 if window is None else max(0, length - window) for length in lengths]
+        compiled.most_attention(key_cache[layer], rows, lengths, starts, queries,
+                                [h // module.num_key_value_groups for h in heads], wanted, module.scaling, out)
+    return [out[r, : ask.length] for r, ask in enumerate(asks)]
 
 
 def attention_window(runner, layer: int) -> int | None:

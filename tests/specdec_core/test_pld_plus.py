@@ -160,6 +160,47 @@ def test_attention_ranking_picks_the_most_attended_occurrence():
     assert drafter.propose(history.tolist(), 10).tokens == [2, 7]
 
 
+def test_attention_is_asked_for_only_where_there_is_a_choice():
+    """The loop computes the weights only when the pending token occurred twice or more; a lone occurrence is
+    copied without them."""
+    def drafter():  # one per sequence: a drafter's sequence only grows
+        return AttentionLookupDrafter(num_tokens=2)
+
+    assert drafter().wants_attention([7, 1, 7, 2, 7])
+    assert not drafter().wants_attention([7, 1, 2, 7])  # one earlier 7
+    assert not drafter().wants_attention([7, 1, 2, 3])  # none
+    assert rank_by_attention(np.array([7, 1, 2, 7]), torch.zeros(0)) == 0
+    assert drafter().propose([7, 1, 2, 7], 10).tokens == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_head_attention_equals_the_torch_reference(runner, dtype, monkeypatch):
+    """rows_attention (one compiled pass a layer over every asking row) gives each row what head_attention gives it
+    alone: rows of other lengths, other heads and cache rows, a sliding window on one layer, fp32 and bf16 keys."""
+    from specdec_core.kernels import head_attention as compiled
+    from specdec_core.model import attention_probe
+    from specdec_core.model.attention_probe import AttentionAsk, head_attention, rows_attention
+
+    assert compiled.kernel() is not None
+    monkeypatch.setattr(attention_probe, "attention_window", lambda runner, layer: 9 if layer == 1 else None)
+    generator = torch.Generator().manual_seed(0)
+    module = attention_probe.attention_module(runner, 0)
+    kv_heads, d = runner.model.config.num_key_value_heads, module.head_dim
+    cache = [torch.randn(5, kv_heads, 64, d, generator=generator).to(dtype) for _ in range(runner.num_layers)]
+    asks = [AttentionAsk(3, 40, {0: [0, 3], 1: [1]}, {}), AttentionAsk(0, 7, {1: [2, 3]}, {}),
+            AttentionAsk(4, 64, {0: [1], 1: [0, 1, 2, 3]}, {})]
+    same = [AttentionAsk(row, length, {0: [3, 0], 1: [1]}, {}) for row, length in ((1, 30), (2, 64))]  # one set
+    for ask in asks + same:
+        ask.queries = {layer: torch.randn(len(heads), d, generator=generator) for layer, heads in ask.heads.items()}
+    got = rows_attention(runner, cache, asks) + rows_attention(runner, cache, same)
+    for ask, weights in zip(asks + same, got):
+        keys = {layer: cache[layer][ask.cache_row] for layer in ask.heads}
+        expected = head_attention(runner, keys, ask.queries, ask.heads, ask.length, ask.length - 1)
+        assert weights.shape == (ask.length,)
+        torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    assert (got[0][: 40 - 9] > 0).all() and (got[1] > 0).all()  # layer 0 sees all of row 0; row 1 is in the window
+
+
 def test_copy_source_prefers_the_longest_shared_suffix():
     # prompt: 5 8 9 | 6 8 9 ; output so far ... 6 8 then 9: both 9s match, the second shares "6 8".
     sequence = [5, 8, 9, 6, 8, 9, 1, 6, 8, 9]
@@ -171,7 +212,8 @@ def test_copy_source_prefers_the_longest_shared_suffix():
 
 
 class RecordingAttention(AttentionLookupDrafter):
-    """Keeps (tokens, weights handed over) after the prefill and after every step."""
+    """Keeps (tokens, weights handed over) after the prefill and after every step (observe_attention follows
+    start() and observe())."""
 
     def __init__(self, heads):
         super().__init__(num_tokens=5)
@@ -180,15 +222,16 @@ class RecordingAttention(AttentionLookupDrafter):
     def start(self, tokens, request):
         self.tokens = list(tokens)
 
+    def wants_attention(self, tokens):
+        assert list(tokens) == self.tokens
+        return True  # every step's weights, to check them all
+
     def observe_attention(self, weights):
-        if not self.pairs:  # the prefill's: the tokens are start()'s
-            self.pairs.append((self.tokens, weights.clone()))
-        self.latest = weights.clone()
+        self.pairs.append((self.tokens, weights.clone()))
         super().observe_attention(weights)
 
     def observe(self, tokens, draft, num_accepted):
         self.tokens = list(tokens)
-        self.pairs.append((self.tokens, self.latest))
         super().observe(tokens, draft, num_accepted)
 
 
@@ -197,14 +240,15 @@ class TreeWithAttention(TreeOfWrongAndRight):
 
     def __init__(self, heads, runner):
         super().__init__(1, runner)
-        self.attention_heads, self.latest, self.pairs = heads, None, []
+        self.attention_heads, self.tokens, self.pairs = heads, None, []
 
     def observe_attention(self, weights):
-        self.latest = weights.clone()
+        if self.tokens is not None:  # after a step
+            self.pairs.append((self.tokens, weights.clone()))
 
     def observe(self, tokens, draft, num_accepted):
         super().observe(tokens, draft, num_accepted)
-        self.pairs.append((list(tokens), self.latest))
+        self.tokens = list(tokens)
 
 
 def eager_attention(runner, tokens, heads):
@@ -219,17 +263,22 @@ def eager_attention(runner, tokens, heads):
 
 
 def test_attention_weights_equal_eager_attention_after_accepts_and_rejects(runner):
-    """After every step (chains with accepts and rejects, a tree whose second branch is accepted and moved), the
-    weights handed to a row equal eager attention over its committed tokens, from the newest committed one."""
+    """After every step (chains with accepts and rejects, a tree whose second branch is accepted and moved, a row
+    moved into a freed cache row), the weights handed to a row equal eager attention over its committed tokens, from
+    the newest committed one."""
     heads = {0: [0, 3], 1: [1]}  # GQA: 4 query heads on 2 key/value heads
     # The budget is off: its measured payoff depends on wall time, and this test needs every draft verified.
     decoder = BatchDecoder(runner, max_batch=3, max_draft=8, budget=SpeculationBudget(enabled=False))
     drafters = [RecordingAttention(heads) for _ in range(2)]
     tree = TreeWithAttention(heads, runner)
     for seed, drafter in enumerate(drafters):
-        decoder.submit(DecodeRequest(seed, repetitive_prompt(seed, 24 + 10 * seed), DecodeParams(max_new_tokens=24),
-                                     drafter))
+        # the first row leaves early: the last moves into its cache row, and its weights must follow it; a waiting row
+        decoder.submit(DecodeRequest(seed, repetitive_prompt(seed, 24 + 10 * seed),
+                                     DecodeParams(max_new_tokens=6 if seed == 0 else 24), drafter))
     decoder.submit(DecodeRequest("tree", repetitive_prompt(5, 30), DecodeParams(max_new_tokens=24), tree))
+    # then takes the freed cache row over: stale cache rows would read its keys
+    decoder.submit(DecodeRequest("waiting", repetitive_prompt(7, 40), DecodeParams(max_new_tokens=4),
+                                 PromptLookupDrafter()))
     results = {request.key: result for request, result in decoder.run()}
     assert all(not isinstance(r, str) for r in results.values()), results
     assert results["tree"].metrics.accepted_tokens > 0  # multi-node commits, through a moved tree path
