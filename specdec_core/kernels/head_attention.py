@@ -1,5 +1,5 @@
 """The attention weights of chosen heads (PLD+ (a)), for every row that reads them in a step, in one compiled pass a
-layer on the CPU (head_attention_kernel.py). attention_probe.head_attention is the same in torch ops, a row and a
+step on the CPU (head_attention_kernel.py). attention_probe.head_attention is the same in torch ops, a row and a
 layer at a time: the kernel's reference, and the path elsewhere.
 
 Compiled by numba once per machine (cached under $SPECBATCH_CACHE/numba).
@@ -26,15 +26,21 @@ def usable(keys: torch.Tensor) -> bool:
     return keys.device.type == "cpu" and keys.dtype in (torch.float32, torch.bfloat16) and kernel() is not None
 
 
-def most_attention(keys: torch.Tensor, rows: list[int], lengths: list[int], starts: list[int],
-                   queries: torch.Tensor, kv_of_head: list[int], wanted: torch.Tensor, scale: float,
+def most_attention(keys: list[torch.Tensor], rows: list[int], lengths: list[int], starts: list[list[int]],
+                   queries: torch.Tensor, kv_of_head: list[list[int]], wanted: torch.Tensor, scales: list[float],
                    out: torch.Tensor) -> None:
-    """keys [slots, KV, capacity, d] one layer's key cache (usable()); rows / lengths / starts [R]: each row's cache
-    row, its keys 0..length-1 and its first visible one; queries [R, n, d]; kv_of_head [n]; wanted [R, n] bool;
-    out [R, >= max(lengths)] float32, raised in place to each wanted head's softmax weights."""
-    keys = keys.contiguous()
-    bits = keys.view(torch.int16).numpy().view(np.uint16) if keys.dtype == torch.bfloat16 else keys.numpy()
+    """keys[y] [slots, KV, capacity, d] the key cache of the y-th of Y layers (usable(), one dtype); rows / lengths
+    [R]: each row's cache row and its keys 0..length-1; starts [Y, R] its first visible key; queries [Y, R, n, d];
+    kv_of_head [Y, n]; wanted [Y, R, n] bool; scales [Y]; out [R, >= max(lengths)] float32, raised in place to each
+    wanted head's softmax weights."""
+    arrays = tuple(_array(layer) for layer in keys)
     use_torch_threads()
-    kernel()(bits, np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+    kernel()(arrays, np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
              np.asarray(starts, dtype=np.int64), queries.float().contiguous().numpy(),
-             np.asarray(kv_of_head, dtype=np.int64), wanted.numpy(), np.float32(scale), out.numpy())
+             np.asarray(kv_of_head, dtype=np.int64), wanted.numpy(), np.asarray(scales, dtype=np.float32),
+             out.numpy())
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.contiguous()
+    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()

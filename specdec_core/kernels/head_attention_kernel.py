@@ -25,37 +25,41 @@ def _as_f32(value):
 
 # fastmath: the dot products vectorise; these weights only choose which copy a drafter proposes.
 @njit(cache=True, parallel=True, fastmath=True)
-def most_attention(keys, rows, lengths, starts, queries, kv_of_head, wanted, scale, out):  # pragma: no cover
-    """One layer's heads, for R rows at once.
+def most_attention(keys, rows, lengths, starts, queries, kv_of_head, wanted, scales, out):  # pragma: no cover
+    """Y layers' heads, for R rows at once.
 
-    keys [slots, KV, capacity, d] the layer's key cache (float32, or bf16 bits as uint16); rows [R] cache rows;
-    lengths [R] keys each row attends (0..length-1); starts [R] its first visible key (a sliding window);
-    queries [R, n, d] float32 post-rotary queries of the layer's n heads; kv_of_head [n] each head's key head;
-    wanted [R, n] which heads each row reads; scale the attention's scaling;
+    keys: a tuple of Y key caches [slots, KV, capacity, d] (float32, or bf16 bits as uint16); rows [R] cache rows;
+    lengths [R] keys each row attends (0..length-1); starts [Y, R] its first visible key in each layer (a sliding
+    window); queries [Y, R, n, d] float32 post-rotary queries; kv_of_head [Y, n] each head's key head; wanted
+    [Y, R, n] which heads a row reads; scales [Y] the attentions' scaling;
     out [R, >= max(lengths)] float32: raised to each wanted head's softmax weight where that is larger, in place.
     """
-    count, heads, dim = queries.shape
+    layers, count, heads, dim = queries.shape
     for r in prange(count):
-        row, length, start = rows[r], lengths[r], starts[r]
-        scores = np.empty((heads, max(length - start, 0)), dtype=np.float32)
-        for j in range(start, length):  # each key row read once, for every head of the layer
+        row, length = rows[r], lengths[r]
+        for y in range(layers):
+            layer_keys = keys[y]
+            start = starts[y, r]
+            span = max(length - start, 0)
+            scores = np.empty((heads, span), dtype=np.float32)
+            for j in range(start, length):  # each key row read once, for every head of the layer
+                for h in range(heads):
+                    if wanted[y, r, h]:
+                        kv = kv_of_head[y, h]
+                        total = np.float32(0.0)
+                        for t in range(dim):
+                            total += queries[y, r, h, t] * as_f32(layer_keys[row, kv, j, t])
+                        scores[h, j - start] = total * scales[y]
             for h in range(heads):
-                if wanted[r, h]:
-                    kv = kv_of_head[h]
-                    total = np.float32(0.0)
-                    for t in range(dim):
-                        total += queries[r, h, t] * as_f32(keys[row, kv, j, t])
-                    scores[h, j - start] = total * scale
-        for h in range(heads):
-            if not wanted[r, h] or length <= start:
-                continue
-            peak = scores[h, 0]
-            for j in range(1, length - start):
-                peak = max(peak, scores[h, j])
-            norm = np.float32(0.0)
-            for j in range(length - start):
-                weight = np.float32(math.exp(scores[h, j] - peak))
-                scores[h, j] = weight
-                norm += weight
-            for j in range(length - start):
-                out[r, start + j] = max(out[r, start + j], scores[h, j] / norm)
+                if not wanted[y, r, h] or span == 0:
+                    continue
+                peak = scores[h, 0]
+                for j in range(1, span):
+                    peak = max(peak, scores[h, j])
+                norm = np.float32(0.0)
+                for j in range(span):
+                    weight = np.float32(math.exp(scores[h, j] - peak))
+                    scores[h, j] = weight
+                    norm += weight
+                for j in range(span):
+                    out[r, start + j] = max(out[r, start + j], scores[h, j] / norm)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..drafters.base import ATTENTION, HIDDEN_STATES, Drafter
-from ..model.attention_probe import AttentionAsk, rows_attention
+from ..model.attention_probe import rows_attention
 
 
 @dataclass
@@ -58,11 +58,6 @@ class PendingAttention:
     node: int
     length: int  # the row's keys: 0..length-1
 
-    def ask(self, drafter: Drafter, cache_row: int) -> AttentionAsk:
-        queries = {layer: self.signals.queries[layer][self.batch_row, self.signals.positions(layer, heads), self.node]
-                   for layer, heads in drafter.attention_heads.items()}  # layer -> [n, d]
-        return AttentionAsk(cache_row, self.length, drafter.attention_heads, queries)
-
 
 def hand_over(signals: Signals, drafter: Drafter, cache, cache_row: int, batch_row: int,
               nodes: list[int]) -> PendingAttention | None:
@@ -78,9 +73,21 @@ def hand_over(signals: Signals, drafter: Drafter, cache, cache_row: int, batch_r
 
 
 def deliver_attention(target, cache, pending: list[tuple[Drafter, PendingAttention, int]]) -> None:
-    """The weights of every (drafter, what it asked, its row's cache row now), in one pass over the rows' keys, each
-    to its drafter; drafters whose next proposal will not read them (Drafter.wants_attention) are left out by the
-    caller."""
-    asks = [ask.ask(drafter, cache_row) for drafter, ask, cache_row in pending]
-    for (drafter, _, _), weights in zip(pending, rows_attention(target, cache.keys, asks)):
-        drafter.observe_attention(weights)  # [length]
+    """The weights of every (drafter, what it asked, its row's cache row now), each to its drafter, in one pass over
+    the rows' keys per forward and head set (a step's rows share both); drafters whose next proposal will not read
+    them (Drafter.wants_attention) are left out by the caller."""
+    groups: dict[tuple, list] = {}
+    for entry in pending:
+        drafter, asked, _ = entry
+        key = (id(asked.signals), tuple((layer, tuple(h)) for layer, h in sorted(drafter.attention_heads.items())))
+        groups.setdefault(key, []).append(entry)
+    for group in groups.values():
+        signals, heads = group[0][1].signals, group[0][0].attention_heads
+        batch_rows = torch.tensor([asked.batch_row for _, asked, _ in group])  # [R]
+        nodes = torch.tensor([asked.node for _, asked, _ in group])  # [R]
+        queries = {layer: signals.queries[layer][batch_rows, :, nodes][:, signals.positions(layer, layer_heads)]
+                   for layer, layer_heads in heads.items()}  # layer -> [R, n, d]
+        lengths = [asked.length for _, asked, _ in group]
+        weights = rows_attention(target, cache.keys, [row for _, _, row in group], lengths, heads, queries)
+        for r, (drafter, _, _) in enumerate(group):
+            drafter.observe_attention(weights[r, : lengths[r]])  # [length]

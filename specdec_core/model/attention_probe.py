@@ -15,7 +15,6 @@ modeling module); a model without it gets one clear error.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 
@@ -92,47 +91,41 @@ def head_attention(runner, keys_by_layer, queries: dict[int, torch.Tensor], head
     return best
 
 
-@dataclass
-class AttentionAsk:
-    """One row's ask: the weights from its query at position length - 1 over its keys 0..length-1."""
+def rows_attention(runner, key_cache: list[torch.Tensor], rows: list[int], lengths: list[int], heads: Heads,
+                   queries: dict[int, torch.Tensor]) -> torch.Tensor:
+    """head_attention for R rows at once, each from its query at position length - 1 over its keys 0..length-1: one
+    compiled pass over every row and layer where the cache is a CPU tensor (kernels/head_attention.py), else
+    head_attention a row at a time.
 
-    cache_row: int
-    length: int
-    heads: Heads
-    queries: dict[int, torch.Tensor]  # layer -> [len(heads[layer]), d] float32
-
-
-def rows_attention(runner, key_cache: list[torch.Tensor], asks: list[AttentionAsk]) -> list[torch.Tensor]:
-    """head_attention for every ask at once: one compiled pass a layer over all rows where the cache is a CPU
-    tensor (kernels/head_attention.py), else head_attention a row at a time. key_cache[layer]: [slots, KV,
-    capacity, d] -> [ask.length] float32 weights for each ask, in order."""
-    if not asks:
-        return []
-    layers = sorted({layer for ask in asks for layer in ask.heads})
+    key_cache[layer] [slots, KV, capacity, d]; rows / lengths [R] cache rows and key counts; heads: one set for all
+    rows; queries[layer] [R, len(heads[layer]), d] float32 -> [R, max(lengths)] float32 (row r up to lengths[r]).
+    """
+    out = torch.zeros(len(rows), max(lengths, default=0))  # [R, L]
+    layers = sorted(heads)
+    if not rows or not layers:
+        return out
     if not compiled.usable(key_cache[layers[0]]):
-        return [head_attention(runner, {layer: key_cache[layer][ask.cache_row] for layer in ask.heads},
-                               ask.queries, ask.heads, ask.length, ask.length - 1) for ask in asks]
-    out = torch.zeros(len(asks), max(ask.length for ask in asks))  # [R, L]
-    rows, lengths = [ask.cache_row for ask in asks], [ask.length for ask in asks]
-    for layer in layers:
-        module = attention_module(runner, layer)
-        heads = asks[0].heads.get(layer)
-        if all(ask.heads.get(layer) == heads for ask in asks):  # the usual case: one drafter configuration
-            queries = torch.stack([ask.queries[layer] for ask in asks])  # [R, n, d]
-            wanted = torch.ones(len(asks), len(heads), dtype=torch.bool)  # [R, n]
-        else:
-            heads = sorted({h for ask in asks for h in ask.heads.get(layer, ())})  # the union: [n]
-            queries = torch.zeros(len(asks), len(heads), module.head_dim)
-            wanted = torch.zeros(len(asks), len(heads), dtype=torch.bool)
-            for r, ask in enumerate(asks):
-                for i, head in enumerate(ask.heads.get(layer, ())):
-                    queries[r, heads.index(head)] = ask.queries[layer][i]
-                    wanted[r, heads.index(head)] = True
+        for r, (row, length) in enumerate(zip(rows, lengths)):
+            out[r, :length] = head_attention(runner, {layer: key_cache[layer][row] for layer in layers},
+                                             {layer: queries[layer][r] for layer in layers}, heads, length,
+                                             length - 1)
+        return out
+    modules = [attention_module(runner, layer) for layer in layers]
+    most = max(len(heads[layer]) for layer in layers)
+    stacked = torch.zeros(len(layers), len(rows), most, modules[0].head_dim)  # [Y, R, n, d]
+    wanted = torch.zeros(len(layers), len(rows), most, dtype=torch.bool)  # [Y, R, n]
+    kv_of_head = [[0] * most for _ in layers]  # [Y, n]
+    starts = []  # [Y, R]
+    for y, (layer, module) in enumerate(zip(layers, modules)):
+        count = len(heads[layer])
+        stacked[y, :, :count] = queries[layer]
+        wanted[y, :, :count] = True
+        kv_of_head[y][:count] = [h // module.num_key_value_groups for h in heads[layer]]
         window = attention_window(runner, layer)
-        starts = [0 if window is None else max(0, length - window) for length in lengths]
-        compiled.most_attention(key_cache[layer], rows, lengths, starts, queries,
-                                [h // module.num_key_value_groups for h in heads], wanted, module.scaling, out)
-    return [out[r, : ask.length] for r, ask in enumerate(asks)]
+        starts.append([0 if window is None else max(0, length - window) for length in lengths])
+    compiled.most_attention([key_cache[layer] for layer in layers], rows, lengths, starts, stacked, kv_of_head,
+                            wanted, [module.scaling for module in modules], out)
+    return out
 
 
 def attention_window(runner, layer: int) -> int | None:

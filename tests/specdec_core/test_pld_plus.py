@@ -175,11 +175,12 @@ def test_attention_is_asked_for_only_where_there_is_a_choice():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_head_attention_equals_the_torch_reference(runner, dtype, monkeypatch):
-    """rows_attention (one compiled pass a layer over every asking row) gives each row what head_attention gives it
-    alone: rows of other lengths, other heads and cache rows, a sliding window on one layer, fp32 and bf16 keys."""
+    """rows_attention (one compiled pass over every row and layer) gives each row what head_attention gives it
+    alone: rows of other lengths and cache rows, layers with other heads, a sliding window on one layer, fp32 and
+    bf16 keys."""
     from specdec_core.kernels import head_attention as compiled
     from specdec_core.model import attention_probe
-    from specdec_core.model.attention_probe import AttentionAsk, head_attention, rows_attention
+    from specdec_core.model.attention_probe import head_attention, rows_attention
 
     assert compiled.kernel() is not None
     monkeypatch.setattr(attention_probe, "attention_window", lambda runner, layer: 9 if layer == 1 else None)
@@ -187,18 +188,18 @@ def test_compiled_head_attention_equals_the_torch_reference(runner, dtype, monke
     module = attention_probe.attention_module(runner, 0)
     kv_heads, d = runner.model.config.num_key_value_heads, module.head_dim
     cache = [torch.randn(5, kv_heads, 64, d, generator=generator).to(dtype) for _ in range(runner.num_layers)]
-    asks = [AttentionAsk(3, 40, {0: [0, 3], 1: [1]}, {}), AttentionAsk(0, 7, {1: [2, 3]}, {}),
-            AttentionAsk(4, 64, {0: [1], 1: [0, 1, 2, 3]}, {})]
-    same = [AttentionAsk(row, length, {0: [3, 0], 1: [1]}, {}) for row, length in ((1, 30), (2, 64))]  # one set
-    for ask in asks + same:
-        ask.queries = {layer: torch.randn(len(heads), d, generator=generator) for layer, heads in ask.heads.items()}
-    got = rows_attention(runner, cache, asks) + rows_attention(runner, cache, same)
-    for ask, weights in zip(asks + same, got):
-        keys = {layer: cache[layer][ask.cache_row] for layer in ask.heads}
-        expected = head_attention(runner, keys, ask.queries, ask.heads, ask.length, ask.length - 1)
-        assert weights.shape == (ask.length,)
-        torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
-    assert (got[0][: 40 - 9] > 0).all() and (got[1] > 0).all()  # layer 0 sees all of row 0; row 1 is in the window
+    rows, lengths = [3, 0, 4, 1], [40, 7, 64, 30]
+    for heads in ({0: [3, 0], 1: [1]}, {0: [1], 1: [0, 1, 2, 3]}):
+        queries = {layer: torch.randn(len(rows), len(h), d, generator=generator) for layer, h in heads.items()}
+        got = rows_attention(runner, cache, rows, lengths, heads, queries)
+        assert got.shape == (len(rows), max(lengths))
+        for r, (row, length) in enumerate(zip(rows, lengths)):
+            keys = {layer: cache[layer][row] for layer in heads}
+            expected = head_attention(runner, keys, {layer: q[r] for layer, q in queries.items()}, heads, length,
+                                      length - 1)
+            torch.testing.assert_close(got[r, :length], expected, atol=1e-6, rtol=1e-5)
+            assert (got[r, length:] == 0).all()
+            assert (got[r, : max(0, length - 9)] > 0).all()  # layer 0 sees every key; layer 1 the last 9
 
 
 def test_copy_source_prefers_the_longest_shared_suffix():
