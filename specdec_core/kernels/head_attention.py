@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .numba_kernels import LazyKernel, use_torch_threads
+from .rope_store import kernel_array
 
 
 def _compile():
@@ -33,14 +34,10 @@ def most_attention(keys: list[torch.Tensor], rows: list[int], lengths: list[int]
     [R]: each row's cache row and its keys 0..length-1; starts [Y, R] its first visible key; queries [Y, R, n, d];
     kv_of_head [Y, n]; wanted [Y, R, n] bool; scales [Y]; out [R, >= max(lengths)] float32, raised in place to each
     wanted head's softmax weights."""
-    arrays = tuple(_array(layer) for layer in keys)
+    arrays = tuple(kernel_array(layer) for layer in keys)
     use_torch_threads()
     kernel()(arrays, np.asarray(rows, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
              np.asarray(starts, dtype=np.int64), queries.float().contiguous().numpy(),
              np.asarray(kv_of_head, dtype=np.int64), wanted.numpy(), np.asarray(scales, dtype=np.float32),
              out.numpy())
 
-
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.contiguous()
-    return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()

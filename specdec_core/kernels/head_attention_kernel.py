@@ -10,8 +10,12 @@ from numba.extending import overload
 from .bf16_bits import bf16_to_f32
 
 
-def as_f32(value):  # pragma: no cover - replaced by its overload inside compiled code
-    raise NotImplementedError
+def as_f32(value):
+    """A key element as float32: bf16 bits (uint16) widened exactly, float32 as it is. Compiled code uses the
+    overload below."""
+    if isinstance(value, np.uint16):
+        return np.array([int(value) << 16], dtype=np.uint32).view(np.float32)[0]
+    return np.float32(value)
 
 
 @overload(as_f32, inline="always")

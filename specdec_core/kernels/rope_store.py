@@ -44,7 +44,7 @@ class RotateStore:
         """cos / sin [M, 1, d]; rows / places [M]: where each token's keys and values go; compiled: the (serial,
         parallel) kernels of their dtype."""
         serial, parallel = compiled
-        self.shared = (_array(cos[:, 0]), _array(sin[:, 0]),
+        self.shared = (kernel_array(cos[:, 0]), kernel_array(sin[:, 0]),
                        rows.numpy().astype(np.int64, copy=False), places.numpy().astype(np.int64, copy=False))
         tokens = rows.shape[0]
         if tokens >= PARALLEL_MIN_TOKENS:
@@ -58,12 +58,13 @@ class RotateStore:
         """q [M, H, d], k / v [M, KV, d], key_cache / value_cache a layer's buffers [slots, KV, capacity, d]
         -> q rotated (in place); k rotated and v written into the cache."""
         q = q.contiguous()  # rotated in place: this tensor, not a copy of it
-        self.run(_array(q), _array(k), _array(v), *self.shared, _array(key_cache), _array(value_cache))
+        self.run(kernel_array(q), kernel_array(k), kernel_array(v), *self.shared, kernel_array(key_cache),
+                 kernel_array(value_cache))
         return q
 
 
-def _array(tensor: torch.Tensor) -> np.ndarray:
-    """The kernel's view of a tensor: fp32 as is, bf16 as its uint16 bits; a copy only when not contiguous (q is
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numba kernel's view of a tensor: fp32 as is, bf16 as its uint16 bits; a copy only when not contiguous (q is
     rotated in place, so it must already be)."""
     tensor = tensor.contiguous()
     return tensor.view(torch.int16).numpy().view(np.uint16) if tensor.dtype == torch.bfloat16 else tensor.numpy()

@@ -183,6 +183,10 @@ def test_compiled_head_attention_equals_the_torch_reference(runner, dtype, monke
     from specdec_core.model.attention_probe import head_attention, rows_attention
 
     assert compiled.kernel() is not None
+    from specdec_core.kernels.head_attention_kernel import as_f32  # its Python form, as the overload reads keys
+    value = torch.tensor([1.5, -3.25], dtype=torch.bfloat16)
+    assert [as_f32(b) for b in value.view(torch.int16).numpy().view(np.uint16)] == [1.5, -3.25]
+    assert as_f32(np.float32(0.1)) == np.float32(0.1)
     monkeypatch.setattr(attention_probe, "attention_window", lambda runner, layer: 9 if layer == 1 else None)
     generator = torch.Generator().manual_seed(0)
     module = attention_probe.attention_module(runner, 0)
