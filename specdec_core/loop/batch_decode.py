@@ -75,6 +75,9 @@ class Row:
     limit: int = 0  # draft tokens the step verifies (its plan's, or the pinned limit)
     error: str | None = None
     attention: PendingAttention | None = None  # what its drafter asked for at the last commit, until it proposes
+    # Whether its tokens count in the budget's view of the step: False for a row that can no longer set the pass's
+    # length while nothing waits for a slot (SpeculationBudget.critical).
+    counts: bool = True
 
 
 @dataclass
@@ -274,8 +277,8 @@ class BatchDecoder:
 
     def _reuse_prefix(self, index: int, request: DecodeRequest) -> int:
         """Copy the cached blocks the prompt starts with into its row; -> how many prompt positions they cover.
-        A drafter that reads the target's signals over the prompt (PLD+) needs them at every position, so its
-        row computes the whole prompt (and still stores it for others)."""
+        A drafter that reads the target's signals at every prompt position (PLD+ (h)'s hidden states) needs them
+        all, so its row computes the whole prompt (and still stores it for others)."""
         drafter = request.drafter
         if drafter.reads & PROMPT_SIGNALS:
             return 0
@@ -358,13 +361,12 @@ class BatchDecoder:
         self._flush(pools)  # (a pool that fails retires its rows)
         if not self.rows:
             return
-        started, before, captured = time.perf_counter(), self.stats.new_tokens, self.stats.capture_s
-        count, width, real = self._verify(self.rows)
+        started, captured = time.perf_counter(), self.stats.capture_s
+        count, width, real, worth = self._verify(self.rows)
         self._progress(time.perf_counter() - step_started)
         finished = time.perf_counter() - (self.stats.capture_s - captured)  # a capture is no step's cost
         drafting_s = started - step_started - self.budget.pricing.prefill_s
-        self.budget.record_step(count, width, self.stats.new_tokens - before, finished - started, context, real,
-                                drafting_s=drafting_s)
+        self.budget.record_step(count, width, worth, finished - started, context, real, drafting_s=drafting_s)
         self.budget.pricing.record_step(self.stats.new_tokens - tokens_before, finished - step_started)
 
     def _time_widths(self) -> None:
@@ -426,10 +428,12 @@ class BatchDecoder:
         pinned_limit = self._pinned_draft_limit()  # never depends on timing: the token budget over a full batch
         reaches = [_reach(r.draft, pools)[:pinned_limit] if fixed else _reach(r.draft, pools)
                    for r, fixed in zip(rows, pinned)]
-        left = None if self.waiting else [_tokens_left(r) for r in rows]
+        critical = None if self.waiting else self.budget.critical([_tokens_left(r) for r in rows])
+        for row, counts in zip(rows, critical or [True] * len(rows)):
+            row.counts = counts
         confidences = [r.draft.confidence for r in rows]
-        limits = (self.budget.plan(reaches, [r.acceptance for r in rows], context, left, confidences) if drafting
-                  else [0] * len(rows))
+        limits = (self.budget.plan(reaches, [r.acceptance for r in rows], context, critical, confidences)
+                  if drafting else [0] * len(rows))
         for row, fixed, limit, reach in zip(rows, pinned, limits, reaches):
             if limit and not fixed and row.request.drafter.prices_its_length:
                 # Its own priced stop ends the draft (DraftPricing), on the drafter's probability of each token;
@@ -440,9 +444,10 @@ class BatchDecoder:
                 row.request.drafter.pool.cap(row.draft, limit)
         self.budget.pricing.verify_s = self.budget.cost.token_seconds(len(rows), context)
 
-    def _verify(self, rows: list[Row]) -> tuple[int, int, int]:
+    def _verify(self, rows: list[Row]) -> tuple[int, int, int, float]:
         """Cut each draft to its limit, run ONE target forward over every row's pending token and draft, verify and
-        commit. -> (rows, width, tokens computed) of the forward, for the budget's cost model."""
+        commit. -> (rows, width, tokens computed) of the forward, for the budget's cost model, and what the step's
+        tokens were worth (`_commit`)."""
         for row in rows:
             self.stats.drafted_tokens += len(row.draft)
             row.draft = row.draft.truncated(row.limit)
@@ -463,11 +468,9 @@ class BatchDecoder:
             self.stats.capture_s += graph.capture_s - captured
         if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
             results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
-            self._commit(rows, None, signals, step_ids, results)
-            return count, width, real
+            return count, width, real, self._commit(rows, None, signals, step_ids, results)
         logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
-        self._commit(rows, logits, signals, step_ids)
-        return count, width, real
+        return count, width, real, self._commit(rows, logits, signals, step_ids)
 
     def _pinned_draft_limit(self) -> int:
         """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""
@@ -570,8 +573,10 @@ class BatchDecoder:
         return input_ids, lengths[:, None] + offsets, visible, logit_index
 
     def _commit(self, rows: list[Row], logits: torch.Tensor | None, signals: Signals | None = None,
-                step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> None:
-        """Verify (unless the step did: `results`, and no logits) and commit every row."""
+                step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> float:
+        """Verify (unless the step did: `results`, and no logits) and commit every row. -> what the step's tokens
+        were worth to the pass: the tokens kept, or, where only some rows count (Row.counts), the rows times the
+        mean those rows kept (a plain step: the rows), which the budget's clock compares across steps."""
         if results is None:
             # sampling rows draw by position, unless verified against a draft's probabilities (the generator)
             sources = [r.state.target_draws() if not r.request.params.sampling.greedy and r.draft.probs is None
@@ -583,7 +588,7 @@ class BatchDecoder:
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
-        done, step_kept, step_accepted = [], 0, 0
+        done, step_kept, step_accepted, counted, counted_kept = [], 0, 0, 0, 0
         for index, (row, result) in enumerate(zip(rows, results)):
             try:
                 if not row.draft.tokens and not handing_over:  # the loop's commonest case
@@ -591,6 +596,8 @@ class BatchDecoder:
                 else:
                     kept, accepted = self._emit_verified(index, row, result, signals if handing_over else None)
                 step_kept, step_accepted = step_kept + kept, step_accepted + accepted
+                if row.counts:
+                    counted, counted_kept = counted + 1, counted_kept + kept
                 self._learn(row, result, logits, starts[index])
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
@@ -598,6 +605,7 @@ class BatchDecoder:
                 done.append(index)
         self.budget.emitted(step_kept, step_accepted)
         self._retire(done)
+        return float(step_kept) if counted in (0, len(rows)) else len(rows) * counted_kept / counted
 
     def _emit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
         """A row that verified nothing: its one target token -> tokens kept."""

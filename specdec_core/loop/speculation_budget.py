@@ -142,9 +142,11 @@ class StepCostModel:
     throw-away calibration forward is paid for (the measurements behind both: docs/decisions.md).
 
     Estimator: ridge regression of (seconds / plain seconds - 1) on the two features, sums decayed by `decay` per wide
-    step, pulled toward the priors by one pseudo-observation each; a coefficient that comes out negative is dropped and
-    the other refitted alone. Padded steps alone cannot separate the two (x_token = x_width there): then the priors
-    decide the split, and only steps where some rows draft less than others tell them apart. The unit is a plain
+    step, pulled toward the priors by one pseudo-observation for s_token and `width_weight` for s_width; a coefficient
+    that comes out negative is dropped and the other refitted alone. Steps where every row drafts alike cannot
+    separate the two (x_token = x_width there): then the pull decides the split, and the heavier one on s_width puts
+    the cost on the tokens, which is where it is wherever the split matters (a ragged forward computes real tokens
+    only; measured: docs/decisions.md). Steps where some rows draft less than others tell them apart. The unit is a plain
     step's seconds (EMA) at the same row count; a wide step with no plain step timed at its row count is not learned
     from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed. A
     bucket with no wide step yet borrows the fit of a bucket with at least as many rows and at most as long a context
@@ -155,6 +157,7 @@ class StepCostModel:
     sums: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # bucket -> [xx11, xx12, xx22, xy1, xy2]
     prior_token: float = 0.12  # this AVX2 CPU ~0.3, the bf16 CPU and GPUs far less: corrected within steps
     prior_width: float = 0.03
+    width_weight: float = 16.0  # pseudo-observations holding s_width at its prior (s_token: 1)
     alpha: float = 0.25  # EMA weight of a new plain step
     decay: float = 0.9  # weight kept by older wide-step observations at each new one
     fixed: Callable[[int, int], float] | None = None  # tests: a known cost function of (rows, width) instead
@@ -198,9 +201,9 @@ class StepCostModel:
                 return self.prior_token, self.prior_width
             bucket = min(usable, key=lambda key: (key[0], -key[1]))
         xx11, xx12, xx22, xy1, xy2 = self.sums[bucket]
-        # Ridge toward the priors: (X'X + I) s = X'y + prior.
-        a11, a12, a22 = xx11 + 1.0, xx12, xx22 + 1.0
-        b1, b2 = xy1 + self.prior_token, xy2 + self.prior_width
+        # Ridge toward the priors: (X'X + diag(1, width_weight)) s = X'y + diag(1, width_weight) prior.
+        a11, a12, a22 = xx11 + 1.0, xx12, xx22 + self.width_weight
+        b1, b2 = xy1 + self.prior_token, xy2 + self.width_weight * self.prior_width
         det = a11 * a22 - a12 * a12
         token, per_width = (a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
         if token < 0:
@@ -265,7 +268,7 @@ class MeasuredPayoff:
     spec_rate: dict[int, float] = field(default_factory=dict)  # batch bucket -> EMA tokens/s of wider steps
     since_plain: dict[int, int] = field(default_factory=dict)  # batch bucket -> steps since the last width-1 step
 
-    def record(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+    def record(self, rows: int, width: int, tokens: float, seconds: float) -> None:
         if seconds <= 0:
             return
         bucket, rate = batch_bucket(rows), tokens / seconds
@@ -367,6 +370,13 @@ class SpeculationBudget:
     # Without it a batch whose first drafts were rejected never verifies again (its acceptance estimates have no
     # way back up; docs/decisions.md).
     explore_every: int = 16
+    # An exploring step whose drafts were all rejected doubles the wait before the next one, up to this many steps;
+    # one that accepted a token brings it back to explore_every. Drafts that are never accepted (a drafter with
+    # nothing to retrieve) then cost a few verified tokens in a pass, not one per row every 16 steps
+    # (docs/decisions.md).
+    explore_most: int = 64
+    explore_wait: int = 16  # the steps now waited before exploring (explore_every .. explore_most)
+    exploring: bool = False  # the last plan was an exploring step, not yet emitted
     idle_steps: int = 0
     # Resting: after this many refused steps the rows stop proposing until the next exploring step (proposals
     # nobody verifies are pure cost; docs/decisions.md).
@@ -396,7 +406,7 @@ class SpeculationBudget:
         """Whether the rows should propose drafts this step (False while speculation rests)."""
         if not self.enabled or not self.rest_after or not self.explore_every or self.idle_steps < self.rest_after:
             return True  # (without exploration a rest would never end)
-        if self.explore_every and self.idle_steps + 1 >= self.explore_every:
+        if self.explore_every and self.idle_steps + 1 >= self._wait():
             return True  # this step explores: it needs drafts
         self.idle_steps += 1
         return False
@@ -407,8 +417,16 @@ class SpeculationBudget:
             return 1 << 30
         return max(1, self.token_budget // max(rows, 1)) - 1
 
+    def critical(self, left: list[int]) -> list[bool] | None:
+        """With no request waiting for a slot, `left[r]` = the tokens row r has left: which rows can still set the
+        pass's length (`critical_rows`, with the share of the pass's tokens accepted drafts gave so far, `saved`).
+        None where every row's tokens count (the tail rule off, or the budget)."""
+        if not (self.enabled and self.tail_rule):
+            return None
+        return critical_rows(left, self.saved.rate(prior=0.5))
+
     def plan(self, reaches: list[list[int]], estimates: list[AcceptanceEstimate], context: int = 0,
-             left: list[int] | None = None, confidences: list[list[float] | None] | None = None) -> list[int]:
+             critical: list[bool] | None = None, confidences: list[list[float] | None] | None = None) -> list[int]:
         """Draft nodes each row verifies this step (0 = none). reaches[r][n - 1] = the deepest path row r's draft
         cut to n nodes can accept (a chain: n; a tree: less than its node count), so len(reaches[r]) is its
         proposal. `context` = the longest live row's cached positions (costs are learned per context bucket).
@@ -421,17 +439,20 @@ class SpeculationBudget:
         neighbours verify long ones, at the price of their tokens only. The plan with the most expected tokens per
         unit of cost wins; all zeros (a plain step, value B) always competes.
 
-        `left`: the tokens each row has left when no request waits for a slot (None: a queue keeps the slots full).
-        Then only the rows that can still set the pass's length draft (`critical_rows`, with the share of tokens
-        accepted drafts gave so far, `saved`).
+        `critical`: with no request waiting for a slot, the rows that can still set the pass's length (`critical`;
+        None: a queue keeps the slots full and every token emitted is work done). Then only they draft, and a plan
+        is worth the critical rows' tokens alone: the others' tokens come in this step whatever it verifies, and
+        finishing them sooner shortens nothing, while each step a critical row saves is a whole step of the pass
+        (the plain step's value and the cut's bar are the critical rows' count, not the batch's).
 
         `confidences[r]`: row r's draft's own per-node acceptance (Draft.confidence) or None. Such a row's node n
         adds its calibrated confidence (`calibration`) instead of a_r^depth: a suffix tree knows that a continuation
         seen 9 times of 10 is likelier than one seen once, which one rate per row cannot say."""
         rows = len(reaches)
-        if left is not None and self.enabled and self.tail_rule:
-            critical = critical_rows(left, self.saved.rate(prior=0.5))
+        counted = rows
+        if critical is not None and self.enabled:
             reaches = [reach if keep else [] for reach, keep in zip(reaches, critical)]
+            counted = max(1, sum(critical))
         lengths = [len(reach) for reach in reaches]
         longest = min(max(lengths, default=0), self.most_nodes(rows))
         if longest <= 0:
@@ -445,36 +466,38 @@ class SpeculationBudget:
         priced = None if confidences is None else [
             None if c is None else self.calibration.priced(c) for c in confidences]
         gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest, priced)
-        best, best_value = self._best_width(lengths, gained, context, longest, [0] * rows,
-                                            float(rows) * self.min_advantage)
+        best, best_value = self._best_width(lengths, gained, counted, context, longest, [0] * rows,
+                                            float(counted) * self.min_advantage)
         token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
         if self.check_payoff:
             token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
         if self.ragged and token_slope > 0:
-            for bar in (float(rows), None):  # the plain step's bar, then the best plan's
+            for bar in (float(counted), None):  # the plain step's bar, then the best plan's
                 cuts = self._cuts(deepening, (best_value if bar is None else bar) * token_slope / rows)
-                best, best_value = self._best_width([min(n, cut) for n, cut in zip(lengths, cuts)], gained, context,
-                                                    longest, best, best_value)
+                best, best_value = self._best_width([min(n, cut) for n, cut in zip(lengths, cuts)], gained, counted,
+                                                    context, longest, best, best_value)
         self.planning_s += time.perf_counter() - started
         return self._explore(best, lengths, estimates)
 
-    def _best_width(self, caps: list[int], gained: list[list[float]], context: int, longest: int,
+    def _best_width(self, caps: list[int], gained: list[list[float]], counted: int, context: int, longest: int,
                     best: list[int], best_value: float) -> tuple[list[int], float]:
         """Every width's plan with row r drafting at most caps[r], against the best so far -> the better one."""
         for width in range(2, longest + 2):
             plan = [min(cap, width - 1) for cap in caps]
-            value = self._value(plan, gained, len(caps), context)
+            value = self._value(plan, gained, len(caps), counted, context)
             if value > best_value:
                 best, best_value = plan, value
         return best, best_value
 
     def _explore(self, best: list[int], lengths: list[int], estimates: list[AcceptanceEstimate]) -> list[int]:
-        """After explore_every steps in which nobody drafts, one node per drafting row: every estimate gets a fresh
+        """After the exploring wait (explore_every steps, more after explorations that found nothing) in which nobody
+        drafts, one node per drafting row: every estimate gets a fresh
         look. A row cut to nothing while others draft learns nothing either (its estimate sees no draft): after
         explore_every such steps it verifies one node."""
         self.idle_steps = self.idle_steps + 1 if not any(best) else 0
-        if self.explore_every and self.idle_steps >= self.explore_every:
+        if self.explore_every and self.idle_steps >= self._wait():
             self.idle_steps = 0
+            self.exploring = True
             return [min(n, 1) for n in lengths]
         if self.explore_every and any(best):
             seen = set()
@@ -501,21 +524,22 @@ class SpeculationBudget:
             cuts.append(cut)
         return cuts
 
-    def _value(self, plan: list[int], gained: list[list[float]], rows: int, context: int) -> float:
-        """Expected tokens per plain step's cost of a plan."""
+    def _value(self, plan: list[int], gained: list[list[float]], rows: int, counted: int, context: int) -> float:
+        """Expected tokens of the `counted` rows (all, or the critical ones) per plain step's cost of a plan."""
         width = 1 + max(plan)
         if width == 1:
-            return float(rows)
+            return float(counted)
         verified = sum(plan)
         computed = computed_tokens(rows, width, rows + verified, self.ragged, self.gather_share)
         ratio = self.cost.ratio(rows, width, context, computed)
         if self.check_payoff:
             ratio = self.payoff.scaled(rows, ratio)
-        return (rows + sum(g[n] for g, n in zip(gained, plan))) / ratio
+        return (counted + sum(g[n] for g, n in zip(gained, plan))) / ratio
 
-    def record_step(self, rows: int, width: int, tokens: int, seconds: float, context: int = 0,
+    def record_step(self, rows: int, width: int, tokens: float, seconds: float, context: int = 0,
                     real: int | None = None, drafting_s: float = 0.0) -> None:
-        """A finished step: its width, the tokens its rows kept and its wall time (forward + verification);
+        """A finished step: its width, the tokens its rows kept (or, where only the critical rows count, the rows
+        times what those kept on average: what the plan valued) and its wall time (forward + verification);
         `context` as for `plan` (the longest row's cached positions before the step); `real` = the tokens fed
         (rows + drafts verified; None: rows x width); `drafting_s` = the seconds its drafters took (draft-model
         prompt catch-ups left out: prefill). The clock's check counts the drafting, the target's cost model does
@@ -527,9 +551,17 @@ class SpeculationBudget:
             self.payoff.record(rows, width, tokens, seconds + max(0.0, drafting_s))
 
     def emitted(self, kept: int, accepted: int) -> None:
-        """A row's step kept `kept` tokens, `accepted` of them from its draft (`saved`)."""
+        """A step's rows kept `kept` tokens, `accepted` of them from their drafts (`saved`); after an exploring
+        step, what it found sets the wait before the next one (explore_most)."""
         self.saved.accepted += accepted
         self.saved.rejections += kept - accepted
+        if self.exploring:
+            self.exploring = False
+            self.explore_wait = self.explore_every if accepted else min(self.explore_most, 2 * self._wait())
+
+    def _wait(self) -> int:
+        """Steps with drafts but nothing verified before the next exploring step."""
+        return max(self.explore_every, self.explore_wait)
 
     def observe(self, estimate: AcceptanceEstimate, drafted: int, accepted: int,
                 confidence: list[float] | None = None) -> None:

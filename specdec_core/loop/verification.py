@@ -286,7 +286,8 @@ def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParam
     with step_ids ([B, T], the step's input ids before any are replaced) greedy chains are verified as one tensor
     operation, and the step copies one tensor to the host. Sampling rows use their own draws (a row's
     PositionDraws, or its generator where its draft has probabilities), so a seeded row draws the same numbers
-    whatever shares its batch. rules: each row's lossy rule (None: exact; default all)."""
+    whatever shares its batch. rules: each row's lossy rule (None: exact; default all); a row with no draft takes
+    the target's greedy token under any rule, from the shared argmax."""
     argmax = torch.argmax(logits, dim=-1)  # [N]
     chains = None
     if step_ids is not None and step_ids.shape[1] == 1:  # no row drafted: a greedy row takes its argmax
@@ -305,7 +306,7 @@ def verify_rows(drafts: list, logits: torch.Tensor, sampling: list[SamplingParam
     for row, (draft, params, generator) in enumerate(zip(drafts, sampling, generators)):
         count = 1 + len(draft.tokens)
         rule = rules[row] if rules is not None else None
-        if rule is not None:  # CASD's lossy conditional verification (greedy-only requests)
+        if rule is not None and draft.tokens:  # CASD's lossy conditional verification (greedy-only requests)
             result = verify_conditional(draft.parents, draft.tokens, logits[offset: offset + count], rule)
         elif params.greedy:
             if draft.parents is None:

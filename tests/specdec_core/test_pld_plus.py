@@ -9,6 +9,7 @@ from specdec_core.drafters.base import ATTENTION, HIDDEN_STATES, Draft, Drafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter, default_hidden_layer, rank_by_hidden_state
 from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.prefix_cache import PrefixCache
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
 from tests.tiny_models import repetitive_prompt, tiny_llama
@@ -331,3 +332,25 @@ def test_head_discovery_finds_copying_heads_in_the_default_model(engine):
     found = induction_heads.discover(engine.target, prompts, new_tokens=16)
     assert found["events"] > 0 and found["heads"][0][2] > 0
     assert len(found["heads"]) == engine.target.num_layers * engine.target.model.config.num_attention_heads
+
+
+def test_a_prefix_hit_hands_pld_plus_a_the_weights_of_a_miss(runner):
+    """PLD+ (a) reads the cached keys and the newest committed query only, so its row copies a shared prompt prefix
+    from the prefix cache instead of computing it; the weights it is handed (after the prefill and every step) still
+    equal eager attention over every committed position, the copied ones included."""
+    heads = {0: [0, 3], 1: [1]}
+    store = PrefixCache(1 << 24)
+    shared = repetitive_prompt(3, 40)  # two whole blocks and more
+    # The first run stores the prefix; the second run's row starts with it.
+    first = BatchDecoder(runner, max_batch=2, budget=SpeculationBudget(enabled=False), prefix_cache=store)
+    first.submit(DecodeRequest("first", shared + [9, 4], DecodeParams(max_new_tokens=2), RecordingAttention(heads)))
+    list(first.run())
+    decoder = BatchDecoder(runner, max_batch=2, max_draft=8, budget=SpeculationBudget(enabled=False),
+                           prefix_cache=store)
+    drafter = RecordingAttention(heads)
+    decoder.submit(DecodeRequest("hit", shared + repetitive_prompt(4, 12), DecodeParams(max_new_tokens=16), drafter))
+    results = {request.key: result for request, result in decoder.run()}
+    assert not isinstance(results["hit"], str), results
+    assert decoder.stats.prefix_hit_tokens >= 32
+    assert results["hit"].metrics.accepted_tokens > 0
+    check_pairs(runner, drafter.pairs, heads)

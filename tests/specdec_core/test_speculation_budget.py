@@ -321,10 +321,10 @@ def test_with_nothing_waiting_only_the_rows_that_can_still_set_the_passs_length_
     b.emitted(kept=92, accepted=0)
     b.emitted(kept=8, accepted=8)  # 8 of 100 tokens from drafts: share (8 + 1) / (100 + 2), a margin of 9 of 100
     high = [AcceptanceEstimate(accepted=90, rejections=10)] * 3
-    assert b.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 0]
+    assert b.plan([chain(4)] * 3, high, critical=b.critical([100, 95, 60])) == [4, 4, 0]
     assert b.plan([chain(4)] * 3, high) == [4, 4, 4]  # a queue waits: every accepted token is work done
     fresh = budget(lambda rows, width: 1.0 + 0.01 * width)  # no evidence yet: prior 0.5, everyone within the margin
-    assert fresh.plan([chain(4)] * 3, high, left=[100, 95, 60]) == [4, 4, 4]
+    assert fresh.plan([chain(4)] * 3, high, critical=fresh.critical([100, 95, 60])) == [4, 4, 4]
 
 
 def test_a_budget_for_a_target_prices_its_forwards_as_they_run():
