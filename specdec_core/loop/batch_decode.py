@@ -45,7 +45,7 @@ from .requests import (
     final_text,
 )
 from .sampling import SamplingParams, draw_nodes, make_generator, row_seed, select_token
-from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket
+from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket, step_worth
 from .target_signals import PendingAttention, Signals, deliver_attention, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
@@ -575,8 +575,7 @@ class BatchDecoder:
     def _commit(self, rows: list[Row], logits: torch.Tensor | None, signals: Signals | None = None,
                 step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> float:
         """Verify (unless the step did: `results`, and no logits) and commit every row. -> what the step's tokens
-        were worth to the pass: the tokens kept, or, where only some rows count (Row.counts), the rows times the
-        mean those rows kept (a plain step: the rows), which the budget's clock compares across steps."""
+        were worth to the pass (`step_worth`: only the rows that count, Row.counts, where nothing waits)."""
         if results is None:
             # sampling rows draw by position, unless verified against a draft's probabilities (the generator)
             sources = [r.state.target_draws() if not r.request.params.sampling.greedy and r.draft.probs is None
@@ -588,24 +587,25 @@ class BatchDecoder:
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         self.stats.peak_rows = max(self.stats.peak_rows, len(rows))
-        done, step_kept, step_accepted, counted, counted_kept = [], 0, 0, 0, 0
+        done, step_kept, step_accepted, kept_by_row = [], 0, 0, []
         for index, (row, result) in enumerate(zip(rows, results)):
+            kept = 0
             try:
                 if not row.draft.tokens and not handing_over:  # the loop's commonest case
                     kept, accepted = self._emit_plain(index, row, result), 0
                 else:
                     kept, accepted = self._emit_verified(index, row, result, signals if handing_over else None)
                 step_kept, step_accepted = step_kept + kept, step_accepted + accepted
-                if row.counts:
-                    counted, counted_kept = counted + 1, counted_kept + kept
                 self._learn(row, result, logits, starts[index])
             except Exception as exc:
                 row.error = f"{type(exc).__name__}: {exc}"
+            kept_by_row.append(kept)
             if row.error or row.state.finished:
                 done.append(index)
         self.budget.emitted(step_kept, step_accepted)
+        worth = step_worth(kept_by_row, [row.counts for row in rows])
         self._retire(done)
-        return float(step_kept) if counted in (0, len(rows)) else len(rows) * counted_kept / counted
+        return worth
 
     def _emit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
         """A row that verified nothing: its one target token -> tokens kept."""

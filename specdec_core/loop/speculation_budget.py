@@ -118,6 +118,17 @@ def critical_rows(left: list[int], saved_share: float) -> list[bool]:
     return [n >= longest - margin for n in left]
 
 
+def step_worth(kept: list[int], counts: list[bool]) -> float:
+    """What a step's tokens were worth to the pass: kept[r] = the tokens row r kept, counts[r] = whether its tokens
+    count (SpeculationBudget.critical). Every row counting: the tokens kept. Else the rows times the mean the
+    counted rows kept, so that a plain step is worth its rows either way and the clock's check (MeasuredPayoff)
+    compares what the plan valued."""
+    counted = [n for n, keep in zip(kept, counts) if keep]
+    if not counted or len(counted) == len(kept):
+        return float(sum(kept))
+    return len(kept) * sum(counted) / len(counted)
+
+
 def expected_tokens(rate: float, draft_len: int) -> float:
     """1 + a + ... + a^k: expected tokens a step emits for a row drafting k tokens (the target's own included).
     Closed form: this runs for every row and candidate width of every step."""

@@ -14,7 +14,9 @@ from specdec_core.errors import BadRequestError
 from specdec_core.loop.draft_tree import frequency_trie
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.sampling import SamplingParams
-from specdec_core.loop.verification import ConditionalRule, verify_conditional
+from specdec_core.drafters.base import Draft, empty_draft
+from specdec_core.loop import verification
+from specdec_core.loop.verification import ConditionalRule, verify_conditional, verify_rows
 from tests.tiny_models import tiny_llama
 
 
@@ -71,6 +73,22 @@ def test_conditional_rule_accepts_above_delta_and_eos():
     assert (result.num_accepted, result.next_token) == (2, 6)  # without an EOS id 0.15 > 0.1 passes
     result = verify_conditional(None, [3, 4], logits, ConditionalRule(delta=0.4))
     assert (result.num_accepted, result.next_token) == (0, 1)  # 0.3 < δ: the target's argmax instead
+
+
+def test_rows_without_a_draft_take_the_shared_argmax_under_the_rule(monkeypatch):
+    """The rule only judges draft nodes: a row with none takes the target's argmax from the step's one argmax, not
+    a softmax of its own; a row with a draft is still judged by the rule."""
+    judged = []
+    monkeypatch.setattr(verification, "verify_conditional",
+                        lambda *args: judged.append(args[1]) or verify_conditional(*args))
+    logits = logits_for([{1: 0.6}, {3: 0.3, 1: 0.5}, {6: 0.9}])  # row 0: 1 node; row 1: 2 nodes
+    rule = ConditionalRule(delta=0.1)
+    drafts = [empty_draft(), Draft(tokens=[3], source="context")]
+    results = verify_rows(drafts, logits, [SamplingParams()] * 2, [None, None], torch.tensor([[7, 0], [7, 3]]),
+                          [rule, rule])
+    assert judged == [[3]]
+    assert (results[0].num_accepted, results[0].next_token) == (0, 1)
+    assert (results[1].num_accepted, results[1].next_token) == (1, 6)  # 3 accepted by the rule, not the argmax
 
 
 def test_top_k_and_several_eos_ids():

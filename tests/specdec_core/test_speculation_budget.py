@@ -4,7 +4,7 @@ import pytest
 
 from specdec_core.loop.speculation_budget import (
     AcceptanceEstimate, DraftPricing, SpeculationBudget, StepCostModel, batch_bucket, context_bucket, critical_rows,
-    expected_tokens,
+    expected_tokens, step_worth,
 )
 
 
@@ -368,3 +368,65 @@ def test_confidence_is_calibrated_by_what_verification_accepts():
     generous = SpeculationBudget().calibration
     generous.update(1.0, 3)  # accepted more than claimed: a node's price still stops at 1
     assert generous.priced([0.9]) == [1.0]
+
+
+def test_with_nothing_waiting_a_plan_is_worth_the_critical_rows_tokens():
+    """8 rows, one of them critical, acceptance 0.9, each width 30 % dearer than a plain step. Counting every row's
+    tokens a one-node draft is worth (8 + 0.9) / 1.3 = 6.8 < 8 x 1.04 plain-step tokens, so it never pays; but the
+    other rows' tokens come anyway, and the critical row's are the pass's length: (1 + 0.9) / 1.3 = 1.46 > 1.04."""
+    b = budget(lambda rows, width: 1.0 + 0.3 * (width - 1), min_advantage=1.04)
+    high = [AcceptanceEstimate(accepted=90, rejections=10)] * 8
+    left = [100] + [20] * 7
+    plan = b.plan([chain(4)] + [[]] * 7, high, critical=b.critical(left))
+    assert plan[0] >= 1 and plan[1:] == [0] * 7
+    assert b.plan([chain(4)] + [[]] * 7, high) == [0] * 8  # a queue waits: all tokens count, and it does not pay
+    b.tail_rule = False
+    assert b.critical(left) is None
+
+
+def test_a_steps_worth_counts_the_critical_rows():
+    assert step_worth([3, 1, 1, 1], [True] * 4) == 6  # every row counts: the tokens kept
+    assert step_worth([3, 1, 1, 1], [True, False, False, False]) == 12  # 4 rows x the critical row's 3
+    assert step_worth([1, 1, 1, 1], [True, False, True, False]) == 4  # a plain step: its rows, either way
+    assert step_worth([5, 1], [False, False]) == 6
+
+
+def test_exploring_waits_longer_after_explorations_that_found_nothing():
+    """Drafts that are never accepted: the wait before exploring doubles from explore_every to explore_most; a
+    draft accepted while exploring brings it back."""
+    b = budget(lambda rows, width: float(width))  # the model never drafts: only exploring steps verify
+    estimates = [AcceptanceEstimate(accepted=0, rejections=5)] * 4
+    exploring = []
+    for step in range(16 + 32 + 64 + 64):
+        width = choose_width(b, [chain(4)] * 4, estimates)
+        b.emitted(kept=4, accepted=0)
+        if width > 1:
+            exploring.append(step)
+    assert exploring == [15, 15 + 32, 15 + 32 + 64, 15 + 32 + 64 + 64]
+    assert choose_width(b, [chain(4)] * 4, estimates) == 1
+    for _ in range(63):
+        choose_width(b, [chain(4)] * 4, estimates)
+        b.emitted(kept=4, accepted=0)
+    assert b.idle_steps == 0 and b.explore_wait == 64  # (the 64th step explored)
+    b.exploring = True
+    b.emitted(kept=6, accepted=2)  # that exploring step accepted 2 tokens
+    assert b.explore_wait == 16
+
+
+def test_steps_where_every_row_drafts_alike_put_the_cost_on_the_tokens():
+    """Padded steps cannot tell the token slope from the width slope (x_token = x_width): the split is the priors'.
+    Held at its prior, the width slope stays small, and one row drafting 4 tokens among 16 (a ragged step) is priced
+    near what its 4 tokens cost, not like 4 widths of every row."""
+    model = StepCostModel(prior_token=0.12, prior_width=0.03)
+    model.observe(16, 1, 0.10, context=100)
+    for _ in range(60):
+        model.observe(16, 2, 0.10 * 1.45, context=100)  # all 16 rows verify one draft token: +45 %
+    token, per_width = model.slopes(16, 100)
+    assert 0.40 < token + per_width < 0.46  # (the pulls toward the priors shrink it a little)
+    assert token > 0.35 and per_width < 0.07  # equal pulls: ~0.26 and ~0.17
+    assert model.ratio(16, 5, 100, computed=20) < 1.3  # equal pulls would price it at ~1.8
+    equal = StepCostModel(prior_token=0.12, prior_width=0.03, width_weight=1.0)
+    equal.observe(16, 1, 0.10, context=100)
+    for _ in range(60):
+        equal.observe(16, 2, 0.10 * 1.45, context=100)
+    assert equal.ratio(16, 5, 100, computed=20) > 1.6
