@@ -105,9 +105,6 @@ ATTENTION = "attention"  # the weights of `attention_heads` from the newest comm
 #                          committed position, through observe_attention()
 DRAFT_LOGITS = "draft logits"  # the target's next-token logits after the nodes a draft names in Draft.probes, from
 #                                the verify forward itself, through observe_logits() (before observe())
-# Read at every prompt position, so the row computes its whole prompt (no prefix-cache hit). ATTENTION is not: it
-# reads the cached keys, which a hit copies, and the last prompt token's query, which the prefill always computes.
-PROMPT_SIGNALS = frozenset({HIDDEN_STATES})
 CONTEXT_SOURCE = "context"  # copied from the request's separate `context` document (RequestContext.context_ids)
 
 

@@ -25,7 +25,7 @@ from itertools import accumulate
 import torch
 
 from ..defaults import DEFAULT_BATCH_SIZE
-from ..drafters.base import HIDDEN_STATES, PROMPT_SIGNALS, Draft, Drafter, DraftPool, RequestContext, empty_draft
+from ..drafters.base import HIDDEN_STATES, Draft, Drafter, DraftPool, RequestContext, empty_draft
 from ..model.model_runner import ModelRunner
 from ..model.graph_step import Sampling
 from ..model.step_batch import StepBatch
@@ -262,7 +262,7 @@ class BatchDecoder:
                 return pending[:len(chunks)], chunks
             live = {id(row): index for index, row in enumerate(self.rows)}
             for entry in fresh:
-                entry.done = self._reuse_prefix(live[id(entry.row)], entry.row.request)
+                entry.done = self._reuse_prefix(live[id(entry.row)], entry)
                 entry.looked_up = True
 
     def _prefill_alone(self, group: list["_Prefill"]) -> None:
@@ -275,18 +275,19 @@ class BatchDecoder:
                 except Exception as exc:
                     entry.row.error = f"{type(exc).__name__}: {exc}"
 
-    def _reuse_prefix(self, index: int, request: DecodeRequest) -> int:
+    def _reuse_prefix(self, index: int, entry: "_Prefill") -> int:
         """Copy the cached blocks the prompt starts with into its row; -> how many prompt positions they cover.
-        A drafter that reads the target's signals at every prompt position (PLD+ (h)'s hidden states) needs them
-        all, so its row computes the whole prompt (and still stores it for others)."""
-        drafter = request.drafter
-        if drafter.reads & PROMPT_SIGNALS:
-            return 0
-        blocks = self.prefix_cache.lookup(request.prompt_ids)
+        A drafter that reads the target's hidden states at every prompt position (PLD+ (h)) takes only blocks that
+        hold its layer's states too (stored by `_start_row`), and is handed those states first."""
+        request = entry.row.request
+        layer = request.drafter.hidden_layer if HIDDEN_STATES in request.drafter.reads else None
+        blocks = self.prefix_cache.lookup(request.prompt_ids, hidden_layer=layer)
         if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens,
                              masked=not self.target.unmasked_prefill):
             blocks = []
         reused = self.prefix_cache.copy_into(self.cache, index, blocks)
+        if layer is not None and blocks:
+            entry.hidden.append(torch.cat([block.hidden[layer] for block in blocks]))  # [reused, hidden]
         self.stats.prefix_hit_tokens += reused
         return reused
 
@@ -339,6 +340,10 @@ class BatchDecoder:
         request.drafter.start(state.tokens, RequestContext(
             prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
             generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory))
+        if HIDDEN_STATES in request.drafter.reads:  # the whole prompt's states, for later rows' prefix hits
+            layer = request.drafter.hidden_layer
+            self.prefix_cache.store_hidden(request.prompt_ids, layer,
+                                           torch.cat(entry.hidden + [signals.hidden[layer][batch_row, :chunk]]))
         if entry.hidden:
             request.drafter.observe_hidden(torch.cat(entry.hidden))  # the earlier chunks' positions, in order
         row.attention = hand_over(signals, request.drafter, self.cache, index, batch_row,

@@ -47,6 +47,13 @@ class _Block:
     tokens: tuple[int, ...]
     span: _Span
     index: int  # in span
+    # layer -> [BLOCK, hidden] the target's states there (store_hidden): what a row whose drafter reads them
+    # (PLD+ (h)) needs besides the keys and values to take the block from the store
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def hidden_bytes(self) -> int:
+        return sum(states.numel() * states.element_size() for states in self.hidden.values())
 
     @property
     def keys(self) -> torch.Tensor:  # [layers, kv_heads, BLOCK, head_dim]
@@ -83,13 +90,15 @@ class PrefixCache:
             parent = key
         return chain
 
-    def lookup(self, prompt: list[int], scope: object = None) -> list[_Block]:
+    def lookup(self, prompt: list[int], scope: object = None, hidden_layer: int | None = None) -> list[_Block]:
         """The longest run of cached blocks the prompt starts with, leaving at least its last token to prefill
-        (its logits give the first new token)."""
+        (its logits give the first new token); with `hidden_layer`, of blocks that hold that layer's states too."""
         found = []
         for key, parent, tokens in self._chain(prompt, len(prompt) - 1, scope):
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
+                break
+            if hidden_layer is not None and hidden_layer not in block.hidden:
                 break
             found.append((key, block))
         self._touch([key for key, _ in found])
@@ -141,8 +150,27 @@ class PrefixCache:
                 span.blocks.append(self._blocks[key])
             self.nbytes += span.nbytes
         self._touch([key for key, _, _ in chain])
+        self._evict()
+
+    def store_hidden(self, prompt: list[int], layer: int, states: torch.Tensor, scope: object = None) -> None:
+        """Keep `layer`'s states ([>= len(prompt), hidden], a prefilled row's, position by position) with the
+        prompt's blocks that the store holds without them."""
+        if not self.budget_bytes:
+            return
+        for number, (key, parent, tokens) in enumerate(self._chain(prompt, min(len(prompt), len(states)), scope)):
+            block = self._blocks.get(key)
+            if block is None or block.parent != parent or block.tokens != tokens:
+                break
+            if layer not in block.hidden:
+                block.hidden[layer] = states[number * self.block: (number + 1) * self.block].clone()
+                self.nbytes += block.hidden[layer].numel() * block.hidden[layer].element_size()
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used blocks go until the store is within its budget."""
         while self.nbytes > self.budget_bytes and self._blocks:
             _, old = self._blocks.popitem(last=False)
+            self.nbytes -= old.hidden_bytes
             span = old.span
             span.blocks.remove(old)
             if 2 * len(span.blocks) <= len(span.keys):
@@ -171,14 +199,17 @@ class ScopedPrefixCache:
         self.shared, self.name = shared, name
         self.block = shared.block
 
-    def lookup(self, prompt: list[int]) -> list[_Block]:
-        return self.shared.lookup(prompt, self.name)
+    def lookup(self, prompt: list[int], hidden_layer: int | None = None) -> list[_Block]:
+        return self.shared.lookup(prompt, self.name, hidden_layer)
 
     def copy_into(self, cache, row: int, blocks: list[_Block]) -> int:
         return self.shared.copy_into(cache, row, blocks)
 
     def store(self, cache, row: int, prompt: list[int]) -> None:
         self.shared.store(cache, row, prompt, self.name)
+
+    def store_hidden(self, prompt: list[int], layer: int, states: torch.Tensor) -> None:
+        self.shared.store_hidden(prompt, layer, states, self.name)
 
 
 def _runs(blocks: list[_Block]) -> list[tuple[_Span, int, int]]:

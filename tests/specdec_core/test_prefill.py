@@ -100,6 +100,47 @@ def test_a_prefix_hit_gives_the_tokens_of_a_miss(llama, reference, prompts):
     assert decoder.stats.prefix_hit_rate == pytest.approx(32 * len(prompts) / sum(map(len, with_prefix)))
 
 
+class RecordingHidden(HiddenStateLookupDrafter):
+    """Keeps every state it is handed, in order."""
+
+    def __init__(self):
+        super().__init__(hidden_layer=1)
+        self.seen = []
+
+    def observe_hidden(self, hidden):
+        self.seen.append(hidden.float().clone())
+        super().observe_hidden(hidden)
+
+
+def test_a_prefix_hit_hands_pld_plus_h_the_states_of_a_miss(llama, prompts):
+    """PLD+ (h) reads the hidden state at every prompt position: a row takes only cached blocks that hold its
+    layer's states too, and is handed them, so it sees the states a miss computes and drafts as a miss does."""
+    shared = repetitive_prompt(97, 40)
+    with_prefix = [shared + prompt for prompt in prompts]
+    missing, hitting = [], []
+    missed, _ = decode(llama, with_prefix, prefix_cache=PrefixCache(0),
+                       make_drafter=lambda: missing.append(RecordingHidden()) or missing[-1])
+    store = PrefixCache()
+    decode(llama, with_prefix[:1], prefix_cache=store)  # plain rows store keys and values, no states
+    _, decoder = decode(llama, with_prefix[:1], prefix_cache=store, make_drafter=RecordingHidden)
+    assert decoder.stats.prefix_hit_tokens == 0  # the blocks lack layer 1's states: computed, and stored now
+    hit, decoder = decode(llama, with_prefix, batch_size=3, prefix_cache=store,
+                          make_drafter=lambda: hitting.append(RecordingHidden()) or hitting[-1])
+    assert decoder.stats.prefix_hit_tokens == 32 * len(prompts)
+    for got, expected in zip(hitting, missing):
+        torch.testing.assert_close(torch.cat(got.seen), torch.cat(expected.seen), atol=1e-5, rtol=1e-5)
+    assert [r.token_ids for r in hit] == [r.token_ids for r in missed]
+    assert [r.metrics.accepted_tokens for r in hit] == [r.metrics.accepted_tokens for r in missed]
+    assert sum(r.metrics.accepted_tokens for r in hit) > 0
+    blocks = list(store._blocks.values())  # the states count in the store's bytes, and go with their blocks
+    spans = {id(block.span): block.span for block in blocks}
+    assert store.nbytes == sum(span.nbytes for span in spans.values()) + sum(b.hidden_bytes for b in blocks)
+    assert all(block.hidden_bytes for block in blocks[:2])
+    store.budget_bytes = 1
+    store._evict()
+    assert store.nbytes == 0 and not store._blocks
+
+
 def test_a_row_reuses_the_prefix_of_a_row_fed_before_it_in_the_same_admission(llama, prompts):
     shared = repetitive_prompt(98, 40)
     pair = [shared + prompts[0], shared + prompts[3]]  # 46 and 100 tokens: two forwards under a budget of 64
