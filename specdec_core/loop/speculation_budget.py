@@ -157,11 +157,11 @@ class StepCostModel:
     that comes out negative is dropped and the other refitted alone. Steps where every row drafts alike cannot
     separate the two (x_token = x_width there): then the pull decides the split, and the heavier one on s_width puts
     the cost on the tokens, which is where it is wherever the split matters (a ragged forward computes real tokens
-    only; measured: docs/decisions.md). Steps where some rows draft less than others tell them apart. The unit is a plain
-    step's seconds (EMA) at the same row count; a wide step with no plain step timed at its row count is not learned
-    from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed. A
-    bucket with no wide step yet borrows the fit of a bucket with at least as many rows and at most as long a context
-    (at least as steep, so borrowing can only under-speculate), else starts from the priors.
+    only; measured: docs/decisions.md). Steps where some rows draft less than others tell them apart. The unit is a
+    plain step's seconds (EMA) at the same row count; a wide step with no plain step timed at its row count is not
+    learned from (a plain step of other rows would misprice it), and prices are read at the nearest row count timed.
+    A bucket with no wide step yet borrows the fit of a bucket with at least as many rows and at most as long a
+    context (at least as steep, so borrowing can only under-speculate), else starts from the priors.
     """
 
     plain_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, context bucket) -> EMA seconds
@@ -386,7 +386,7 @@ class SpeculationBudget:
     # nothing to retrieve) then cost a few verified tokens in a pass, not one per row every 16 steps
     # (docs/decisions.md).
     explore_most: int = 64
-    explore_wait: int = 16  # the steps now waited before exploring (explore_every .. explore_most)
+    explore_wait: int = 0  # the steps now waited before exploring, when more than explore_every
     exploring: bool = False  # the last plan was an exploring step, not yet emitted
     idle_steps: int = 0
     # Resting: after this many refused steps the rows stop proposing until the next exploring step (proposals
@@ -568,7 +568,7 @@ class SpeculationBudget:
         self.saved.rejections += kept - accepted
         if self.exploring:
             self.exploring = False
-            self.explore_wait = self.explore_every if accepted else min(self.explore_most, 2 * self._wait())
+            self.explore_wait = 0 if accepted else min(self.explore_most, 2 * self._wait())
 
     def _wait(self) -> int:
         """Steps with drafts but nothing verified before the next exploring step."""

@@ -407,10 +407,12 @@ def test_exploring_waits_longer_after_explorations_that_found_nothing():
     for _ in range(63):
         choose_width(b, [chain(4)] * 4, estimates)
         b.emitted(kept=4, accepted=0)
-    assert b.idle_steps == 0 and b.explore_wait == 64  # (the 64th step explored)
+    assert b.idle_steps == 0 and b._wait() == 64  # (the 64th step explored)
     b.exploring = True
     b.emitted(kept=6, accepted=2)  # that exploring step accepted 2 tokens
-    assert b.explore_wait == 16
+    assert b._wait() == 16
+    short = budget(lambda rows, width: float(width), explore_every=4)
+    assert [choose_width(short, [chain(4)] * 4, estimates) for _ in range(4)] == [1, 1, 1, 2]
 
 
 def test_steps_where_every_row_drafts_alike_put_the_cost_on_the_tokens():
