@@ -27,6 +27,7 @@ from .draft_length import DraftLength
 from .induction_heads import load_or_discover, top_heads
 
 HIDDEN_LOOKUP_SOURCE = "lookup"
+UNRANKED_SOURCE = "unranked"  # PLD+ (a)'s draft before its weights: the step's plan reads its length, nobody verifies it
 
 
 # Which layer ranks best, as a fraction of the target's depth. The paper finds early-middle layers best (l = 9..13 of
@@ -173,6 +174,7 @@ class AttentionLookupDrafter(RankedLookupDrafter):
     induction_heads.py) and this drafter copies after the occurrence they attend to most. Lossless."""
 
     reads = frozenset({ATTENTION})
+    attention_after_plan = True  # the weights pick which copy, not how long: computed only for drafts verified
 
     def __init__(self, num_tokens: int = DEFAULTS.lookup_tokens, top_heads: int = DEFAULTS.top_heads,
                  adaptive: bool = DEFAULTS.adaptive):
@@ -193,6 +195,18 @@ class AttentionLookupDrafter(RankedLookupDrafter):
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         self._weights = weights
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        history = self._as_array(tokens)
+        candidates = np.flatnonzero(history[:-1] == history[-1])
+        length = min(self.length.current, max_tokens)
+        if len(self._weights) == len(history) - 1 or len(candidates) <= 1 or length <= 0:
+            return super().propose(tokens, max_tokens)
+        # No weights for this position yet: the longest copy a candidate offers (the earliest one's), for the plan
+        # to read; where the plan verifies some of it, the loop hands the weights over and proposes again.
+        earliest = int(candidates[0])
+        return Draft(tokens=history[earliest + 1 : earliest + 1 + length].tolist(), source=UNRANKED_SOURCE,
+                     from_context=True)
 
     def _rank(self, history: np.ndarray) -> int | None:
         return rank_by_attention(history, self._weights)

@@ -363,6 +363,7 @@ class BatchDecoder:
         context = max(self.cache.lengths, default=0)
         if self.rows:  # proposals may have retired failing rows
             self._plan(pools, drafting, context)
+            self._rank_planned()
         self._flush(pools)  # (a pool that fails retires its rows)
         if not self.rows:
             return
@@ -502,30 +503,37 @@ class BatchDecoder:
         with ExitStack() as collecting:
             for pool in pools.values():
                 collecting.enter_context(pool.collecting_proposals())
-            for row in rows:
-                if row.error is not None:
-                    continue
-                try:
-                    limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
-                    row.draft = row.request.drafter.propose(row.state.tokens, limit)
-                except Exception as exc:
-                    row.error = f"{type(exc).__name__}: {exc}"
-                    failed.append(row)
+            failed += [row for row in rows if row.error is None and not self._propose_row(row)]
         self._retire_rows(failed)
         return pools
 
-    def _deliver_attention(self, rows: list[Row]) -> list[Row]:
+    def _propose_row(self, row: Row) -> bool:
+        """row.draft = its drafter's proposal. -> False where the drafter failed (the failure is the row's error)."""
+        try:
+            limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
+            row.draft = row.request.drafter.propose(row.state.tokens, limit)
+        except Exception as exc:
+            row.error = f"{type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def _deliver_attention(self, rows: list[Row], after_plan: bool = False) -> list[Row]:
         """The attention weights of `rows` about to propose, as asked at their last commit, in one pass, where the
-        drafter will read them. -> the rows that failed (a failure is their error)."""
+        drafter will read them (`after_plan`: the rows _rank_planned chose; else those whose drafter takes them
+        before proposing). -> the rows that failed (a failure is their error)."""
         if all(row.attention is None for row in rows):  # every method but PLD+ (a)
             return []
         index = {id(row): i for i, row in enumerate(self.rows)}  # rows move when others leave (remove_row)
         asks, asking = [], []
         for row in rows:
+            if row.request.drafter.attention_after_plan and not after_plan:
+                continue  # asked for after the plan, if it verifies some of the row's draft (_rank_planned)
             ask, row.attention = row.attention, None
             if ask is not None and row.request.drafter.wants_attention(row.state.tokens):
                 asks.append((row.request.drafter, ask, index[id(row)]))
                 asking.append(row)
+        if not asks:
+            return []
         try:
             deliver_attention(self.target, self.cache, asks)
         except Exception as exc:
@@ -533,6 +541,20 @@ class BatchDecoder:
                 row.error = f"{type(exc).__name__}: {exc}"
             return asking
         return []
+
+    def _rank_planned(self) -> None:
+        """Rows whose drafter takes its attention weights after the plan (Drafter.attention_after_plan) and that the
+        plan lets verify some of their draft: the weights in one pass, then the proposal again, ranked. A row the
+        plan verifies nothing of never pays for them."""
+        planned = [r for r in self.rows if r.attention is not None and r.request.drafter.attention_after_plan]
+        for row in planned:
+            if not row.limit:
+                row.attention = None
+        planned = [r for r in planned if r.limit]
+        if not planned:
+            return
+        failed = self._deliver_attention(planned, after_plan=True)
+        self._retire_rows(failed + [row for row in planned if row.error is None and not self._propose_row(row)])
 
     def _flush(self, pools: dict[int, DraftPool]) -> None:
         """Fill the pooled drafts asked for in `_collect`; a pool that fails fails its rows, the others go on."""

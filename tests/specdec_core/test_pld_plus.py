@@ -221,9 +221,10 @@ class RecordingAttention(AttentionLookupDrafter):
     """Keeps (tokens, weights handed over) after the prefill and after every step (observe_attention follows
     start() and observe())."""
 
-    def __init__(self, heads):
+    def __init__(self, heads, after_plan: bool = True):
         super().__init__(num_tokens=5)
         self.attention_heads, self.pairs, self.tokens = heads, [], None
+        self.attention_after_plan = after_plan
 
     def start(self, tokens, request):
         self.tokens = list(tokens)
@@ -231,6 +232,11 @@ class RecordingAttention(AttentionLookupDrafter):
     def wants_attention(self, tokens):
         assert list(tokens) == self.tokens
         return True  # every step's weights, to check them all
+
+    def propose(self, tokens, max_tokens):
+        draft = super().propose(tokens, max_tokens)
+        # Never empty, so that a plan verifying every draft hands the weights over after the plan every step too.
+        return draft if draft.tokens else Draft(tokens=[0], source="filler")
 
     def observe_attention(self, weights):
         self.pairs.append((self.tokens, weights.clone()))
@@ -268,14 +274,15 @@ def eager_attention(runner, tokens, heads):
     return torch.stack([out.attentions[layer][0, head, -1] for layer, hs in heads.items() for head in hs]).amax(0)
 
 
-def test_attention_weights_equal_eager_attention_after_accepts_and_rejects(runner):
+@pytest.mark.parametrize("after_plan", [True, False])
+def test_attention_weights_equal_eager_attention_after_accepts_and_rejects(runner, after_plan):
     """After every step (chains with accepts and rejects, a tree whose second branch is accepted and moved, a row
     moved into a freed cache row), the weights handed to a row equal eager attention over its committed tokens, from
-    the newest committed one."""
+    the newest committed one: handed over before the proposal, or after the plan (Drafter.attention_after_plan)."""
     heads = {0: [0, 3], 1: [1]}  # GQA: 4 query heads on 2 key/value heads
     # The budget is off: its measured payoff depends on wall time, and this test needs every draft verified.
     decoder = BatchDecoder(runner, max_batch=3, max_draft=8, budget=SpeculationBudget(enabled=False))
-    drafters = [RecordingAttention(heads) for _ in range(2)]
+    drafters = [RecordingAttention(heads, after_plan) for _ in range(2)]
     tree = TreeWithAttention(heads, runner)
     for seed, drafter in enumerate(drafters):
         # the first row leaves early: the last moves into its cache row, and its weights must follow it; a waiting row
@@ -302,6 +309,58 @@ def check_pairs(runner, pairs, heads):
     for tokens, weights in pairs:
         assert len(weights) == len(tokens) - 1  # every committed position; the pending token is not read yet
         torch.testing.assert_close(weights, eager_attention(runner, tokens[:-1], heads), atol=1e-5, rtol=1e-4)
+
+
+class VerifiedDrafts(AttentionLookupDrafter):
+    """PLD+ (a) on a tiny model's heads, keeping every draft the loop verified (observe's) and the weights handed."""
+
+    def __init__(self, heads):
+        super().__init__(num_tokens=5)
+        self.attention_heads, self.verified, self.handed = heads, [], 0
+
+    def observe_attention(self, weights):
+        self.handed += 1
+        super().observe_attention(weights)
+
+    def observe(self, tokens, draft, num_accepted):
+        if draft.tokens:
+            self.verified.append(draft)
+        super().observe(tokens, draft, num_accepted)
+
+
+def test_pld_plus_a_ranks_only_the_drafts_the_plan_verifies(runner, monkeypatch):
+    """The weights are computed after the plan, for the rows it lets verify a draft: with every draft verified, each
+    verified draft that had a choice of copies was ranked (never the unranked stand-in the plan read); with a plan
+    that verifies nothing, no weights are computed at all; the tokens are the same either way."""
+    from specdec_core.drafters.pld_plus import UNRANKED_SOURCE
+    from specdec_core.loop import batch_decode
+    from specdec_core.loop.speculation_budget import StepCostModel
+
+    heads = {0: [0, 3], 1: [1]}
+    asked = []
+    real = batch_decode.deliver_attention
+    monkeypatch.setattr(batch_decode, "deliver_attention",
+                        lambda target, cache, pending: asked.append(len(pending)) or real(target, cache, pending))
+    prompts = [repetitive_prompt(seed, 36 + 6 * seed) for seed in range(3)]
+
+    def run(budget):
+        decoder = BatchDecoder(runner, max_batch=3, max_draft=8, budget=budget)
+        drafters = [VerifiedDrafts(heads) for _ in prompts]
+        for seed, (prompt, drafter) in enumerate(zip(prompts, drafters)):
+            decoder.submit(DecodeRequest(seed, prompt, DecodeParams(max_new_tokens=20), drafter))
+        results = {request.key: result.token_ids for request, result in decoder.run()}
+        return results, drafters
+
+    every, drafters = run(SpeculationBudget(enabled=False))
+    verified = [draft for drafter in drafters for draft in drafter.verified]
+    assert verified and sum(asked) > 0 and sum(d.handed for d in drafters) == sum(asked)
+    assert all(draft.source != UNRANKED_SOURCE for draft in verified)
+    asked.clear()
+    # Width costs 100 plain steps: no plan ever drafts (no exploring steps either).
+    never = SpeculationBudget(cost=StepCostModel(fixed=lambda rows, width: 1 + 100 * (width - 1)),
+                              check_payoff=False, explore_every=0)
+    plain, drafters = run(never)
+    assert plain == every and asked == [] and all(not d.verified and not d.handed for d in drafters)
 
 
 def test_head_discovery_is_deterministic_and_saved_once(runner, tmp_path, monkeypatch):
