@@ -181,10 +181,10 @@ class Drafter(ABC):
     reads: frozenset[str] = frozenset()
     hidden_layer: int | None = None  # HIDDEN_STATES: which layer (set per instance, by prepare())
     attention_heads: dict[int, list[int]] | None = None  # ATTENTION: {layer: [heads]} (set per instance)
-    #: ATTENTION readers: the weights only rank what the draft copies, not how long it is, so the loop may ask for
-    #: them after the step's plan, for rows it lets verify some of their draft. propose() is first called without
-    #: them (the plan reads only its length) and, for such a row, again once observe_attention() has delivered them
-    attention_after_plan: bool = False
+    #: what it reads of the target chooses which tokens its draft holds, not how many (PLD+ ranks earlier copies):
+    #: the loop calls outline() for the step's plan to read, and propose() only for the rows the plan lets verify
+    #: some of their draft (an ATTENTION reader's weights are computed for those rows alone)
+    ranks_after_plan: bool = False
     #: ends its drafts where one more token costs more than it returns (DraftPricing, set per instance): the step's
     #: plan then decides only whether the row drafts, not how far (its geometric acceptance model knows less)
     prices_its_length: bool = False
@@ -213,13 +213,18 @@ class Drafter(ABC):
     def observe_attention(self, weights: torch.Tensor) -> None:
         """ATTENTION readers only: [length] the max over `attention_heads` of their attention weights from the query at
         position length - 1 (the token that produced the pending one) over positions 0..length-1; after start()
-        and after each step's observe(), where wants_attention(tokens) said so (`attention_after_plan`: and the
+        and after each step's observe(), where wants_attention(tokens) said so (`ranks_after_plan`: and the
         step's plan verifies some of the row's draft)."""
 
     def wants_attention(self, tokens: Sequence[int]) -> bool:
         """ATTENTION readers only: whether the next propose(tokens) reads the weights (computing them costs a pass
-        over the row's keys in every chosen layer; `attention_after_plan`: a second proposal). Default: always."""
+        over the row's keys in every chosen layer). Default: always."""
         return True
+
+    def outline(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        """ranks_after_plan drafters: a draft at least as long as propose(tokens, max_tokens) would return, for the
+        step's plan to read; never verified. Default: the proposal itself."""
+        return self.propose(tokens, max_tokens)
 
     def observe_logits(self, probes: list[int], logits: torch.Tensor) -> None:
         """DRAFT_LOGITS readers only: [len(probes), vocab] the target's logits after each draft node in `probes` (the

@@ -27,7 +27,7 @@ from .draft_length import DraftLength
 from .induction_heads import load_or_discover, top_heads
 
 HIDDEN_LOOKUP_SOURCE = "lookup"
-UNRANKED_SOURCE = "unranked"  # PLD+ (a)'s draft before its weights: the step's plan reads its length, nobody verifies it
+UNRANKED_SOURCE = "unranked"  # PLD+'s outline: the step's plan reads its length, nobody verifies it
 
 
 # Which layer ranks best, as a fraction of the target's depth. The paper finds early-middle layers best (l = 9..13 of
@@ -75,7 +75,10 @@ def rank_by_hidden_state(history: np.ndarray, hidden: torch.Tensor, threshold: f
 
 
 class RankedLookupDrafter(Drafter):
-    """PLD+'s shared drafting (§4.3): copy the K tokens after the occurrence that `_rank` picks from the history."""
+    """PLD+'s shared drafting (§4.3): copy the K tokens after the occurrence that `_rank` picks from the history.
+    Ranking reads the target and only chooses which copy, so it runs for the rows a step's plan drafts alone."""
+
+    ranks_after_plan = True
 
     def __init__(self, num_tokens: int, adaptive: bool):
         self.length = DraftLength(num_tokens, adaptive=adaptive)
@@ -107,6 +110,17 @@ class RankedLookupDrafter(Drafter):
         if best is None:
             return empty_draft()
         return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
+                     from_context=True)
+
+    def outline(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        """The copy after the earliest occurrence of the last token: the longest any ranking can pick."""
+        length = min(self.length.current, max_tokens)
+        history = self._as_array(tokens)
+        candidates = np.flatnonzero(history[:-1] == history[-1])
+        if length <= 0 or not len(candidates):
+            return empty_draft()
+        earliest = int(candidates[0])
+        return Draft(tokens=history[earliest + 1 : earliest + 1 + length].tolist(), source=UNRANKED_SOURCE,
                      from_context=True)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
@@ -174,7 +188,6 @@ class AttentionLookupDrafter(RankedLookupDrafter):
     induction_heads.py) and this drafter copies after the occurrence they attend to most. Lossless."""
 
     reads = frozenset({ATTENTION})
-    attention_after_plan = True  # the weights pick which copy, not how long: computed only for drafts verified
 
     def __init__(self, num_tokens: int = DEFAULTS.lookup_tokens, top_heads: int = DEFAULTS.top_heads,
                  adaptive: bool = DEFAULTS.adaptive):
@@ -195,18 +208,6 @@ class AttentionLookupDrafter(RankedLookupDrafter):
 
     def observe_attention(self, weights: torch.Tensor) -> None:
         self._weights = weights
-
-    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        history = self._as_array(tokens)
-        candidates = np.flatnonzero(history[:-1] == history[-1])
-        length = min(self.length.current, max_tokens)
-        if len(self._weights) == len(history) - 1 or len(candidates) <= 1 or length <= 0:
-            return super().propose(tokens, max_tokens)
-        # No weights for this position yet: the longest copy a candidate offers (the earliest one's), for the plan
-        # to read; where the plan verifies some of it, the loop hands the weights over and proposes again.
-        earliest = int(candidates[0])
-        return Draft(tokens=history[earliest + 1 : earliest + 1 + length].tolist(), source=UNRANKED_SOURCE,
-                     from_context=True)
 
     def _rank(self, history: np.ndarray) -> int | None:
         return rank_by_attention(history, self._weights)

@@ -503,15 +503,18 @@ class BatchDecoder:
         with ExitStack() as collecting:
             for pool in pools.values():
                 collecting.enter_context(pool.collecting_proposals())
-            failed += [row for row in rows if row.error is None and not self._propose_row(row)]
+            failed += [row for row in rows if row.error is None and not self._propose_row(row, outline=True)]
         self._retire_rows(failed)
         return pools
 
-    def _propose_row(self, row: Row) -> bool:
-        """row.draft = its drafter's proposal. -> False where the drafter failed (the failure is the row's error)."""
+    def _propose_row(self, row: Row, outline: bool = False) -> bool:
+        """row.draft = its drafter's proposal (`outline`: its outline, where it ranks after the plan). -> False where
+        the drafter failed (the failure is the row's error)."""
+        drafter = row.request.drafter
         try:
             limit = min(self.max_draft, draft_budget(self.target, row.state, row.request.params))
-            row.draft = row.request.drafter.propose(row.state.tokens, limit)
+            propose = drafter.outline if outline and drafter.ranks_after_plan else drafter.propose
+            row.draft = propose(row.state.tokens, limit)
         except Exception as exc:
             row.error = f"{type(exc).__name__}: {exc}"
             return False
@@ -526,7 +529,7 @@ class BatchDecoder:
         index = {id(row): i for i, row in enumerate(self.rows)}  # rows move when others leave (remove_row)
         asks, asking = [], []
         for row in rows:
-            if row.request.drafter.attention_after_plan and not after_plan:
+            if row.request.drafter.ranks_after_plan and not after_plan:
                 continue  # asked for after the plan, if it verifies some of the row's draft (_rank_planned)
             ask, row.attention = row.attention, None
             if ask is not None and row.request.drafter.wants_attention(row.state.tokens):
@@ -543,14 +546,14 @@ class BatchDecoder:
         return []
 
     def _rank_planned(self) -> None:
-        """Rows whose drafter takes its attention weights after the plan (Drafter.attention_after_plan) and that the
-        plan lets verify some of their draft: the weights in one pass, then the proposal again, ranked. A row the
-        plan verifies nothing of never pays for them."""
-        planned = [r for r in self.rows if r.attention is not None and r.request.drafter.attention_after_plan]
-        for row in planned:
+        """Rows whose drafter ranks after the plan (Drafter.ranks_after_plan) and that the plan lets verify some of
+        their outline: their attention weights where they read them (one pass), then their proposal. A row the plan
+        verifies nothing of never pays for either."""
+        ranking = [r for r in self.rows if r.request.drafter.ranks_after_plan]
+        for row in ranking:
             if not row.limit:
                 row.attention = None
-        planned = [r for r in planned if r.limit]
+        planned = [r for r in ranking if r.limit]
         if not planned:
             return
         failed = self._deliver_attention(planned, after_plan=True)

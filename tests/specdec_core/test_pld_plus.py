@@ -224,7 +224,7 @@ class RecordingAttention(AttentionLookupDrafter):
     def __init__(self, heads, after_plan: bool = True):
         super().__init__(num_tokens=5)
         self.attention_heads, self.pairs, self.tokens = heads, [], None
-        self.attention_after_plan = after_plan
+        self.ranks_after_plan = after_plan
 
     def start(self, tokens, request):
         self.tokens = list(tokens)
@@ -236,6 +236,10 @@ class RecordingAttention(AttentionLookupDrafter):
     def propose(self, tokens, max_tokens):
         draft = super().propose(tokens, max_tokens)
         # Never empty, so that a plan verifying every draft hands the weights over after the plan every step too.
+        return draft if draft.tokens else Draft(tokens=[0], source="filler")
+
+    def outline(self, tokens, max_tokens):
+        draft = super().outline(tokens, max_tokens)
         return draft if draft.tokens else Draft(tokens=[0], source="filler")
 
     def observe_attention(self, weights):
@@ -278,7 +282,7 @@ def eager_attention(runner, tokens, heads):
 def test_attention_weights_equal_eager_attention_after_accepts_and_rejects(runner, after_plan):
     """After every step (chains with accepts and rejects, a tree whose second branch is accepted and moved, a row
     moved into a freed cache row), the weights handed to a row equal eager attention over its committed tokens, from
-    the newest committed one: handed over before the proposal, or after the plan (Drafter.attention_after_plan)."""
+    the newest committed one: handed over before the proposal, or after the plan (Drafter.ranks_after_plan)."""
     heads = {0: [0, 3], 1: [1]}  # GQA: 4 query heads on 2 key/value heads
     # The budget is off: its measured payoff depends on wall time, and this test needs every draft verified.
     decoder = BatchDecoder(runner, max_batch=3, max_draft=8, budget=SpeculationBudget(enabled=False))
@@ -311,32 +315,45 @@ def check_pairs(runner, pairs, heads):
         torch.testing.assert_close(weights, eager_attention(runner, tokens[:-1], heads), atol=1e-5, rtol=1e-4)
 
 
-class VerifiedDrafts(AttentionLookupDrafter):
-    """PLD+ (a) on a tiny model's heads, keeping every draft the loop verified (observe's) and the weights handed."""
+def verified_drafts(kind):
+    """PLD+ (a) on a tiny model's heads or PLD+ (h), keeping every draft the loop verified (observe's), how many
+    times it ranked and the weights it was handed."""
 
-    def __init__(self, heads):
-        super().__init__(num_tokens=5)
-        self.attention_heads, self.verified, self.handed = heads, [], 0
+    class VerifiedDrafts(kind):
+        def __init__(self, **settings):
+            super().__init__(num_tokens=5, **settings)
+            self.verified, self.ranked, self.handed = [], 0, 0
 
-    def observe_attention(self, weights):
-        self.handed += 1
-        super().observe_attention(weights)
+        def observe_attention(self, weights):
+            self.handed += 1
+            super().observe_attention(weights)
 
-    def observe(self, tokens, draft, num_accepted):
-        if draft.tokens:
-            self.verified.append(draft)
-        super().observe(tokens, draft, num_accepted)
+        def _rank(self, history):
+            self.ranked += 1
+            return super()._rank(history)
+
+        def observe(self, tokens, draft, num_accepted):
+            if draft.tokens:
+                self.verified.append(draft)
+            super().observe(tokens, draft, num_accepted)
+
+    return VerifiedDrafts
 
 
-def test_pld_plus_a_ranks_only_the_drafts_the_plan_verifies(runner, monkeypatch):
-    """The weights are computed after the plan, for the rows it lets verify a draft: with every draft verified, each
-    verified draft that had a choice of copies was ranked (never the unranked stand-in the plan read); with a plan
-    that verifies nothing, no weights are computed at all; the tokens are the same either way."""
+@pytest.mark.parametrize("kind", ["attention", "hidden"])
+def test_pld_plus_ranks_only_the_drafts_the_plan_verifies(runner, monkeypatch, kind):
+    """PLD+ ranks after the plan, for the rows it lets verify a draft (PLD+ (a): and computes their weights then):
+    with every draft verified, no verified draft is the unranked outline the plan read; with a plan that verifies
+    nothing, nothing is ranked and no weights are computed; the tokens are the same either way."""
     from specdec_core.drafters.pld_plus import UNRANKED_SOURCE
     from specdec_core.loop import batch_decode
     from specdec_core.loop.speculation_budget import StepCostModel
 
     heads = {0: [0, 3], 1: [1]}
+    if kind == "attention":
+        make = verified_drafts(AttentionLookupDrafter)
+    else:
+        make = lambda: verified_drafts(HiddenStateLookupDrafter)(hidden_layer=1, threshold=None)  # noqa: E731
     asked = []
     real = batch_decode.deliver_attention
     monkeypatch.setattr(batch_decode, "deliver_attention",
@@ -345,7 +362,10 @@ def test_pld_plus_a_ranks_only_the_drafts_the_plan_verifies(runner, monkeypatch)
 
     def run(budget):
         decoder = BatchDecoder(runner, max_batch=3, max_draft=8, budget=budget)
-        drafters = [VerifiedDrafts(heads) for _ in prompts]
+        drafters = [make() for _ in prompts]
+        for drafter in drafters:
+            if kind == "attention":
+                drafter.attention_heads = heads
         for seed, (prompt, drafter) in enumerate(zip(prompts, drafters)):
             decoder.submit(DecodeRequest(seed, prompt, DecodeParams(max_new_tokens=20), drafter))
         results = {request.key: result.token_ids for request, result in decoder.run()}
@@ -353,14 +373,15 @@ def test_pld_plus_a_ranks_only_the_drafts_the_plan_verifies(runner, monkeypatch)
 
     every, drafters = run(SpeculationBudget(enabled=False))
     verified = [draft for drafter in drafters for draft in drafter.verified]
-    assert verified and sum(asked) > 0 and sum(d.handed for d in drafters) == sum(asked)
+    assert verified and sum(d.ranked for d in drafters) >= len(verified)
+    assert (sum(asked) > 0) is (kind == "attention") and sum(d.handed for d in drafters) == sum(asked)
     assert all(draft.source != UNRANKED_SOURCE for draft in verified)
     asked.clear()
     # Width costs 100 plain steps: no plan ever drafts (no exploring steps either).
     never = SpeculationBudget(cost=StepCostModel(fixed=lambda rows, width: 1 + 100 * (width - 1)),
                               check_payoff=False, explore_every=0)
     plain, drafters = run(never)
-    assert plain == every and asked == [] and all(not d.verified and not d.handed for d in drafters)
+    assert plain == every and asked == [] and all(not d.verified and not d.handed and not d.ranked for d in drafters)
 
 
 def test_head_discovery_is_deterministic_and_saved_once(runner, tmp_path, monkeypatch):
