@@ -74,6 +74,12 @@ def rank_by_hidden_state(history: np.ndarray, hidden: torch.Tensor, threshold: f
     return int(candidates[best])
 
 
+def _earliest_occurrence(history: np.ndarray) -> int | None:
+    """The first j < t with history[j] == history[t] (t = the pending token's place), or None."""
+    candidates = np.flatnonzero(history[:-1] == history[-1])
+    return int(candidates[0]) if len(candidates) else None
+
+
 class RankedLookupDrafter(Drafter):
     """PLD+'s shared drafting (§4.3): copy the K tokens after the occurrence that `_rank` picks from the history.
     Ranking reads the target and only chooses which copy, so it runs for the rows a step's plan drafts alone."""
@@ -102,26 +108,22 @@ class RankedLookupDrafter(Drafter):
         return self._tokens[:size]
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        return self._copy(tokens, max_tokens, self._rank, HIDDEN_LOOKUP_SOURCE)
+
+    def outline(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        """The copy after the earliest occurrence of the last token: the longest any ranking can pick."""
+        return self._copy(tokens, max_tokens, _earliest_occurrence, UNRANKED_SOURCE)
+
+    def _copy(self, tokens: Sequence[int], max_tokens: int, pick, source: str) -> Draft:
+        """The draft tokens after the occurrence pick(history) chooses (None: no draft)."""
         length = min(self.length.current, max_tokens)
         if length <= 0:
             return empty_draft()
         history = self._as_array(tokens)
-        best = self._rank(history)
+        best = pick(history)
         if best is None:
             return empty_draft()
-        return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=HIDDEN_LOOKUP_SOURCE,
-                     from_context=True)
-
-    def outline(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        """The copy after the earliest occurrence of the last token: the longest any ranking can pick."""
-        length = min(self.length.current, max_tokens)
-        history = self._as_array(tokens)
-        candidates = np.flatnonzero(history[:-1] == history[-1])
-        if length <= 0 or not len(candidates):
-            return empty_draft()
-        earliest = int(candidates[0])
-        return Draft(tokens=history[earliest + 1 : earliest + 1 + length].tolist(), source=UNRANKED_SOURCE,
-                     from_context=True)
+        return Draft(tokens=history[best + 1 : best + 1 + length].tolist(), source=source, from_context=True)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         if draft.source == HIDDEN_LOOKUP_SOURCE:
