@@ -2,9 +2,10 @@
 # The device checks for a lent GPU machine (the `device` tool), in stages (one call carries 64 MiB), run back to back
 # on one warm machine (what a call leaves under /root and /tmp stays for the next while it is warm):
 #   stage roofline: issue 50's first run (no weights to carry): device_check (every forward and the captured
-#             graph-ready steps equal HF greedy, fp32), then gpu_step_roofline.py (SmolLM2 and Qwen2.5-1.5B shapes,
+#             graph-ready steps equal HF greedy, fp32), then gpu_step_roofline.py (Qwen2.5-1.5B, then SmolLM2 shapes,
 #             bf16, batch 16 / 64 / 256, widths 1 2 4 8: eager, static and captured steps against the memory roofline,
-#             and HF generate) -> $OUT/step_roofline.json (commit it as benchmarks/results/gpu/step_roofline.json)
+#             and HF generate), then the compiled steps and flex_attention's captured ones on the Qwen shape
+#             -> $OUT/step_roofline*.json (merged into benchmarks/results/gpu/step_roofline.json) and $OUT/lease.log
 #   stage flex: the attention without masks (model/block_attention.py) against masked SDPA: gpu_step_roofline.py on the
 #             Qwen2.5-1.5B shape, batch 64 / 256, widths 1 and 4, eager and captured steps, and a prefill forward of
 #             64 prompts under each -> $OUT/step_roofline_flex.json (device_check's flex rows are in stage roofline)
@@ -30,7 +31,7 @@ keep=${GPU_LEASE_KEEP:-/root/specbatch_keep}  # (overridable to try the stages h
 install_wheels() {
     [ -d /tmp/site/transformers ] && return 0
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
+        || echo "the wheels did not install: going on with the image's packages"
     nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 }
 
@@ -40,10 +41,18 @@ assemble() {  # the kept pieces, in order, -> $1 (expects $2 pieces)
     cat $(ls $keep/* | sort -V) > "$1" && rm $keep/*
 }
 
-if [ "$stage" = roofline ]; then
-    install_wheels
-    timeout 160 python3 benchmarks/device_check.py --device cuda 2>&1 | tee $OUT/device_check.log
-    timeout 400 python3 benchmarks/gpu_step_roofline.py --out $OUT/step_roofline.json 2>&1 | tee $OUT/step_roofline.log
+if [ "$stage" = roofline ]; then  # ~9.5 minutes at most: run it with timeout_s 600; one log, four record files
+    install_wheels 2>&1 | tee $OUT/lease.log
+    r="python3 benchmarks/gpu_step_roofline.py"
+    timeout 120 python3 benchmarks/device_check.py --device cuda 2>&1 | tee -a $OUT/lease.log
+    timeout 150 $r --shapes qwen2.5-1.5b --modes eager static captured hf --out $OUT/step_roofline.json 2>&1 \
+        | tee -a $OUT/lease.log
+    timeout 70 $r --shapes smollm2-135m --modes eager static captured hf --out $OUT/step_roofline_smollm2.json 2>&1 \
+        | tee -a $OUT/lease.log
+    timeout 150 $r --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 --modes eager compiled \
+        --out $OUT/step_roofline_compiled.json 2>&1 | tee -a $OUT/lease.log
+    timeout 60 $r --shapes qwen2.5-1.5b --batch-sizes 64 --widths 1 4 --modes eager captured --attention flex \
+        --out $OUT/step_roofline_flex.json 2>&1 | tee -a $OUT/lease.log
 elif [ "$stage" = flex ]; then
     install_wheels
     timeout 500 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \

@@ -183,8 +183,8 @@ def prefill_ms(runner: ModelRunner, lengths: list[int], reps: int, device: str) 
     return timed(lambda: runner.forward_slots(cache, batch), device, reps)[0]
 
 
-def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dict]:
-    records = []
+def measure(shape: str, runner: ModelRunner, args, bandwidth: float, emit) -> None:
+    """Time every (batch size, width, attention, mode) of one shape; each record goes to `emit` as it is made."""
     base = {"shape": shape, "device": hardware(args.device), "torch": torch.__version__, "dtype": args.dtype,
             "context": args.context}
     for batch_size in args.batch_sizes:
@@ -213,8 +213,7 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                         step = steps[mode]
                         record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
                                       syncs_per_step=syncs_in(run, args.device))
-                    records.append(record)
-                    _print(record)
+                    emit(record)
                 for kind in args.sampling:  # the same steps, every row drawing on the device (seeded)
                     sampling = Sampling([0.8] * batch_size, [0] * batch_size,
                                         [0.9 if kind == "top-p" else 1.0] * batch_size, list(range(batch_size)),
@@ -231,16 +230,14 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                         if mode in ("captured", "compiled"):
                             record.update(captured=step.captures > 0, capture_s=round(step.capture_s, 3),
                                           syncs_per_step=syncs_in(run, args.device))
-                        records.append(record)
-                        _print(record)
+                        emit(record)
             del cache
         if "hf" in args.modes and 1 in args.widths:
             step_ms = hf_step_ms(runner, lengths, args.hf_new_tokens)
             roofline_ms = step_bytes(runner, lengths, 1) / bandwidth * 1e3
             record = {**base, "batch_size": batch_size, "width": 1, "mode": "hf", "step_ms": round(step_ms, 4),
                       "roofline_ms": round(roofline_ms, 4), "roofline_ratio": round(step_ms / roofline_ms, 2)}
-            records.append(record)
-            _print(record)
+            emit(record)
     if args.prefill:
         rows = args.batch_sizes[0]
         lengths = [args.context // 4 + (row * 3 * args.context // 4) // max(1, rows - 1) for row in range(rows)]
@@ -252,11 +249,10 @@ def measure(shape: str, runner: ModelRunner, args, bandwidth: float) -> list[dic
                       "tokens_per_s": round(sum(lengths) / step_ms * 1e3)}
             if attention == "flex":
                 record["flex_kernel"] = block_attention.kernel_state(args.device)
-            records.append(record)
+            emit(record, echo=False)
             print(f"{shape:>13} b{rows:<4} prefill {attention:>5}: {step_ms:9.3f} ms  {sum(lengths)} tokens, "
                   f"{record['tokens_per_s']} tok/s" + (f", flex_attention {record['flex_kernel']}"
                                                        if "flex_kernel" in record else ""), flush=True)
-    return records
 
 
 def _print(record: dict) -> None:
@@ -305,13 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(record: dict, echo: bool = True) -> None:  # written at once: a run cut short keeps what it timed
+        records.append(record)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        if echo:
+            _print(record)
+
     for shape in args.shapes:
         model = shaped_model(shape, args.device, dtype)
         runner = ModelRunner(model, DigitsTokenizer(), f"random {shape}", args.device, dtype, fast_forward=True)
         if runner.fast is None:
             raise SystemExit(f"{shape}: the fast forward does not cover it")
-        records += measure(shape, runner, args, bandwidth)
-        out.write_text(json.dumps(records, indent=1) + "\n")  # after each shape: a run cut short keeps what it timed
+        measure(shape, runner, args, bandwidth, emit)
         del runner, model
         torch._dynamo.reset()  # the next shape's compiled functions start specialised again
         if args.device.startswith("cuda"):
