@@ -6,6 +6,8 @@
 #             bf16, batch 16 / 64 / 256, widths 1 2 4 8: eager, static and captured steps against the memory roofline,
 #             and HF generate), then the compiled steps and flex_attention's captured ones on the Qwen shape
 #             -> $OUT/step_roofline*.json (merged into benchmarks/results/gpu/step_roofline.json) and $OUT/lease.log
+#   stage profile: device_check's compiled variants, gpu_step_profile.py (kernels by kind and name, Qwen2.5-1.5B shape,
+#             batch 64, T 1 and 4, captured and compiled steps) and the compiled step with Inductor's max-autotune GEMMs
 #   stage flex: the attention without masks (model/block_attention.py) against masked SDPA: gpu_step_roofline.py on the
 #             Qwen2.5-1.5B shape, batch 64 / 256, widths 1 and 4, eager and captured steps, and a prefill forward of
 #             64 prompts under each -> $OUT/step_roofline_flex.json (device_check's flex rows are in stage roofline)
@@ -53,6 +55,15 @@ if [ "$stage" = roofline ]; then  # ~9.5 minutes at most: run it with timeout_s 
         --out $OUT/step_roofline_compiled.json 2>&1 | tee -a $OUT/lease.log
     timeout 60 $r --shapes qwen2.5-1.5b --batch-sizes 64 --widths 1 4 --modes eager captured --attention flex \
         --out $OUT/step_roofline_flex.json 2>&1 | tee -a $OUT/lease.log
+elif [ "$stage" = profile ]; then  # ~6 minutes at most: device_check of the compiled steps, where a step's GPU time
+    # goes (captured and compiled, Qwen shape, batch 64, T 1 and 4), and the compiled step with Inductor's autotuned GEMMs
+    install_wheels 2>&1 | tee $OUT/lease.log
+    timeout 100 python3 benchmarks/device_check.py --device cuda --graph-modes compiled 2>&1 | tee -a $OUT/lease.log
+    timeout 120 python3 benchmarks/gpu_step_profile.py --widths 1 4 --out $OUT/step_profile.json \
+        --tables $OUT/step_profile_tables.txt 2>&1 | tee -a $OUT/lease.log
+    TORCHINDUCTOR_MAX_AUTOTUNE=1 timeout 150 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b \
+        --batch-sizes 64 --widths 1 4 --modes eager compiled --out $OUT/step_roofline_autotune.json 2>&1 \
+        | tee -a $OUT/lease.log
 elif [ "$stage" = flex ]; then
     install_wheels
     timeout 500 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \
