@@ -29,8 +29,8 @@ from specdec_core.model.model_runner import ModelRunner  # noqa: E402
 from tests.tiny_models import DigitsTokenizer  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel's name), first match wins
-    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "splitk", "mm_", "addmm")),
     ("attention", ("fmha", "attention", "flash", "flex", "efficient", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "sm80_", "cublas", "splitk", "mm_", "addmm")),
     ("cache write", ("index_put", "scatter", "indexing_backward")),
     ("copy", ("copy", "cat", "elementwise_kernel_with_index")),
 )

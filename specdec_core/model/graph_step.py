@@ -22,10 +22,11 @@ one-hot speculative sampling. A step with such rows has graphs of its own: the d
 of them. Prefill and steps that need more (a draft model's probabilities, drafters that read the target's hidden
 states or attention, CASD's rule) run the eager forward (model_runner.forward_slots), as do steps no bucket holds.
 
-Modes (`SPECBATCH_GRAPH_STEP`): `auto` (captured on a GPU, off on a CPU, whose compiled kernels beat these static
-shapes), `captured`, `compiled` (each layer's norms, projections, RoPE, residual adds and SiLU-gate fused by
-torch.compile's Inductor around the cache write and the attention, then captured), `eager` (static buffers without a
-graph: how the CPU suite checks this step), `off`.
+Modes (`SPECBATCH_GRAPH_STEP`): `auto` (compiled on a GPU, where it was the faster of the two graph modes at every
+batch and width measured; off on a CPU, whose compiled kernels beat these static shapes), `captured`, `compiled`
+(each layer's norms, projections, RoPE with the cache write, residual adds and SiLU-gate fused by torch.compile's
+Inductor around the attention, then captured), `eager` (static buffers without a graph: how the CPU suite checks
+this step), `off`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def step_mode(device: str) -> str:
         raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)}")
     on_gpu = str(device).startswith("cuda")
     if mode == "auto":
-        return "captured" if on_gpu else "off"
+        return "compiled" if on_gpu else "off"
     return mode
 
 
@@ -337,10 +338,11 @@ class GraphStep:
         group = fast.heads // fast.kv_heads
         if self.attention == "flex":  # one block mask for every layer
             mask = block_attention.block_mask(lengths, inputs.visible, bucket.keys)
-        else:
-            mask = key_mask(lengths, inputs.visible, bucket.keys)  # [B, 1, T, L]
-            mask = mask[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
+        else:  # additive, in the queries' dtype: SDPA would turn a boolean mask into this in every layer
+            allowed = key_mask(lengths, inputs.visible, bucket.keys)  # [B, 1, T, L]
+            allowed = allowed[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
                 rows, 1, group * width, bucket.keys)
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
         for index, layer in enumerate(fast.layers):
             x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
@@ -359,13 +361,14 @@ class GraphStep:
         rows, width, count = bucket.rows, bucket.width, x.shape[0]
         heads, kv_heads, head_dim = fast.heads, fast.kv_heads, fast.head_dim
         group = heads // kv_heads
-        if self.fused is not None:
-            q, k, v = self.before_attention(x, *self.fused[index].before, cos, sin, heads, kv_heads, head_dim)
+        keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
+        if self.fused is not None:  # the cache write fused with RoPE: one kernel, not two index_put launches
+            q = self.before_attention(x, *self.fused[index].before, cos, sin, keys, values, write_rows, places, heads,
+                                      kv_heads, head_dim)
         else:
             q, k, v = _before_attention(x, layer, cos, sin, heads, kv_heads, head_dim)
-        keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
-        keys[write_rows, :, places] = k.to(keys.dtype)
-        values[write_rows, :, places] = v.to(values.dtype)
+            keys[write_rows, :, places] = k.to(keys.dtype)
+            values[write_rows, :, places] = v.to(values.dtype)
         if self.attention == "flex":
             query = q.view(rows, width, heads, head_dim).transpose(1, 2)  # [B, H, T, d]
             attended = block_attention.attend(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
@@ -452,13 +455,17 @@ def _fused_layers(fast) -> list[_DenseLayer]:
     return layers
 
 
-def _dense_before_attention(x, norm, eps, qkv_weight, qkv_bias, cos, sin, heads, kv_heads, head_dim):
-    """_before_attention over dense weights (what Inductor fuses)."""
+def _dense_before_attention(x, norm, eps, qkv_weight, qkv_bias, cos, sin, keys, values, write_rows, places, heads,
+                            kv_heads, head_dim):
+    """_before_attention over dense weights, the new keys and values written into the layer's cache
+    (keys, values [slots, KV, capacity, d], in place; write_rows, places [B T]) -> q [B T, H, d] (what Inductor
+    fuses: the write becomes one scatter kernel with RoPE)."""
     count = x.shape[0]
     qkv = F.linear(_rms_norm(x, norm, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    return (_rope(q.reshape(count, heads, head_dim), cos, sin), _rope(k.reshape(count, kv_heads, head_dim), cos, sin),
-            v.reshape(count, kv_heads, head_dim))
+    keys[write_rows, :, places] = _rope(k.reshape(count, kv_heads, head_dim), cos, sin).to(keys.dtype)
+    values[write_rows, :, places] = v.reshape(count, kv_heads, head_dim).to(values.dtype)
+    return _rope(q.reshape(count, heads, head_dim), cos, sin)
 
 
 def _dense_after_attention(x, attended, o_weight, o_bias, norm, eps, gate_up_weight, gate_up_bias, down_weight,

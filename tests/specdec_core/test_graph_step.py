@@ -228,7 +228,7 @@ def test_where_capture_fails_the_step_runs_eagerly(monkeypatch, caplog):
 
 def test_modes(monkeypatch):
     monkeypatch.setenv(graph_step.MODE_ENV, "auto")
-    assert graph_step.step_mode("cpu") == "off" and graph_step.step_mode("cuda:0") == "captured"
+    assert graph_step.step_mode("cpu") == "off" and graph_step.step_mode("cuda:0") == "compiled"
     assert tiny_llama(0).graph_step() is None  # the CPU's own kernels serve its steps by default
     monkeypatch.setenv(graph_step.MODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="SPECBATCH_GRAPH_STEP='sometimes'"):
