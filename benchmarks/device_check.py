@@ -2,7 +2,8 @@
 `--device` (default cuda); every row of batched ar / copyspec / copyspec trees must equal the model's own greedy
 `generate` on that device, through HF's modules and through fast_forward.py (where it covers the model), its steps
 eager and graph-ready (model/graph_step.py: captured on a GPU, and compiled), with masked SDPA, with flex_attention
-(model/block_attention.py) and with the faster of the two at the first capture (`auto`). Then seeded sampling rows
+(model/block_attention.py), with the faster of the two at the first capture (`auto`) and with the split kernels
+(kernels/split_kv_attention.py). Then seeded sampling rows
 (temperature 0.8, some with top-p 0.9; a peaked head): copyspec chains and trees through the graph-ready step's draws on the device must
 give each row the tokens `ar` gives through the eager forward and the host's draws (sampling.PositionDraws). CI has
 no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
@@ -44,7 +45,8 @@ def main() -> int:
     # (model, fast forward, graph-ready steps: the device's default, which on a GPU captures them, or off; attention)
     variants = ((tiny_llama(), False, "off", "sdpa"), (tiny_llama(), True, "off", "sdpa"),
                 (tiny_llama(), True, None, "sdpa"), (tiny_llama(), True, None, "flex"),
-                (tiny_llama(), True, None, "auto"), (tiny_llama(), True, "compiled", "sdpa"),
+                (tiny_llama(), True, None, "auto"), (tiny_llama(), True, None, "split"),
+                (tiny_llama(), True, "compiled", "sdpa"),
                 (tiny_llama(), True, "compiled", "flex"), (tiny_gemma3(), False, "off", "sdpa"))
     for cpu_runner, fast, graph_mode, attention in variants:
         if args.graph_modes is not None and (graph_mode or "default") not in args.graph_modes:

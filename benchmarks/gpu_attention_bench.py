@@ -8,6 +8,7 @@ L2), captured in one CUDA graph and replayed; its time is set against the bytes 
   efficient   the same, held to the memory-efficient backend
   cudnn       the same, held to cuDNN's backend
   matmul      two batched matmuls around an fp32 softmax (each key head's keys read once per pass)
+  split       kernels/split_kv_attention.py: each row's keys split into ranges, merged (reads each row's keys only)
 
   python benchmarks/gpu_attention_bench.py
   python benchmarks/gpu_attention_bench.py --device cpu --dtype float32 --batch-sizes 2 --layers 2 --context 40
@@ -21,9 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from specdec_core.kernels import split_kv_attention  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 6, 128
 
@@ -44,7 +49,7 @@ def sdpa_with(backend):
 
 
 CANDIDATES = {"sdpa": sdpa_with(None), "efficient": sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
-              "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION), "matmul": matmul_attention}
+              "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION), "matmul": matmul_attention, "split": None}
 
 
 def measure(name, attend, layers, query, mask, scale, device, reps) -> tuple[float, torch.Tensor]:
@@ -100,9 +105,15 @@ def main(argv: list[str] | None = None) -> int:
             mask.masked_fill_(~seen[:, None, None, :], float("-inf"))
             real_bytes = int((lengths + width).sum()) * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize * args.layers
             reference = None
+            ends = (lengths + width).clamp(max=keys_count)
             for name, attend in CANDIDATES.items():
+                if name == "split":
+                    attend = (lambda q, k, v, m, scale, ends=ends: split_kv_attention.attend(q, k, v, m, ends, scale)
+                              if split_kv_attention.usable() else None)
                 try:
                     ms, out = measure(name, attend, layers, query, mask, HEAD_DIM ** -0.5, device, args.reps)
+                    if out is None:
+                        raise RuntimeError("declined (no Triton here, or a shape it does not hold)")
                 except Exception as exc:  # a backend that does not take this shape or device
                     print(f"b{rows:<4} T{width}  {name:>9}: failed ({type(exc).__name__}: {str(exc)[:120]})")
                     continue

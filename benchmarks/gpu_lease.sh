@@ -8,8 +8,9 @@
 #             -> $OUT/step_roofline*.json (merged into benchmarks/results/gpu/step_roofline.json) and $OUT/lease.log
 #   stage profile: device_check's compiled variants, gpu_step_profile.py (kernels by kind and name, Qwen2.5-1.5B shape,
 #             batch 64, T 1 and 4, captured and compiled steps) and the compiled step with Inductor's max-autotune GEMMs
-#   stage compiled: device_check (default and compiled steps), the Qwen shape's step roofline (batch 64 / 256, T 1 / 4,
-#             eager, captured and compiled), gpu_attention_bench.py and the compiled step's profile
+#   stage compiled: device_check (default and compiled steps, the split kernels), the Qwen shape's step roofline (batch
+#             64 / 256, T 1 / 4, eager, captured and compiled, sdpa and split), gpu_attention_bench.py and the compiled
+#             step's profile
 #   stage flex: the attention without masks (model/block_attention.py) against masked SDPA: gpu_step_roofline.py on the
 #             Qwen2.5-1.5B shape, batch 64 / 256, widths 1 and 4, eager and captured steps, and a prefill forward of
 #             64 prompts under each -> $OUT/step_roofline_flex.json (device_check's flex rows are in stage roofline)
@@ -71,14 +72,16 @@ elif [ "$stage" = profile ]; then  # ~6 minutes at most: device_check of the com
     TORCHINDUCTOR_MAX_AUTOTUNE=1 timeout 150 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b \
         --batch-sizes 64 --widths 1 4 --modes eager compiled --out $OUT/step_roofline_autotune.json 2>&1 \
         | tee -a $OUT/lease.log
-elif [ "$stage" = compiled ]; then  # ~4.5 minutes at most: the compiled steps as the GPU's default (the cache write
-    # inside them, an additive mask): device_check, the step roofline, the attention's candidates, the compiled profile
+elif [ "$stage" = compiled ]; then  # ~5 minutes at most: the compiled steps as the GPU's default (the cache write
+    # inside them, an additive mask) and the split attention: device_check, the step roofline under sdpa and split,
+    # the attention's candidates, the compiled profile
     install_wheels 2>&1 | tee $OUT/lease.log
     timeout 100 python3 benchmarks/device_check.py --device cuda --graph-modes default compiled 2>&1 \
         | tee -a $OUT/lease.log
-    timeout 75 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \
-        --modes eager captured compiled --out $OUT/step_roofline.json 2>&1 | tee -a $OUT/lease.log
-    timeout 25 python3 benchmarks/gpu_attention_bench.py --out $OUT/attention.json 2>&1 | tee -a $OUT/lease.log
+    timeout 90 python3 benchmarks/gpu_step_roofline.py --shapes qwen2.5-1.5b --batch-sizes 64 256 --widths 1 4 \
+        --modes eager captured compiled --attention sdpa split --out $OUT/step_roofline.json 2>&1 \
+        | tee -a $OUT/lease.log
+    timeout 40 python3 benchmarks/gpu_attention_bench.py --out $OUT/attention.json 2>&1 | tee -a $OUT/lease.log
     timeout 40 python3 benchmarks/gpu_step_profile.py --modes compiled --out $OUT/step_profile.json 2>&1 \
         | tee -a $OUT/lease.log
 elif [ "$stage" = flex ]; then

@@ -284,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-new-tokens", type=int, default=16)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="what to time (eager is always timed: the others are compared with it)")
-    parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=block_attention.CANDIDATES,
-                        help="the steps' attention: masked SDPA, flex_attention with a block mask, or both")
+    parser.add_argument("--attention", nargs="+", default=["sdpa"],
+                        choices=block_attention.CANDIDATES + block_attention.OPT_IN,
+                        help="the steps' attention: masked SDPA, flex_attention with a block mask, the split kernels "
+                             "(graph-ready steps only; the eager step then runs SDPA)")
     parser.add_argument("--prefill", action="store_true", help="also time a prefill forward under each attention")
     parser.add_argument("--sampling", nargs="*", default=[], choices=["temperature", "top-p"],
                         help="also time the graph-ready steps with every row sampling: at temperature 0.8, or with "

@@ -14,8 +14,8 @@ Nodes only see nodes before them (a tree's parents come before their children, d
 prunes on that, the rule does not rely on it.
 
 The mode (`SPECBATCH_GPU_ATTENTION`): `auto` (the default: a step whose graphs are captured times its first bucket
-with each and keeps the faster, graph_step.py; everything else attends through `sdpa`), `sdpa` (the masked SDPA) or
-`flex`. On a CUDA device `flex_attention` runs compiled (its eager form builds the whole score matrix); elsewhere
+with each and keeps the faster, graph_step.py; everything else attends through `sdpa`), `sdpa` (the masked SDPA),
+`flex`, or `split` (graph-ready steps through kernels/split_kv_attention.py, the rest through `sdpa`). On a CUDA device `flex_attention` runs compiled (its eager form builds the whole score matrix); elsewhere
 eagerly, which is how the CPU suite checks it. Where the compiled kernel fails, masked SDPA takes over (`attend`).
 benchmarks/gpu_step_roofline.py times both.
 """
@@ -32,8 +32,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 log = logging.getLogger(__name__)
 
 MODE_ENV = "SPECBATCH_GPU_ATTENTION"
-CANDIDATES = ("sdpa", "flex")
-MODES = ("auto", *CANDIDATES)
+CANDIDATES = ("sdpa", "flex")  # what `auto` times
+OPT_IN = ("split",)  # graph-ready steps only, until a GPU has timed it (graph_step.py)
+MODES = ("auto", *CANDIDATES, *OPT_IN)
 BLOCK = 128  # queries and keys per block: flex_attention's own default block size
 
 

@@ -9,8 +9,9 @@ copy inside and no shape that depends on data. So this step:
 - writes each node's keys at its row's length + its index, and attends over the bucket's first `keys` positions of
   the cache slots `[0, rows)`: with `SPECBATCH_GPU_ATTENTION=sdpa`, SDPA and a boolean mask built on the device from
   the lengths (grouped-query heads folded into the query length, so no key is copied per query head); with `flex`,
-  flex_attention and a block mask that skips each row's dead keys (block_attention.py); with `auto`, captured steps
-  time their first bucket's graph with each and keep the faster;
+  flex_attention and a block mask that skips each row's dead keys (block_attention.py); with `split`, Triton kernels
+  that split each row's keys into ranges (kernels/split_kv_attention.py; opt-in until timed on a GPU); with `auto`,
+  captured steps time their first bucket's graph with sdpa and flex and keep the faster;
 - takes the argmax of every node's logits (or a sampling row's draw, below) and verifies the drafts on the device
   (the verifier the loop hands it: verification.accept_greedy_nodes), and copies `[rows, 3]` numbers back: the
   step's one sync.
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..defaults import cache_root
+from ..kernels import split_kv_attention
 from . import block_attention
 from .attention_masks import visible_keys
 from .fast_forward import _rms_norm, _rope
@@ -343,8 +345,9 @@ class GraphStep:
             allowed = allowed[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
                 rows, 1, group * width, bucket.keys)
             mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        ends = (lengths + width).clamp(max=bucket.keys)  # [B]: the keys worth reading (the split attention's)
         for index, layer in enumerate(fast.layers):
-            x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask), bucket)
+            x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask, ends), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
         logits = self.runner.model.get_output_embeddings()(hidden)  # [B T, vocab]
         # argmax over the head's own dtype: a bf16 logit converts to fp32 exactly, so it picks what fp32 would
@@ -357,14 +360,14 @@ class GraphStep:
     def _layer(self, index: int, layer, x: torch.Tensor, cache, step: tuple, bucket: Bucket) -> torch.Tensor:
         """One decoder layer over the bucket's [B T, hidden] residual stream."""
         fast = self.runner.fast
-        cos, sin, write_rows, places, mask = step
+        cos, sin, write_rows, places, mask, ends = step
         rows, width, count = bucket.rows, bucket.width, x.shape[0]
         heads, kv_heads, head_dim = fast.heads, fast.kv_heads, fast.head_dim
         group = heads // kv_heads
         keys, values = cache.keys[index], cache.values[index]  # [slots, KV, capacity, d]
         if self.fused is not None:  # the cache write fused with RoPE: one kernel, not two index_put launches
-            q = self.before_attention(x, *self.fused[index].before, cos, sin, keys, values, write_rows, places, heads,
-                                      kv_heads, head_dim)
+            q = self.before_attention(x, *self.fused[index].before, cos, sin, (keys, values, write_rows, places),
+                                      (heads, kv_heads, head_dim))
         else:
             q, k, v = _before_attention(x, layer, cos, sin, heads, kv_heads, head_dim)
             keys[write_rows, :, places] = k.to(keys.dtype)
@@ -377,8 +380,12 @@ class GraphStep:
         # the query heads of one key head side by side along the query axis: [B, KV, group T, d]
         query = q.view(rows, width, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         query = query.reshape(rows, kv_heads, group * width, head_dim)
-        attended = F.scaled_dot_product_attention(query, keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys],
-                                                  attn_mask=mask, scale=layer.scaling)  # [B, KV, group T, d]
+        keys, values = keys[:rows, :, :bucket.keys], values[:rows, :, :bucket.keys]  # [B, KV, L, d]
+        attended = None  # [B, KV, group T, d]
+        if self.attention == "split":  # None where its kernels do not hold the step: SDPA then
+            attended = split_kv_attention.attend(query, keys, values, mask, ends, layer.scaling)
+        if attended is None:
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=layer.scaling)
         attended = attended.view(rows, kv_heads, group, width, head_dim).permute(0, 3, 1, 2, 4)
         return self._after_attention(index, layer, x, attended.reshape(count, heads * head_dim))
 
@@ -455,11 +462,12 @@ def _fused_layers(fast) -> list[_DenseLayer]:
     return layers
 
 
-def _dense_before_attention(x, norm, eps, qkv_weight, qkv_bias, cos, sin, keys, values, write_rows, places, heads,
-                            kv_heads, head_dim):
-    """_before_attention over dense weights, the new keys and values written into the layer's cache
-    (keys, values [slots, KV, capacity, d], in place; write_rows, places [B T]) -> q [B T, H, d] (what Inductor
-    fuses: the write becomes one scatter kernel with RoPE)."""
+def _dense_before_attention(x, norm, eps, qkv_weight, qkv_bias, cos, sin, store, shape):
+    """_before_attention over dense weights, the new keys and values written into the layer's cache. store: (keys,
+    values [slots, KV, capacity, d], written in place; write_rows, places [B T]); shape: (H, KV, d) -> q [B T, H, d]
+    (what Inductor fuses: the write becomes one scatter kernel with RoPE)."""
+    keys, values, write_rows, places = store
+    heads, kv_heads, head_dim = shape
     count = x.shape[0]
     qkv = F.linear(_rms_norm(x, norm, eps), qkv_weight, qkv_bias)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)

@@ -83,7 +83,7 @@ class ModelRunner:
         self._deterministic = False
         self.fast = FastForward.build(model, self._routes()) if fast_forward and _sdpa_family(config) else None
         self.graph_mode = step_mode(device)  # of the graph-ready decode and verify step (graph_step.py)
-        self.gpu_attention = block_attention.attention_mode()  # auto, sdpa or flex (block_attention.py)
+        self.gpu_attention = block_attention.attention_mode()  # auto, sdpa, flex or split (block_attention.py)
         self._graph_step: GraphStep | None = None
         self.prefill_attention: str | None = None  # under auto: sdpa or flex, as timed at the first masked prefill
         self.prefill_attention_ms: dict[str, float] = {}  # what each took that prefill's forward
@@ -311,7 +311,7 @@ class ModelRunner:
         as timed at the first masked prefill (_pick_prefill_attention), other forwards (eager decode and verify
         steps) as the graph-ready steps picked; sdpa until then, and where nothing is captured."""
         if self.gpu_attention != "auto":
-            return self.gpu_attention
+            return "sdpa" if self.gpu_attention in block_attention.OPT_IN else self.gpu_attention
         if prefill:
             return self.prefill_attention or "sdpa"
         step = self._graph_step
