@@ -3,10 +3,10 @@
 `generate` on that device, through HF's modules and through fast_forward.py (where it covers the model), its steps
 eager and graph-ready (model/graph_step.py: captured on a GPU, and compiled), with masked SDPA, with flex_attention
 (model/block_attention.py), with the faster of the two at the first capture (`auto`) and with the split kernels
-(kernels/split_kv_attention.py). Then seeded sampling rows
-(temperature 0.8, some with top-p 0.9; a peaked head): copyspec chains and trees through the graph-ready step's draws on the device must
-give each row the tokens `ar` gives through the eager forward and the host's draws (sampling.PositionDraws). CI has
-no GPU, so this is run by hand on a lent GPU machine (exit status 1 on a mismatch).
+(kernels/split_kv_attention.py). Then seeded sampling rows (temperature 0.8, some with top-p 0.9; a peaked head):
+copyspec chains and trees through the graph-ready step's draws on the device must give each row the tokens `ar`
+gives through the eager forward and the host's draws (sampling.PositionDraws). CI has no GPU, so this is run by hand
+on a lent GPU machine (exit status 1 on a mismatch).
 
   python benchmarks/device_check.py --device cuda
 """

@@ -88,7 +88,8 @@ def summarize(label: str, kernels: list[tuple[str, float]], steps: int, step_ms:
     for name, (count, us) in rows:
         print(f"    {us / steps:9.1f} us  x{count / steps:<5.0f} {us / count:7.2f} us each  {name[:110]}")
     return {"label": label, "kernels_per_step": len(kernels) / steps, "kernel_ms_per_step": total_us / 1e3,
-            "step_ms": step_ms, "kinds": {k: {"kernels": c / steps, "ms": u / steps / 1e3} for k, (c, u) in by_kind.items()},
+            "step_ms": step_ms,
+            "kinds": {k: {"kernels": c / steps, "ms": u / steps / 1e3} for k, (c, u) in by_kind.items()},
             "top": [{"name": n, "kernels": c / steps, "us": u / steps} for n, (c, u) in rows]}
 
 
@@ -131,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             if capture and device.startswith("cuda"):
                 step.capture = True
                 step_ms = timed(run, device, 10)[0]
-                summaries.append(summarize(f"{mode} (graph replays) T{width}", profile_steps(run, args.steps, device, tables),
-                                           args.steps, step_ms, args.top))
+                kernels = profile_steps(run, args.steps, device, tables)
+                summaries.append(summarize(f"{mode} (graph replays) T{width}", kernels, args.steps, step_ms, args.top))
         del cache
     if args.out:
         Path(args.out).write_text(json.dumps(summaries, indent=1) + "\n")

@@ -7,7 +7,7 @@ copy inside and no shape that depends on data. So this step:
 - runs at a fixed bucket of rows x width x keys (step_buckets.py), whose inputs are device buffers written in place
   (one host-to-device copy of ids, positions and lengths, one of the nodes' visibility);
 - writes each node's keys at its row's length + its index, and attends over the bucket's first `keys` positions of
-  the cache slots `[0, rows)`: with `SPECBATCH_GPU_ATTENTION=sdpa`, SDPA and a boolean mask built on the device from
+  the cache slots `[0, rows)`: with `SPECBATCH_GPU_ATTENTION=sdpa`, SDPA and an additive mask built on the device from
   the lengths (grouped-query heads folded into the query length, so no key is copied per query head); with `flex`,
   flex_attention and a block mask that skips each row's dead keys (block_attention.py); with `split`, Triton kernels
   that split each row's keys into ranges (kernels/split_kv_attention.py; opt-in until timed on a GPU); with `auto`,
@@ -345,7 +345,8 @@ class GraphStep:
             allowed = allowed[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
                 rows, 1, group * width, bucket.keys)
             mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        ends = (lengths + width).clamp(max=bucket.keys)  # [B]: the keys worth reading (the split attention's)
+        # [B]: the keys worth reading, for the split attention
+        ends = (lengths + width).clamp(max=bucket.keys) if self.attention == "split" else None
         for index, layer in enumerate(fast.layers):
             x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask, ends), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]
