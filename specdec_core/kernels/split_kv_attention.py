@@ -29,7 +29,7 @@ try:
 except ImportError:  # the CPU install has no Triton: `attend` declines
     triton = None
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton defines its kernels so as it is first imported
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it as it defines the kernels below
 MAX_QUERIES = 64  # queries a key head (group x T) one program holds; wider steps (trees) stay on SDPA
 BLOCK_N = 64  # keys a loop iteration reads
 
