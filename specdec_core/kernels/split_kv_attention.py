@@ -13,12 +13,13 @@ give the tokens SDPA gives.
 
 Triton is the GPU image's; on a CPU the tests run these kernels in Triton's interpreter (TRITON_INTERPRET=1 set
 before Triton's first import, in a process of their own). `attend` returns None where it does not apply (no Triton, a
-CPU outside the interpreter, a head size that is not a power of two, more than MAX_QUERIES queries a key head): the
-caller runs SDPA.
+CPU outside the interpreter, a head size that is not a power of two, more than MAX_QUERIES queries a key head, or
+after the kernels failed once here, with one log line): the caller runs SDPA.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -29,13 +30,17 @@ try:
 except ImportError:  # the CPU install has no Triton: `attend` declines
     triton = None
 
+log = logging.getLogger(__name__)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it as it defines the kernels below
 MAX_QUERIES = 64  # queries a key head (group x T) one program holds; wider steps (trees) stay on SDPA
 BLOCK_N = 64  # keys a loop iteration reads
 
 
+_failed = False  # set once the kernels failed here (a compile or launch error): SDPA from then on
+
+
 def usable() -> bool:
-    return triton is not None
+    return triton is not None and not _failed
 
 
 if triton is not None:
@@ -126,8 +131,9 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
            scale: float, splits: int | None = None) -> torch.Tensor | None:
     """query [b, KV, Q, d], keys / values [b, KV, L, d] (any strides with a unit last one), mask [b, 1, Q, L]
     additive, ends [b] -> [b, KV, Q, d] in the query's dtype, or None where these kernels do not apply."""
+    global _failed
     rows, kv_heads, queries, head_dim = query.shape
-    if (triton is None or (query.device.type != "cuda" and not INTERPRETED) or queries > MAX_QUERIES
+    if (not usable() or (query.device.type != "cuda" and not INTERPRETED) or queries > MAX_QUERIES
             or head_dim & (head_dim - 1) or head_dim < 16
             or keys.stride(-1) != 1 or values.stride(-1) != 1 or query.stride(-1) != 1):
         return None
@@ -142,13 +148,19 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     stats = torch.empty(rows * kv_heads * splits * 2 * block_q, dtype=torch.float32, device=query.device)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # (the mode of fp32 operands only)
-    _ranges[(rows * kv_heads, splits)](
-        query, keys, values, mask, ends.to(torch.int32), part, stats,
-        query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), mask.stride(0), mask.stride(2),
-        kv_heads, queries, per_split, scale,
-        SPLITS=splits, BLOCKS=per_split // BLOCK_N, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
-        PRECISION=precision)
-    _merge[(rows * kv_heads,)](part, stats, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, queries,
-                               SPLITS=splits, BLOCK_Q=block_q, HEAD_DIM=head_dim)
+    try:
+        _ranges[(rows * kv_heads, splits)](
+            query, keys, values, mask, ends.to(torch.int32), part, stats,
+            query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2), mask.stride(0), mask.stride(2),
+            kv_heads, queries, per_split, scale,
+            SPLITS=splits, BLOCKS=per_split // BLOCK_N, BLOCK_Q=block_q, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+            PRECISION=precision)
+        _merge[(rows * kv_heads,)](part, stats, out, out.stride(0), out.stride(1), out.stride(2), kv_heads, queries,
+                                   SPLITS=splits, BLOCK_Q=block_q, HEAD_DIM=head_dim)
+    except Exception as exc:  # what failed once would fail again: SDPA serves the process from now on
+        log.warning("split attention failed at queries %s, keys %s (%s: %s); SDPA from now on", tuple(query.shape),
+                    tuple(keys.shape), type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        _failed = True
+        return None
     return out

@@ -409,6 +409,8 @@ class GraphStep:
             f"{name} {ms:.3f} ms" for name, ms in self.attention_ms.items()) + ")"
         if self.attention == "flex":
             timed += f" [flex_attention {block_attention.kernel_state(self.device)}]"
+        if self.attention == "split" and not split_kv_attention.usable():
+            timed += " [split kernels unavailable or failed: SDPA]"
         picked = self.runner.prefill_attention_ms
         if picked:
             timed += f"; prefills {self.runner.prefill_attention} (" + ", ".join(

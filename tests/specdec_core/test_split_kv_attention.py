@@ -40,6 +40,28 @@ def test_a_cpu_outside_the_interpreter_declines_to_sdpa(monkeypatch):
     assert split_kv_attention.attend(query, keys, values, mask, ends, 0.25) is None
 
 
+def test_kernels_that_fail_leave_sdpa_to_the_process(monkeypatch, caplog):
+    """A compile or launch error (a GPU's Triton that cannot build them, say) is logged once and declines from then on,
+    so the step runs SDPA instead of failing the job."""
+    from specdec_core.kernels import split_kv_attention
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel for you")
+            return launch
+
+    monkeypatch.setattr(split_kv_attention, "INTERPRETED", True)
+    monkeypatch.setattr(split_kv_attention, "_ranges", Broken())
+    monkeypatch.setattr(split_kv_attention, "_failed", False)
+    query, keys, values, mask, ends = _step(2, 1, 2, 1, [10, 20], 40, 16, torch.float32, seed=2)
+    with caplog.at_level("WARNING"):
+        assert split_kv_attention.attend(query, keys, values, mask, ends, 0.25) is None
+        assert split_kv_attention.attend(query, keys, values, mask, ends, 0.25) is None
+    assert not split_kv_attention.usable()
+    assert sum("split attention failed" in r.getMessage() for r in caplog.records) == 1
+
+
 def _step(rows: int, kv_heads: int, group: int, width: int, lengths: list[int], capacity: int, head_dim: int,
           dtype: torch.dtype, seed: int):
     """A step as graph_step.py hands it over: folded queries, the cache's strided views, the additive mask (cached
