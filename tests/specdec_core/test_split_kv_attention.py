@@ -124,9 +124,9 @@ def check_default_splits_fill_the_device_and_keep_ranges_a_block_long(split_kv):
 
 
 def check_graph_ready_steps_through_the_split_kernels_equal_hf_greedy(split_kv):
-    """The graph-ready step (static buffers, run eagerly) attending through the split kernels: batched copyspec
-    chains and trees (and the plain steps between drafts) give every row HF's greedy tokens, and the kernels served
-    every step."""
+    """The graph-ready step (static buffers, run eagerly) attending through the split kernels: batched copyspec trees
+    (and the plain steps between drafts) give every row HF's greedy tokens, and the kernels served every step. The
+    chains' widths are the first check's."""
     from specdec_core.drafters.copyspec import CopySpecDrafter
     from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
     from specdec_core.loop.requests import DecodeParams
@@ -145,13 +145,13 @@ def check_graph_ready_steps_through_the_split_kernels_equal_hf_greedy(split_kv):
                                         min_new_tokens=14, pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
     try:
-        for make in (lambda: CopySpecDrafter(gamma=2, copy_tokens=6),  # chains, and plain steps where none drafts
-                     lambda: CopySpecDrafter(gamma=2, copy_tokens=6, candidates=3)):  # trees
-            decoder = BatchDecoder(runner, max_batch=3)
-            for key, prompt in enumerate(prompts):
-                decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=14), make()))
-            got = {request.key: result.token_ids for request, result in decoder.run()}
-            assert [got[key] for key in range(len(prompts))] == expected
+        decoder = BatchDecoder(runner, max_batch=3)  # trees, chains where one branch is found, plain steps between
+        for key, prompt in enumerate(prompts):
+            decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=14),
+                                         CopySpecDrafter(gamma=2, copy_tokens=6, candidates=3)))
+        got = {request.key: result.token_ids for request, result in decoder.run()}
+        assert [got[key] for key in range(len(prompts))] == expected
+        assert decoder.stats.drafted_tokens > 0
     finally:
         split_kv.attend = attend
     assert runner.graph_step().attention == "split" and runner.graph_step().steps > 0
