@@ -130,7 +130,7 @@ def default_splits(pairs: int, keys: int, device: torch.device) -> int:
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ends: torch.Tensor,
            scale: float, splits: int | None = None) -> torch.Tensor | None:
     """query [b, KV, Q, d], keys / values [b, KV, L, d] (any strides with a unit last one), mask [b, 1, Q, L]
-    additive, ends [b] -> [b, KV, Q, d] in the query's dtype, or None where these kernels do not apply."""
+    additive, ends [b] (int32 spares a conversion) -> [b, KV, Q, d] in the query's dtype, or None where these kernels do not apply."""
     global _failed
     rows, kv_heads, queries, head_dim = query.shape
     if (not usable() or (query.device.type != "cuda" and not INTERPRETED) or queries > MAX_QUERIES

@@ -345,8 +345,8 @@ class GraphStep:
             allowed = allowed[:, :, None].expand(rows, 1, group, width, bucket.keys).reshape(
                 rows, 1, group * width, bucket.keys)
             mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        # [B]: the keys worth reading, for the split attention
-        ends = (lengths + width).clamp(max=bucket.keys) if self.attention == "split" else None
+        # [B] int32: the keys worth reading, for the split attention (converted once, not in every layer)
+        ends = (lengths + width).clamp(max=bucket.keys).int() if self.attention == "split" else None
         for index, layer in enumerate(fast.layers):
             x = self._layer(index, layer, x, cache, (cos, sin, inputs.write_rows, places, mask, ends), bucket)
         hidden = _rms_norm(x, fast.final_norm, fast.final_eps)  # [B T, hidden]

@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec_core.model.graph_step import key_mask
+
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,10 +75,9 @@ def _step(rows: int, kv_heads: int, group: int, width: int, lengths: list[int], 
     keys, values = cache_k[:rows, :, :keys_count], cache_v[:rows, :, :keys_count]  # strided views
     query = torch.randn(rows, kv_heads, group * width, head_dim, generator=generator).to(dtype)
     lengths_t = torch.tensor(lengths)
-    offset = torch.arange(keys_count)[None, None, :] - lengths_t[:, None, None]  # [b, 1, L]
-    node = torch.arange(width)[None, :, None]  # [1, T, 1]
-    allowed = (offset < 0) | ((offset >= 0) & (offset <= node))  # [b, T, L]: a chain's visibility
-    allowed = allowed[:, None, :, :].expand(rows, group, width, keys_count).reshape(rows, 1, group * width, keys_count)
+    visible = torch.ones(width, width, dtype=torch.bool).tril().expand(rows, width, width)  # [b, T, T]: a chain
+    allowed = key_mask(lengths_t, visible, keys_count)  # [b, 1, T, L], as the step builds it
+    allowed = allowed[:, :, None].expand(rows, 1, group, width, keys_count).reshape(rows, 1, group * width, keys_count)
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     ends = (lengths_t + width).clamp(max=keys_count)
     return query, keys, values, mask, ends
