@@ -9,7 +9,8 @@ step's one device-to-host copy. This bench measures that host work without a GPU
   the oracle with the device's own verifier (verification.accept_greedy_nodes), then sleeps for the rest of the
   device's time for its rows and width: the H200's captured SmolLM2 steps in benchmarks/results/gpu/step_roofline.json
   (or --step-ms);
-- prefill forwards answer at once (--prefill-us-per-token adds a device time per prompt token).
+- prefill forwards answer at once (--prefill-us-per-token adds a device time per prompt token);
+- the KV cache lives on the meta device: its copies cost the host their dispatch, as on a GPU, and no memory work.
 
 Per method it prints the decode steps' tok/s, the host ms a step (the step's wall time less the simulated device
 time) and its share of the step, side by side in one run, rounds interleaved; with --profile, cProfile's top host
@@ -39,7 +40,8 @@ import torch  # noqa: E402
 from benchmarks.batch_bench import hardware, workload_items  # noqa: E402
 from specdec_core.defaults import DEFAULT_MODEL, cache_root  # noqa: E402
 from specdec_core.engine import Engine, EngineConfig  # noqa: E402
-from specdec_core.loop.verification import accept_greedy_nodes  # noqa: E402
+from specdec_core.loop.kv_cache import SlotKVCache  # noqa: E402
+from specdec_core.loop.prefix_cache import PrefixCache  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -170,7 +172,13 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
     runner.forward_slots, runner.graph_step = prefill, lambda: step
     try:
         decoder = engine.decoder(batch_size, method=method)
+        # Keys and values on the meta device: the cache's copies (a tree's accepted path, a retiring row) cost
+        # their dispatch on the host, as a GPU's launches do, and no memory traffic, which a GPU does off the host.
+        decoder.cache = SlotKVCache(decoder.cache.num_layers, decoder.cache.kv_heads, decoder.cache.head_dim,
+                                    decoder.cache.dtype, "meta")
+        decoder.prefix_cache = PrefixCache(budget_bytes=0)  # (it would copy the meta keys; prefill is not timed)
         decoder_ref.append(decoder)
+        phases = _time_phases(decoder)
         for item in items:
             decoder.submit(engine.request(item, method, None, decoder))
         step_s, host_s, tokens, steps = 0.0, 0.0, 0, 0
@@ -199,10 +207,32 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
     if errors:
         raise SystemExit(f"{method}: {len(errors)} rows failed, e.g. {errors[0]}")
     wrong = sum(r.token_ids != oracle[q.key][:len(r.token_ids)] for q, r in decoder.finished)
-    return {"method": method, "steps": steps, "tokens": tokens, "decode_tok_s": tokens / step_s,
+    return {"phases_ms": {k: v / steps * 1e3 for k, v in phases.items()}, "method": method, "steps": steps, "tokens": tokens, "decode_tok_s": tokens / step_s,
             "host_ms": host_s / steps * 1e3, "host_share": host_s / step_s, "wall_s": wall,
             "mean_rows": decoder.stats.mean_occupancy, "accepted": decoder.stats.accepted_tokens,
             "verified": decoder.stats.verified_tokens, "wrong_rows": wrong}
+
+
+PHASES = {"_propose": "propose", "_plan": "plan", "_rank_planned": "rank", "_step_inputs": "inputs",
+          "_commit": "commit"}
+
+
+def _time_phases(decoder) -> dict[str, float]:
+    """Wraps the decoder's step phases to sum their seconds -> {phase: seconds so far}. None holds the simulated
+    device step; what they leave out of the host time is the loop's own glue."""
+    spent = {name: 0.0 for name in PHASES.values()}
+    for attribute, name in PHASES.items():
+        method = getattr(decoder, attribute)
+
+        def timed(*args, _method=method, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - started
+
+        setattr(decoder, attribute, timed)
+    return spent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, help="a device step of this many ms at every width instead")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
     parser.add_argument("--profile", action="store_true", help="cProfile's top host functions, a pass after the rounds")
+    parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="--profile's order")
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     engine = Engine(EngineConfig(model=DEFAULT_MODEL))
@@ -242,16 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmedians of {args.rounds} rounds; x = decode tok/s over {args.methods[0]}'s in the same round")
     for method, rows in results.items():
         ratio = statistics.median(r["decode_tok_s"] / b for r, b in zip(rows, base))
+        phases = ", ".join(f"{name} {statistics.median(r['phases_ms'][name] for r in rows):.2f}"
+                           for name in PHASES.values())
         print(f"{method:10s} decode {statistics.median(r['decode_tok_s'] for r in rows):8.0f} tok/s  "
               f"x {ratio:.2f}  host {statistics.median(r['host_ms'] for r in rows):.3f} ms/step "
               f"({statistics.median(r['host_share'] for r in rows):.0%} of the step)  "
-              f"mean rows {statistics.median(r['mean_rows'] for r in rows):.1f}")
+              f"mean rows {statistics.median(r['mean_rows'] for r in rows):.1f}\n    host ms/step by phase: {phases}")
     for method in args.methods if args.profile else []:  # a pass of its own: the profiler slows the host
         profile = cProfile.Profile()
         engine.forget()
         simulate(engine, items, method, args.batch_size, oracle, device, args.prefill_us_per_token, profile)
-        print(f"\n## {method}: host functions by own time (a profiled pass; time.sleep is the simulated device)")
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        print(f"\n## {method}: host functions by {args.sort} time (a profiled pass; time.sleep is the simulated device)")
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(25)
     return 0
 
 

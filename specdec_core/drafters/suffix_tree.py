@@ -420,8 +420,13 @@ class SuffixTree:
 def _ids(tokens: Iterable[int] | int) -> np.ndarray:
     if isinstance(tokens, (int, np.integer)):
         tokens = [tokens]
-    ids = np.asarray(tokens if isinstance(tokens, (list, tuple, np.ndarray)) else list(tokens), dtype=np.int64)
-    if len(ids) and (ids.min() < 0 or ids.max() >= MAX_TOKEN):
+    if not isinstance(tokens, (list, tuple, np.ndarray)):
+        tokens = list(tokens)
+    # a step's few tokens are checked as Python ints: two numpy reductions cost more than the append they guard
+    small = not isinstance(tokens, np.ndarray) and len(tokens) <= 64
+    ids = np.asarray(tokens, dtype=np.int64)
+    if len(ids) and ((min(tokens) < 0 or max(tokens) >= MAX_TOKEN) if small
+                     else (ids.min() < 0 or ids.max() >= MAX_TOKEN)):
         raise ValueError(f"token ids must be within [0, {MAX_TOKEN}) for a suffix tree")
     return ids
 

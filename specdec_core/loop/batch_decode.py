@@ -136,6 +136,7 @@ class BatchDecoder:
         self.draft_pool = draft_pool  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
         self.job_memory = job_memory  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
         self.max_draft = max_draft
+        self._paths: list[tuple[int, list[int], list[int]]] = []  # (row, from, to): this step's accepted tree paths
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
         self.step_slack = 1 + max_draft
         self._calibrated: set[tuple[int, int]] = set()  # (batch bucket, context bucket)s whose widths were timed
@@ -632,10 +633,17 @@ class BatchDecoder:
             kept_by_row.append(kept)
             if row.error or row.state.finished:
                 done.append(index)
+        self._move_paths()  # before a retiring row's slot is filled by another
         self.budget.emitted(step_kept, step_accepted)
         worth = step_worth(kept_by_row, [row.counts for row in rows])
         self._retire(done)
         return worth
+
+    def _move_paths(self) -> None:
+        """The accepted tree paths committed so far this step, moved into chain order in one cache copy."""
+        if self._paths:
+            paths, self._paths = self._paths, []
+            self.cache.move(paths)
 
     def _emit_plain(self, index: int, row: Row, result: VerifyResult) -> int:
         """A row that verified nothing: its one target token -> tokens kept."""
@@ -652,11 +660,13 @@ class BatchDecoder:
         drafted = len(draft.tokens)
         length = self.cache.lengths[index]
         if draft.parents is not None and result.path:
-            # The accepted path's keys sit at their node offsets; move them to where a chain puts them.
+            # The accepted path's keys sit at their node offsets; move them to where a chain puts them (with the
+            # step's other rows' paths, in `_commit`, unless the signals handed over below read the cache first).
             nodes = [i + 1 for i in result.path]
-            self.cache.move(index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)])
+            self._paths.append((index, [length + n for n in nodes], [length + d for d in range(1, len(nodes) + 1)]))
         self.cache.set_length(index, length + 1 + result.num_accepted)
         if signals is not None:
+            self._move_paths()
             # The nodes now in the cache: the pending token (node 0) and the accepted path.
             nodes = [0] + [i + 1 for i in result.accepted_indices()]
             row.attention = hand_over(signals, row.request.drafter, self.cache, index, index, nodes)

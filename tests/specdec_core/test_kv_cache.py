@@ -120,6 +120,32 @@ def test_retiring_a_row_moves_the_last_row_into_its_slot():
     assert cache.remove_row(1) is None and cache.lengths == [4]
 
 
+def test_moving_several_rows_paths_at_once_equals_moving_each_alone():
+    """cache.move copies every row's accepted path in one gather and scatter, over every layer, keys and values;
+    a path whose source and target overlap reads the positions as they were before the move."""
+    def filled():
+        cache = SlotKVCache(num_layers=3, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+        cache.fit(3, 16)
+        for _ in range(3):
+            cache.add_row()
+        torch.manual_seed(0)
+        cache.storage.copy_(torch.randn_like(cache.storage))
+        return cache
+
+    paths = [(0, [5, 7, 9], [4, 5, 6]), (2, [3, 4], [1, 2]), (1, [10], [2])]
+    together, alone = filled(), filled()
+    together.move(paths)
+    for path in paths:
+        alone.move([path])
+    assert torch.equal(together.storage, alone.storage)
+    before = filled()
+    for layer in range(3):
+        for buffers, old in ((together.keys, before.keys), (together.values, before.values)):
+            assert torch.equal(buffers[layer][0, :, [4, 5, 6]], old[layer][0, :, [5, 7, 9]])  # overlap: 5 read first
+            assert torch.equal(buffers[layer][2, :, [1, 2]], old[layer][2, :, [3, 4]])
+            assert torch.equal(buffers[layer][1, :, 3:], old[layer][1, :, 3:])  # nothing else of row 1 moved
+
+
 def test_cache_memory_follows_live_rows_and_budget_refuses_a_row_that_cannot_fit(llama):
     decoder = BatchDecoder(llama, max_batch=4, cache_budget_bytes=20_000)
     decoder.submit(DecodeRequest("big", list(range(1, 60)), DecodeParams(max_new_tokens=8), NoDrafter()))
