@@ -22,6 +22,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..defaults import DEFAULT_BATCH_SIZE
@@ -30,7 +31,7 @@ from ..model.model_runner import ModelRunner
 from ..model.graph_step import Sampling
 from ..model.step_batch import StepBatch
 from ..model.step_buckets import CALIBRATED_WIDTHS, row_bucket
-from .draft_tree import ancestor_mask, depths, prefix_depths
+from .draft_tree import ancestor_array, depths, prefix_depths
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
 from .prefill_plan import default_budget, next_forward, worth_reusing
@@ -302,7 +303,7 @@ class BatchDecoder:
         input_ids = torch.tensor([entry.row.request.prompt_ids[entry.done: entry.done + chunk] + [0] * (width - chunk)
                                   for entry, chunk in zip(group, chunks)], dtype=torch.long)  # [b, T]
         positions = done[:, None] + torch.arange(width)  # [b, T]
-        _, visible = _chain_visibility(torch.tensor(chunks), width)  # [b, T, T]
+        visible = torch.from_numpy(_chain_visibility(np.array(chunks), width)[1])  # [b, T, T]
         ending = [(b, chunk - 1) for b, (entry, chunk) in enumerate(zip(group, chunks))
                   if entry.done + chunk == len(entry.row.request.prompt_ids)]  # (batch row, its last node)
         signals = wanted([p.row.request.drafter for p in group])
@@ -592,16 +593,15 @@ class BatchDecoder:
         counts = [1 + len(row.draft) for row in rows]
         input_ids = torch.tensor([[row.state.tokens[-1], *row.draft.tokens] + [0] * (width - count)
                                   for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
-        count = torch.tensor(counts)  # [B]
-        inside, visible = _chain_visibility(count, width)  # [B, T], [B, T, T]
-        offsets = torch.arange(width).repeat(len(rows), 1)  # [B, T]: position - length of each node
+        inside, visible = _chain_visibility(np.array(counts), width)  # [B, T], [B, T, T]
+        offsets = np.tile(np.arange(width), (len(rows), 1))  # [B, T]: position - length of each node
         for b, row in enumerate(rows):
             parents = row.draft.parents
             if parents is not None:
-                offsets[b, 1:counts[b]] = torch.tensor(depths(parents))
-                visible[b] = ancestor_mask(parents, width)
-        logit_index = inside.nonzero()  # [N, 2] (row, node), row-major as the verifier reads them
-        return input_ids, lengths[:, None] + offsets, visible, logit_index
+                offsets[b, 1:counts[b]] = depths(parents)
+                visible[b] = ancestor_array(parents, width)
+        logit_index = torch.from_numpy(np.argwhere(inside))  # [N, 2] (row, node), row-major as the verifier reads
+        return input_ids, lengths[:, None] + torch.from_numpy(offsets), torch.from_numpy(visible), logit_index
 
     def _commit(self, rows: list[Row], logits: torch.Tensor | None, signals: Signals | None = None,
                 step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> float:
@@ -765,11 +765,11 @@ def _node_result(draft: Draft, accepted: int, last: int, token: int) -> VerifyRe
     return VerifyResult(accepted, token, tuple(reversed(path)))
 
 
-def _chain_visibility(counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chain_visibility(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """counts [B]: real nodes per row -> inside [B, T] (node t is real) and visible [B, T, T] (real node t sees real
-    nodes 0..t: a chain; padding sees nothing)."""
-    inside = torch.arange(width)[None, :] < counts[:, None]
-    visible = torch.ones(width, width, dtype=torch.bool).tril()[None] & inside[:, :, None] & inside[:, None, :]
+    nodes 0..t: a chain; padding sees nothing), in numpy (see draft_tree.ancestor_array)."""
+    inside = np.arange(width)[None, :] < counts[:, None]
+    visible = np.tril(np.ones((width, width), dtype=bool))[None] & inside[:, :, None] & inside[:, None, :]
     return inside, visible
 
 

@@ -14,6 +14,7 @@ move to offset 2 (its depth), where a chain would have put them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -67,7 +68,13 @@ def prefix_depths(parents: list[int]) -> list[int]:
 def ancestor_mask(parents: list[int], width: int) -> torch.Tensor:
     """[width, width] bool: node t may attend node i (i is t's ancestor or t itself); nodes past the tree see
     nothing new (padding: they still see the cached prefix, which the mask builder adds)."""
-    visible = torch.zeros(width, width, dtype=torch.bool)
+    return torch.from_numpy(ancestor_array(parents, width))
+
+
+def ancestor_array(parents: list[int], width: int) -> np.ndarray:
+    """ancestor_mask as a numpy array (the decode loop builds a step's masks in numpy: a torch op on a row of a
+    few nodes costs microseconds of dispatch, a step of 64 rows many of them)."""
+    visible = np.zeros((width, width), dtype=bool)
     visible[0, 0] = True
     for index, parent in enumerate(parents):
         node = index + 1
