@@ -422,7 +422,7 @@ def _ids(tokens: Iterable[int] | int) -> np.ndarray:
         tokens = [tokens]
     if not isinstance(tokens, (list, tuple, np.ndarray)):
         tokens = list(tokens)
-    # a step's few tokens are checked as Python ints: two numpy reductions cost more than the append they guard
+    # a step's few tokens are checked as Python ints, cheaper than two numpy reductions
     small = not isinstance(tokens, np.ndarray) and len(tokens) <= 64
     ids = np.asarray(tokens, dtype=np.int64)
     if len(ids) and ((min(tokens) < 0 or max(tokens) >= MAX_TOKEN) if small

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import time
-
-import numpy as np
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..model.ragged_tokens import MAX_REAL_SHARE
 
@@ -310,7 +310,7 @@ class MeasuredPayoff:
         clear_win = self.spec_rate.get(bucket, 0.0) > 1.3 * self.plain_rate[bucket]
         return self.since_plain.get(bucket, 0) >= (32 if clear_win else 8)
 
-    def scaled(self, rows: int, ratio: float) -> float:
+    def scaled(self, rows: int, ratio: float | np.ndarray) -> float | np.ndarray:
         """The cost ratio of a step wider than 1, as the clock has judged such steps so far."""
         return ratio * self.penalty.get(batch_bucket(rows), 1.0)
 
@@ -508,7 +508,7 @@ class SpeculationBudget:
                     best: list[int], best_value: float) -> tuple[list[int], float]:
         """Every width's plan with row r drafting at most caps[r], against the best so far -> the better one (the
         first of equal values). gained [R, longest + 1]: expected tokens of row r's first n nodes. In arrays over
-        the widths and rows: at batch 64 loops over both took longer on the host than a GPU's step."""
+        the widths and rows, not Python loops: a GPU's step waits for the host's plan."""
         caps = np.minimum(np.asarray(caps, dtype=np.int64), longest)  # [R]
         top = int(caps.max(initial=0))
         if top == 0:
@@ -522,7 +522,7 @@ class SpeculationBudget:
         computed = np.where(real <= self.gather_share * padded, real, padded) if self.ragged else padded
         ratios = self.cost.ratios(rows, widths, context, computed)
         if self.check_payoff:
-            ratios = ratios * self.payoff.penalty.get(batch_bucket(rows), 1.0)
+            ratios = self.payoff.scaled(rows, ratios)
         values = tokens / ratios
         index = int(values.argmax())
         if values[index] > best_value:
