@@ -26,6 +26,12 @@ def find_prompt_lookup_draft(tokens: np.ndarray, max_ngram: int, min_ngram: int,
 
     tokens: [T] int64. Returns [] when no suffix n-gram reappears or num_tokens <= 0.
     """
+    if num_tokens <= 0:
+        return []
+    kernel = match_kernel()
+    if kernel is not None:  # every n in one compiled call: a batch's rows each pay its dispatch once a step
+        start = kernel(np.ascontiguousarray(tokens, dtype=np.int64), max_ngram, min_ngram)
+        return tokens[start: start + num_tokens].tolist() if start >= 0 else []
     found = find_prompt_lookup_candidates(tokens, max_ngram, min_ngram, num_tokens, count=1)
     return found[0] if found else []
 
@@ -65,6 +71,29 @@ def _compile():
 
 
 hit_kernel = LazyKernel(_compile, "compiled prompt lookup", "; using numpy's sliding windows")
+
+
+def _compile_match():
+    from numba import njit
+
+    @njit(cache=True)
+    def first_match(tokens, max_n, min_n):  # pragma: no cover - compiled
+        """Where the continuation of the first earlier occurrence of the longest suffix n-gram starts (n from max_n
+        down to min_n; occurrences as suffix_hits finds them) -> its index, or -1."""
+        length = tokens.shape[0]
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            for i in range(length - n):
+                j = 0
+                while j < n and tokens[i + j] == tokens[length - n + j]:
+                    j += 1
+                if j == n:
+                    return i + n
+        return -1
+
+    return first_match
+
+
+match_kernel = LazyKernel(_compile_match, "compiled prompt lookup match", "; scanning each n-gram length apart")
 
 
 def suffix_hits(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -135,6 +164,9 @@ class PromptLookupDrafter(Drafter):
         length = min(self.length.current, max_tokens)
         if length <= 0:
             return empty_draft()
+        if self.candidates == 1 and self.context is None:
+            found = find_prompt_lookup_draft(history, self.max_ngram, self.min_ngram, length)
+            return copy_draft([found], [LOOKUP_SOURCE], max_tokens) if found else empty_draft()
         for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
             branches = history_continuations(history, n, length, self.candidates)
             sources = [LOOKUP_SOURCE] * len(branches)

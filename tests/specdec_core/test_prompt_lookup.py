@@ -61,3 +61,30 @@ def test_the_compiled_scan_finds_the_same_occurrences_as_numpy_windows(monkeypat
     monkeypatch.setattr(prompt_lookup.hit_kernel, "_kernel", None)
     monkeypatch.setattr(prompt_lookup.hit_kernel, "unavailable", "no numba here")
     assert find([3, 9, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1, 2]  # the numpy fallback
+
+
+def test_the_one_call_match_drafts_what_the_per_length_search_drafts(monkeypatch):
+    """find_prompt_lookup_draft scans every n-gram length in one compiled call; the per-length search it replaces
+    (find_prompt_lookup_candidates, also the numpy fallback) must give the same draft, and so must the drafter."""
+    from specdec_core.drafters import prompt_lookup
+    from specdec_core.drafters.prompt_lookup import find_prompt_lookup_candidates
+
+    assert prompt_lookup.match_kernel() is not None, prompt_lookup.match_kernel.unavailable
+    rng = np.random.default_rng(1)
+    found = 0
+    for trial in range(400):
+        tokens = rng.integers(0, 2 + trial % 7, size=int(rng.integers(0, 50)))
+        max_n = int(rng.integers(1, 5))
+        min_n = int(rng.integers(1, max_n + 1))
+        k = int(rng.integers(0, 6))
+        want = find_prompt_lookup_candidates(tokens, max_n, min_n, k, count=1)
+        want = want[0] if want else []
+        assert find_prompt_lookup_draft(tokens, max_n, min_n, k) == want, (tokens.tolist(), max_n, min_n, k)
+        drafter = PromptLookupDrafter(num_tokens=max(k, 1), max_ngram=max_n, min_ngram=min_n)
+        if k:
+            assert drafter.propose(tokens.tolist(), k).tokens == want
+        found += bool(want)
+    assert found > 150
+    monkeypatch.setattr(prompt_lookup.match_kernel, "_kernel", None)
+    monkeypatch.setattr(prompt_lookup.match_kernel, "unavailable", "no numba here")
+    assert find([3, 9, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1, 2]  # the per-length fallback
