@@ -9,6 +9,7 @@ match and the draft both fit in MEMORY_DEPTH tokens); the two trees' drafts are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..method_options import DEFAULTS
@@ -68,7 +69,7 @@ class SuffixDrafter(Drafter):
         self._remember(tokens)
         self._index(tokens)
         best, source = self.own.draft(self.own_cursor, max_tokens, self.factor, self.min_prob), SUFFIX_SOURCE
-        if self.memory is not None:
+        if self.memory is not None and self._memory_bound(max_tokens) > best.score:
             remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
             if remembered.score > best.score:
                 best, source = remembered, MEMORY_SOURCE
@@ -76,6 +77,12 @@ class SuffixDrafter(Drafter):
             return empty_draft()
         return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE,
                      confidence=best.probs)
+
+    def _memory_bound(self, max_tokens: int) -> float:
+        """The best score a memory draft could have: a tree's score is at most its node count, at most factor x its
+        match length (the memory cursor's longest held suffix). A row whose own draft reaches it skips the search."""
+        longest = int(self.memory_cursor.lengths[0]) if self.memory_cursor.size[0] else 0
+        return min(max_tokens, math.floor(self.factor * longest))
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         self._remember(tokens)

@@ -60,6 +60,45 @@ def test_a_row_drafts_what_another_row_is_writing_and_its_own_text():
     assert memory.sequences[0].finished
 
 
+def test_skipping_the_memory_search_below_its_bound_changes_no_draft(monkeypatch):
+    """A row whose own draft scores at least what any memory draft could (SuffixDrafter._memory_bound) skips the
+    memory's search: rows decoding small-alphabet text side by side draft the same with and without the skip."""
+    import random
+
+    def run(skip: bool) -> tuple[list, int]:
+        """Six rows' drafts over 40 steps, and how many times the memory's tree was searched."""
+        with monkeypatch.context() as patch:
+            if not skip:
+                patch.setattr(SuffixDrafter, "_memory_bound", lambda self, max_tokens: float("inf"))
+            rng, searches = random.Random(3), []
+            memory = JobMemory(max_tokens=400)
+            tree_draft = memory.tree.draft
+            memory.tree.draft = lambda *args, **kwargs: (searches.append(1), tree_draft(*args, **kwargs))[1]
+            script = [rng.randrange(40) for _ in range(200)]  # what every row writes, each from its own place
+            rows = []
+            for row in range(6):
+                tokens = [rng.randrange(6) for _ in range(30)]  # prompts of few distinct tokens: own drafts too
+                drafter = SuffixDrafter()
+                start(drafter, tokens, prompt_len=30, memory=memory)
+                rows.append((drafter, tokens, [12 * row]))
+            drafts = []
+            for _ in range(40):
+                for drafter, tokens, place in rows:
+                    draft = drafter.propose(tokens, max_tokens=8)
+                    drafts.append((draft.tokens, draft.parents, draft.source))
+                    taken = rng.randrange(1, 4)
+                    tokens.extend(script[place[0]: place[0] + taken] if rng.random() < 0.7 else [rng.randrange(6)])
+                    place[0] += taken
+                    drafter.observe(tokens, draft, 0)
+            return drafts, len(searches)
+
+    without, searched_without = run(skip=False)
+    with_skip, searched_with = run(skip=True)
+    assert with_skip == without
+    assert {SUFFIX_SOURCE, MEMORY_SOURCE} <= {source for _, _, source in without}
+    assert searched_with < searched_without == len(without)
+
+
 def write_run(directory, run_id, model, rows, started):
     path = directory / "generations" / f"run_id={run_id}" / "method=ar"
     path.mkdir(parents=True)
