@@ -15,7 +15,9 @@ shared first answer decoded beforehand with batched `ar` (untimed), so every sys
 MAL = mean accepted length (new tokens / target forwards, prefill included); decode x ar = tokens per second of the
 pass less its prefill against `ar`'s (what speculation changes, without the prefill's noise); prefill share = the pass's seconds spent
 prefilling prompts (what no speculation can shorten: on a CPU, prefill is compute-bound); quality = the mean of the task's metric
-against the references (ROUGE-L for summaries, exact match for code edits, token F1 for RAG; analysis/quality.py).
+against the references (ROUGE-L for summaries, exact match for code edits, token F1 for RAG; analysis/quality.py);
+host share = of the decode time (less prefill and captures), the share outside graph-ready steps (a GPU's): the loop's
+own host work, which adds to every step.
 """
 
 from __future__ import annotations
@@ -202,6 +204,7 @@ def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None
               "wall_s": wall, "errors": len(got) - len(ok), "mean_occupancy": stats.mean_occupancy,
               "drafted": stats.drafted_tokens, "verified": stats.verified_tokens, "accepted": stats.accepted_tokens,
               "steps": stats.steps, "peak_kv_mib": stats.peak_cache_bytes / 2**20, "prefill_s": stats.prefill_s,
+              "capture_s": stats.capture_s, "graph_s": stats.graph_s,
               "mean_accepted_length": sum(r["new_tokens"] for r in ok) / max(1, sum(r["target_forwards"] for r in ok)),
               "from_context": sum(r["accepted_by_source"].get("context", 0) for r in ok),
               "from_memory": sum(r["accepted_by_source"].get("memory", 0) for r in ok),
@@ -219,8 +222,8 @@ def table(results: list[dict]) -> str:
     ar_decode = {r["batch_size"]: _decode_speed(r) for r in results if r["system"] == "ar"}
     best_hf = max(hf.values(), default=None)
     lines = ["| system | batch | new tokens | tok/s | x HF same batch | x best HF | x ar same batch | decode x ar | "
-             "accepted/verified | from memory | MAL | occupancy | prefill share | = HF | quality |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "accepted/verified | from memory | MAL | occupancy | prefill share | = HF | quality | host share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda value, base: f"{value / base:.2f}" if base else ""  # noqa: E731
     for r in results:
         tps = r["tokens_per_s"]
@@ -236,8 +239,17 @@ def table(results: list[dict]) -> str:
                      f"{ratio(decode, ar_decode.get(r['batch_size'])) if decode else ''} | {acc} | {r.get('from_memory') or ''} | {mal} | "
                      f"{occ} | {prefill} | "
                      f"{r.get('same_as_hf', '')} | "
-                     f"{quality} |")
+                     f"{quality} | {_host_share(r)} |")
     return "\n".join(lines)
+
+
+def _host_share(result: dict) -> str:
+    """Of the pass's decode time (less prefill and captures), the share outside graph-ready steps: the loop's host
+    work, which on a GPU adds to every step (empty where no step was graph-ready)."""
+    decode = result["wall_s"] - (result.get("prefill_s") or 0.0) - (result.get("capture_s") or 0.0)
+    if not result.get("graph_s") or decode <= 0:
+        return ""
+    return f"{1 - result['graph_s'] / decode:.2f}"
 
 
 def _decode_speed(result: dict) -> float | None:

@@ -98,6 +98,9 @@ class BatchStats:
     # of wall_s, capturing graph-ready steps (graph_step.py: a GPU's graph per step shape), timing their widths and
     # the prefill's attentions (ModelRunner._pick_prefill_attention)
     capture_s: float = 0.0
+    # of wall_s, inside graph-ready steps less their captures: each step's inputs copied in, its replay and its one
+    # copy back. On a GPU the host waits there for the device; the rest of a decode step is the loop's host work.
+    graph_s: float = 0.0
     prompt_tokens: int = 0  # of the admitted rows
     prefix_hit_tokens: int = 0  # of those, copied from the prefix cache instead of computed
 
@@ -471,9 +474,10 @@ class BatchDecoder:
         graph = self.target.graph_step()  # (None on a CPU by default)
         on_host = None
         if graph is not None and _graph_ready(rows, signals):
-            captured = graph.capture_s
+            captured, started = graph.capture_s, time.perf_counter()
             on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes, _sampling(rows))
             self.stats.capture_s += graph.capture_s - captured
+            self.stats.graph_s += time.perf_counter() - started - (graph.capture_s - captured)
         if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
             results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
             return count, width, real, self._commit(rows, None, signals, step_ids, results)

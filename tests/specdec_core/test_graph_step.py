@@ -287,6 +287,8 @@ def test_capture_time_is_reported_apart(monkeypatch):
     buckets = len(step.graphs)
     assert buckets >= 2 and step.captures == buckets and step.steps > buckets  # replays after each capture
     assert 0.2 * buckets <= decoder.stats.capture_s <= decoder.stats.wall_s
+    # the steps' own time, captures left out (counted twice, the two would pass the wall time)
+    assert 0 < decoder.stats.graph_s <= decoder.stats.wall_s - decoder.stats.capture_s
     assert learned and max(learned) < 0.2, max(learned)
     for key, prompt in enumerate(prompts):
         assert results[key].token_ids == hf_greedy(engine.target, prompt, MAX_NEW), key
