@@ -1,5 +1,5 @@
-"""The engine-owned KV cache: per layer a `[slots, kv_heads, capacity, head_dim]` key and value buffer, one row per
-live sequence, with per-row lengths. Rollback of a row is setting its length; what lies past it is masked out and
+"""The engine-owned KV cache: per layer a `[slots, kv_heads, capacity, head_dim]` key and value buffer (views of one
+`[2, layers, ...]` storage, so a copy across layers is one op), one row per live sequence, with per-row lengths. Rollback of a row is setting its length; what lies past it is masked out and
 overwritten by the next forward (as vLLM does with rejected slots).
 
 Layout: padded slots, not flattened ragged tokens. Stock Hugging Face attention (SDPA on CPU and GPU) takes dense
