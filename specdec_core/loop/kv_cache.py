@@ -1,5 +1,5 @@
-"""The engine-owned KV cache: per layer a `[slots, kv_heads, capacity, head_dim]` key and value buffer, one row per
-live sequence, with per-row lengths. Rollback of a row is setting its length; what lies past it is masked out and
+"""The engine-owned KV cache: per layer a `[slots, kv_heads, capacity, head_dim]` key and value buffer (views of one
+`[2, layers, ...]` storage, so a copy across layers is one op), one row per live sequence, with per-row lengths. Rollback of a row is setting its length; what lies past it is masked out and
 overwritten by the next forward (as vLLM does with rejected slots).
 
 Layout: padded slots, not flattened ragged tokens. Stock Hugging Face attention (SDPA on CPU and GPU) takes dense
@@ -43,6 +43,7 @@ class SlotKVCache(Cache):
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []  # committed positions of each live row (slot i = row i)
+        self.storage: torch.Tensor | None = None
         self._allocate(0, 0)
         self._bound: list[int] = []  # the rows the next forward feeds
         self._contiguous = True
@@ -69,15 +70,17 @@ class SlotKVCache(Cache):
         return self.bytes_for(self.slots, self.capacity)
 
     def _allocate(self, slots: int, capacity: int) -> None:
-        shape = (slots, self.kv_heads, capacity, self.head_dim)
-        old_k, old_v = self.keys, self.values
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        if old_k and self.lengths:
+        # One buffer for every layer's keys and values, [2, layers, slots, KV, capacity, d], each layer's a view:
+        # a copy that spans the layers (a tree's accepted paths, a retiring row) is then one indexing op, not one
+        # per layer and buffer (on a GPU each of those is a launch).
+        old = self.storage
+        self.storage = torch.zeros((2, self.num_layers, slots, self.kv_heads, capacity, self.head_dim),
+                                   dtype=self.dtype, device=self.device)
+        self.keys = list(self.storage[0].unbind(0))  # per layer [slots, KV, capacity, d]
+        self.values = list(self.storage[1].unbind(0))
+        if old is not None and self.lengths:
             n, length = len(self.lengths), min(max(self.lengths), capacity)
-            for layer in range(self.num_layers):
-                self.keys[layer][:n, :, :length] = old_k[layer][:n, :, :length]
-                self.values[layer][:n, :, :length] = old_v[layer][:n, :, :length]
+            self.storage[:, :, :n, :, :length] = old[:, :, :n, :, :length]
 
     def fit(self, slots: int, capacity: int, shrink: bool = True) -> None:
         """Make room for `slots` rows of `capacity` positions; shrink when the live rows need far less (unless not
@@ -102,9 +105,7 @@ class SlotKVCache(Cache):
         moved = None
         if row != last:
             length = self.lengths[last]
-            for layer in range(self.num_layers):
-                self.keys[layer][row, :, :length] = self.keys[layer][last, :, :length]
-                self.values[layer][row, :, :length] = self.values[layer][last, :, :length]
+            self.storage[:, :, row, :, :length] = self.storage[:, :, last, :, :length]
             self.lengths[row] = length
             moved = last
         self.lengths.pop()
@@ -112,17 +113,16 @@ class SlotKVCache(Cache):
 
     def move(self, paths: list[tuple[int, list[int], list[int]]]) -> None:
         """For each (row, source, target): copy the row's keys/values at positions `source` to `target` (a tree's
-        accepted path, into place), every row at once: one gather and one scatter per buffer, not per row. Gathered
-        before written, so overlapping ranges are safe. (The buffers stay apart: as views of one storage they slowed
-        flex_attention's steps several times over; docs/decisions.md.)"""
+        accepted path, into place), every row and layer in one gather and one scatter. Gathered before written,
+        so overlapping ranges are safe."""
         rows = [row for row, source, _ in paths for _ in source]
         if not rows:
             return
         rows = torch.tensor(rows, device=self.device)  # [M]
         src = torch.tensor([p for _, source, _ in paths for p in source], device=self.device)  # [M]
         dst = torch.tensor([p for _, _, target in paths for p in target], device=self.device)  # [M]
-        for buffer in self.keys + self.values:  # advanced indices on dims 0 and 2 go first: [M, KV, d]
-            buffer[rows, :, dst] = buffer[rows, :, src]
+        # advanced indices on dims 2 and 4, a slice between: both go first, [M, 2, layers, KV, d]
+        self.storage[:, :, rows, :, dst] = self.storage[:, :, rows, :, src]
 
     def set_length(self, row: int, length: int) -> None:
         """Commit (or roll back) a row to `length` positions; keys past it are dead and will be overwritten."""
