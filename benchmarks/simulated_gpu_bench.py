@@ -108,16 +108,16 @@ class SimulatedStep:
         depth = batch.positions - lengths[:, None]  # [B, T]
         argmax = torch.tensor([[self._token(row, int(d)) for d in depth[b]] for b, row in enumerate(rows)])
         found = verify(step_ids, batch.visible, depth, argmax).tolist()
-        self._sleep(self.device.seconds(live, width), started)
+        self.occupy(self.device.seconds(live, width), started)
         self.steps += 1
         return found
 
     def time_widths(self, cache, live, widths, verify, sampling=None, reps=3):
         return {w: self.device.seconds(live, w) for w in widths}
 
-    def first_tokens(self, rows: list, count: int) -> torch.Tensor:
-        """Prefill's logits [count, vocab]: one-hot at each finishing row's first oracle token."""
-        logits = torch.zeros(count, self.decoder_ref[0].target.vocab_size)
+    def first_tokens(self, rows: list) -> torch.Tensor:
+        """Prefill's logits [len(rows), vocab]: one-hot at each finishing row's first oracle token."""
+        logits = torch.zeros(len(rows), self.decoder_ref[0].target.vocab_size)
         for i, row in enumerate(rows):
             logits[i, self.oracle[row.request.key][0]] = 1.0
         return logits
@@ -128,7 +128,8 @@ class SimulatedStep:
         index = row.state.num_generated + depth
         return tokens[index] if index < len(tokens) else tokens[-1]
 
-    def _sleep(self, seconds: float, since: float) -> None:
+    def occupy(self, seconds: float, since: float) -> None:
+        """The device busy for `seconds` from `since` (the host waits, as for a step's copy back)."""
         self.device_s += seconds
         end = since + seconds
         while (left := end - time.perf_counter()) > 0:
@@ -165,8 +166,8 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
         started = time.perf_counter()
         decoder = decoder_ref[0]
         finishing = [decoder.rows[batch.rows[b]] for b, _ in batch.logit_index.tolist()]
-        logits = step.first_tokens(finishing, len(finishing))
-        step._sleep(prefill_us * 1e-6 * int(batch.real.sum()), started)
+        logits = step.first_tokens(finishing)
+        step.occupy(prefill_us * 1e-6 * int(batch.real.sum()), started)
         return logits
 
     runner.forward_slots, runner.graph_step = prefill, lambda: step

@@ -420,13 +420,14 @@ class SuffixTree:
 def _ids(tokens: Iterable[int] | int) -> np.ndarray:
     if isinstance(tokens, (int, np.integer)):
         tokens = [tokens]
-    if not isinstance(tokens, (list, tuple, np.ndarray)):
+    if isinstance(tokens, np.ndarray):
+        ids = tokens.astype(np.int64, copy=False)
+        low, high = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+    else:  # a step's few tokens: Python's min and max, cheaper than two numpy reductions
         tokens = list(tokens)
-    # a step's few tokens are checked as Python ints, cheaper than two numpy reductions
-    small = not isinstance(tokens, np.ndarray) and len(tokens) <= 64
-    ids = np.asarray(tokens, dtype=np.int64)
-    if len(ids) and ((min(tokens) < 0 or max(tokens) >= MAX_TOKEN) if small
-                     else (ids.min() < 0 or ids.max() >= MAX_TOKEN)):
+        ids = np.asarray(tokens, dtype=np.int64)
+        low, high = (min(tokens), max(tokens)) if tokens else (0, 0)
+    if low < 0 or high >= MAX_TOKEN:
         raise ValueError(f"token ids must be within [0, {MAX_TOKEN}) for a suffix tree")
     return ids
 

@@ -182,16 +182,19 @@ class StepCostModel:
             return self.fixed(rows, width) / self.fixed(rows, 1)
         if width <= 1:
             return 1.0
-        token, per_width = self.slopes(rows, context)
         computed = rows * width if computed is None else computed
-        return 1.0 + token * (computed - rows) / rows + per_width * (width - 1)
+        return self._linear(rows, width, context, computed)
 
     def ratios(self, rows: int, widths: np.ndarray, context: int, computed: np.ndarray) -> np.ndarray:
         """`ratio` of each of several steps of `rows` rows: widths [W] (each > 1) and computed tokens [W]."""
         if self.fixed is not None:
             return np.array([self.ratio(rows, int(w), context, int(c)) for w, c in zip(widths, computed)])
+        return self._linear(rows, widths, context, computed)
+
+    def _linear(self, rows: int, width, context: int, computed):
+        """The learned cost of a step wider than 1, in plain steps (width, computed: numbers or arrays alike)."""
         token, per_width = self.slopes(rows, context)
-        return 1.0 + token * (computed - rows) / rows + per_width * (widths - 1)
+        return 1.0 + token * (computed - rows) / rows + per_width * (width - 1)
 
     def token_seconds(self, rows: int, context: int = 0) -> float:
         """Seconds one more verified token adds to a step of `rows` rows (s_token x a plain step / rows; 0 before a
