@@ -68,30 +68,85 @@ def rename_row(row_id: str, source: str) -> dict | None:
             "reference": f"```python\n{expected}```"}
 
 
+# The second tier's further modules (imported where this Python has them; none needs a GUI or a network).
+MORE_MODULES = ("pdb", "profile", "unittest.case", "unittest.mock", "unittest.loader", "xml.dom.minidom",
+                "xml.etree.ElementTree", "xmlrpc.client", "xmlrpc.server", "html.parser", "http.server",
+                "urllib.request", "asyncio.base_events", "asyncio.tasks", "multiprocessing.pool",
+                "concurrent.futures.process", "tempfile", "fileinput", "netrc", "plistlib", "_pyio", "gzip", "zipapp",
+                "venv", "enum", "fractions", "heapq", "pkgutil", "compileall", "py_compile", "re._parser",
+                "re._compiler", "pyclbr", "tabnanny", "ssl", "logging.handlers", "logging.config", "email.message",
+                "json.decoder", "getpass", "ipaddress", "_pydecimal", "bdb", "cmd", "code", "pstats", "selectors",
+                "socketserver", "zipimport", "modulefinder", "runpy", "filecmp", "shelve", "copy", "reprlib",
+                "threading", "sched", "queue", "contextlib", "collections", "string", "os", "posixpath", "ntpath",
+                "email.feedparser", "email.generator", "email.headerregistry", "_strptime", "datetime", "graphlib",
+                "pickle", "pathlib", "wsgiref.handlers", "wsgiref.validate", "http.cookies", "urllib.robotparser",
+                "importlib.metadata", "tomllib._parser", "zoneinfo._zoneinfo", "multiprocessing.connection",
+                "multiprocessing.managers", "multiprocessing.context", "multiprocessing.resource_tracker",
+                "asyncio.streams", "asyncio.unix_events", "asyncio.sslproto", "asyncio.events",
+                "concurrent.futures._base", "concurrent.futures.thread", "unittest.runner", "unittest.result",
+                "xml.sax.saxutils", "xml.dom.expatbuilder", "xml.etree.ElementPath", "webbrowser", "timeit",
+                "tracemalloc", "linecache", "warnings", "codecs", "email.charset", "email.contentmanager",
+                "email._policybase", "importlib._bootstrap_external", "ctypes.util", "dbm.dumb", "pty",
+                "rlcompleter", "socket", "poplib", "wave", "_osx_support", "_markupbase", "symtable", "codeop",
+                "importlib.util", "importlib._bootstrap", "asyncio.base_subprocess", "asyncio.proactor_events",
+                "asyncio.queues", "asyncio.taskgroups", "asyncio.runners", "multiprocessing.queues",
+                "multiprocessing.synchronize", "multiprocessing.util", "multiprocessing.spawn",
+                "multiprocessing.forkserver", "multiprocessing.heap", "multiprocessing.reduction",
+                "unittest.async_case", "unittest.suite", "xml.sax.xmlreader", "xml.dom.xmlbuilder",
+                "encodings.punycode", "email.quoprimime", "email.iterators", "email.parser", "urllib.error",
+                "ensurepip", "sqlite3.dump", "wsgiref.simple_server", "wsgiref.util", "xml.sax.expatreader",
+                "xml.dom.pulldom", "encodings.idna", "zoneinfo._common", "zoneinfo._tzpath", "_threading_local", "bz2",
+                "lzma", "fnmatch", "hashlib", "hmac", "tty")
+
+
 def stdlib_rename_tasks(count: int = 10, min_lines: int = 60, max_lines: int = 150) -> list[dict]:
     """Renames in 60-150-line standard-library functions, picked deterministically: the first suitable function of
     every module, then the second of every module, ... (round robin keeps the set varied and the first picks stable
-    whatever `count` is)."""
-    per_module = [_module_rename_rows(name, min_lines, max_lines) for name in STDLIB_MODULES]
+    whatever `count` is). Past the module-level functions of STDLIB_MODULES (71 on CPython 3.11), a second tier
+    follows in the same round robin: their classes' methods, then MORE_MODULES' functions and methods. A batch
+    job wants a queue of a few hundred."""
+    tiers = [[_module_rename_rows(name, min_lines, max_lines) for name in STDLIB_MODULES]]
+    if count > sum(map(len, tiers[0])):
+        tiers.append([_module_rename_rows(name, min_lines, max_lines, functions=False) for name in STDLIB_MODULES]
+                     + [_module_rename_rows(name, min_lines, max_lines, methods=True) for name in MORE_MODULES])
     tasks = []
-    for rank in range(max((len(rows) for rows in per_module), default=0)):
-        tasks.extend(rows[rank] for rows in per_module if rank < len(rows))
+    for per_module in tiers:
+        for rank in range(max((len(rows) for rows in per_module), default=0)):
+            tasks.extend(rows[rank] for rows in per_module if rank < len(rows))
     return tasks[:count]
 
 
-def _module_rename_rows(module_name: str, min_lines: int, max_lines: int) -> list[dict]:
-    module = importlib.import_module(module_name)
-    rows = []
+def _module_rename_rows(module_name: str, min_lines: int, max_lines: int, functions: bool = True,
+                        methods: bool | None = None) -> list[dict]:
+    """A module's rename rows: its functions, its classes' methods (`methods`: by default where not `functions`),
+    each between min_lines and max_lines long. A module this Python lacks has none (only MORE_MODULES may)."""
+    methods = not functions if methods is None else methods
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        if module_name in STDLIB_MODULES:
+            raise
+        return []
+    found = []  # (id, function)
     for name, obj in sorted(vars(module).items()):
-        if not inspect.isfunction(obj) or obj.__module__ != module_name:
-            continue
+        if functions and inspect.isfunction(obj) and obj.__module__ == module_name:
+            found.append((f"stdlib-{module_name}.{name}", obj))
+    for name, cls in sorted(vars(module).items()):
+        if methods and inspect.isclass(cls) and cls.__module__ == module_name:
+            found.extend((f"stdlib-{module_name}.{name}.{method}", obj) for method, obj in sorted(vars(cls).items())
+                         if inspect.isfunction(obj))
+    rows = []
+    for row_id, obj in found:
         try:
             source = textwrap.dedent(inspect.getsource(obj))
         except (OSError, TypeError):
             continue
         if not min_lines <= source.count("\n") <= max_lines:
             continue
-        row = rename_row(f"stdlib-{module_name}.{name}", source)
+        try:
+            row = rename_row(row_id, source)
+        except (SyntaxError, tokenize.TokenError):  # a method whose dedented source does not parse alone
+            continue
         if row is not None:
             rows.append(row)
     return rows

@@ -49,6 +49,24 @@ def test_stdlib_rename_tasks_reach_a_benchmark_size_and_keep_their_first_picks()
     assert len({t["id"].split(".")[0] for t in many[:32]}) >= 20  # one function per module first
 
 
+def test_stdlib_rename_tasks_reach_a_queue_of_256_past_the_first_tier():
+    """Past the module-level functions (the first tier, unchanged), classes' methods and further modules give the
+    few hundred code edits a batch job's queue needs; each row's reference is the rename of its code."""
+    first = stdlib_rename_tasks(1000, min_lines=60, max_lines=150)
+    tier_one = [t["id"] for t in stdlib_rename_tasks(40)]
+    many = stdlib_rename_tasks(256)
+    assert len(many) == 256 and len({t["id"] for t in many}) == 256
+    assert [t["id"] for t in many[:40]] == tier_one and [t["id"] for t in first[:256]] == [t["id"] for t in many]
+    assert_input_contract(many)
+    methods = [t for t in many if t["id"].split(".")[-2][:1].isupper()]  # `module.Class.method`
+    assert len(methods) > 30
+    for task in many[::15]:
+        old, new = re.search(r"Rename the variable `(\w+)` to `(\w+)`", task["prompt"]).groups()
+        code = task["prompt"].split("```python\n", 1)[1].removesuffix("```")
+        assert 60 <= code.count("\n") <= 151
+        assert task["reference"] == "```python\n" + rename_identifier(code, old, new) + "```"
+
+
 def test_humaneval_rows_cover_all_problems_and_edit_kinds():
     rows = humaneval_rows()
     assert len(rows) == 164
