@@ -9,7 +9,6 @@ match and the draft both fit in MEMORY_DEPTH tokens); the two trees' drafts are 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from ..method_options import DEFAULTS
@@ -46,7 +45,8 @@ class SuffixDrafter(Drafter):
             self.memory_cursor = self.memory.tree.cursor(tokens[max(0, len(tokens) - self.depth):])
             self.output = self.memory.begin()
         self._remember(tokens)
-        self._index(tokens, matched=True)
+        self.own.extend(self.own_cursor, tokens)  # (the memory cursor matched the prompt's end already)
+        self.seen = len(tokens)
 
     def _remember(self, tokens: Sequence[int]) -> None:
         """The output so far (what follows the prompt) into the job memory, every step: other rows draft from it."""
@@ -54,35 +54,20 @@ class SuffixDrafter(Drafter):
             self.memory.append(self.output, tokens[max(self.remembered, self.prompt_len):])
         self.remembered = len(tokens)
 
-    def _index(self, tokens: Sequence[int], matched: bool = False) -> None:
-        """The row's own tree and its suffix matches in the memory's tree, brought up to `tokens`: only when it
-        proposes (a row the budget lets draft now and then indexes its tokens a few steps at a time)."""
-        if len(tokens) == self.seen:
-            return
-        new = tokens[self.seen:]
-        self.own.extend(self.own_cursor, new)
-        if self.memory is not None and not matched:
-            self.memory.tree.advance(self.memory_cursor, new)
-        self.seen = len(tokens)
-
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         self._remember(tokens)
-        self._index(tokens)
-        best, source = self.own.draft(self.own_cursor, max_tokens, self.factor, self.min_prob), SUFFIX_SOURCE
-        if self.memory is not None and self._memory_bound(max_tokens) > best.score:
-            remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
-            if remembered.score > best.score:
-                best, source = remembered, MEMORY_SOURCE
+        # The row's new tokens into its own tree and its memory cursor, then the better of the two trees' drafts
+        # (the memory's searched only where its longest match could beat the own draft's score): one compiled call.
+        memory = self.memory
+        best, from_memory = self.own.extend_and_draft(
+            self.own_cursor, tokens[self.seen:], max_tokens, self.factor, self.min_prob,
+            memory.tree if memory is not None else None, self.memory_cursor if memory is not None else None)
+        self.seen = len(tokens)
         if not best.tokens:
             return empty_draft()
+        source = MEMORY_SOURCE if from_memory else SUFFIX_SOURCE
         return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE,
                      confidence=best.probs)
-
-    def _memory_bound(self, max_tokens: int) -> float:
-        """The best score a memory draft could have: a tree's score is at most its node count, at most factor x its
-        match length (the memory cursor's longest held suffix). A row whose own draft reaches it skips the search."""
-        longest = int(self.memory_cursor.lengths[0]) if self.memory_cursor.size[0] else 0
-        return min(max_tokens, math.floor(self.factor * longest))
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         self._remember(tokens)

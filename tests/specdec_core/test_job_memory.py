@@ -7,8 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from contract.schema import generations_table
-from specdec_core.drafters.base import RequestContext
+from specdec_core.drafters.base import Draft, RequestContext
 from specdec_core.drafters.suffix import MEMORY_SOURCE, SUFFIX_SOURCE, SuffixDrafter
+from specdec_core.drafters.suffix_tree import APPEND_CHUNK
 from specdec_core.errors import SpecbatchError
 from specdec_core.drafters.job_memory import JobMemory, read_outputs
 
@@ -60,43 +61,60 @@ def test_a_row_drafts_what_another_row_is_writing_and_its_own_text():
     assert memory.sequences[0].finished
 
 
-def test_skipping_the_memory_search_below_its_bound_changes_no_draft(monkeypatch):
-    """A row whose own draft scores at least what any memory draft could (SuffixDrafter._memory_bound) skips the
-    memory's search: rows decoding small-alphabet text side by side draft the same with and without the skip."""
+class SeparateCalls(SuffixDrafter):
+    """SuffixDrafter.propose made of the trees' separate calls, the memory always searched: what the one compiled
+    call (SuffixTree.extend_and_draft) must equal."""
+
+    def propose(self, tokens, max_tokens):
+        self._remember(tokens)
+        new = tokens[self.seen:]
+        self.own.extend(self.own_cursor, new)
+        if self.memory is not None:
+            self.memory.tree.advance(self.memory_cursor, new)
+        self.seen = len(tokens)
+        best, source = self.own.draft(self.own_cursor, max_tokens, self.factor, self.min_prob), SUFFIX_SOURCE
+        if self.memory is not None:
+            remembered = self.memory.tree.draft(self.memory_cursor, max_tokens, self.factor, self.min_prob)
+            if remembered.score > best.score:
+                best, source = remembered, MEMORY_SOURCE
+        return Draft(tokens=best.tokens, source=source, parents=best.parents, confidence=best.probs)
+
+
+@pytest.mark.parametrize("with_memory", [True, False])
+def test_one_compiled_call_a_step_drafts_as_the_separate_calls(with_memory):
+    """Rows decoding small-alphabet text side by side (own drafts and memory drafts both win at times, catch-ups
+    longer than a compiled chunk included): the drafter's one call a step (its own tree's extend, the memory
+    cursor's advance, both drafts, the memory searched only where it could win) drafts what the separate calls do."""
     import random
 
-    def run(skip: bool) -> tuple[list, int]:
-        """Six rows' drafts over 40 steps, and how many times the memory's tree was searched."""
-        with monkeypatch.context() as patch:
-            if not skip:
-                patch.setattr(SuffixDrafter, "_memory_bound", lambda self, max_tokens: float("inf"))
-            rng, searches = random.Random(3), []
-            memory = JobMemory(max_tokens=400)
-            tree_draft = memory.tree.draft
-            memory.tree.draft = lambda *args, **kwargs: (searches.append(1), tree_draft(*args, **kwargs))[1]
-            script = [rng.randrange(40) for _ in range(200)]  # what every row writes, each from its own place
-            rows = []
-            for row in range(6):
-                tokens = [rng.randrange(6) for _ in range(30)]  # prompts of few distinct tokens: own drafts too
-                drafter = SuffixDrafter()
-                start(drafter, tokens, prompt_len=30, memory=memory)
-                rows.append((drafter, tokens, [12 * row]))
-            drafts = []
-            for _ in range(40):
-                for drafter, tokens, place in rows:
-                    draft = drafter.propose(tokens, max_tokens=8)
-                    drafts.append((draft.tokens, draft.parents, draft.source))
-                    taken = rng.randrange(1, 4)
-                    tokens.extend(script[place[0]: place[0] + taken] if rng.random() < 0.7 else [rng.randrange(6)])
-                    place[0] += taken
-                    drafter.observe(tokens, draft, 0)
-            return drafts, len(searches)
+    def run(drafter_class) -> list:
+        """Six rows' drafts over 40 steps."""
+        rng = random.Random(3)
+        memory = JobMemory(max_tokens=400) if with_memory else None
+        script = [rng.randrange(40) for _ in range(600)]  # what every row writes, each from its own place
+        rows = []
+        for row in range(6):
+            tokens = [rng.randrange(6) for _ in range(30)]  # prompts of few distinct tokens: own drafts too
+            drafter = drafter_class()
+            start(drafter, tokens, prompt_len=30, memory=memory)
+            rows.append((drafter, tokens, [12 * row]))
+        drafts = []
+        for step in range(40):
+            for drafter, tokens, place in rows:
+                draft = drafter.propose(tokens, max_tokens=8 if step % 7 else 0)
+                drafts.append((draft.tokens, draft.parents, draft.source if draft.tokens else None,
+                               draft.confidence or None))
+                taken = rng.randrange(1, 4) if step != 20 else APPEND_CHUNK + 5
+                tokens.extend(script[place[0]: place[0] + taken] if rng.random() < 0.7 else [rng.randrange(6)])
+                place[0] += taken
+                drafter.observe(tokens, draft, 0)
+        return drafts
 
-    without, searched_without = run(skip=False)
-    with_skip, searched_with = run(skip=True)
-    assert with_skip == without
-    assert {SUFFIX_SOURCE, MEMORY_SOURCE} <= {source for _, _, source in without}
-    assert searched_with < searched_without == len(without)
+    separate, fused = run(SeparateCalls), run(SuffixDrafter)
+    assert fused == separate
+    sources = {source for _, _, source, _ in separate}
+    assert sources >= ({SUFFIX_SOURCE, MEMORY_SOURCE} if with_memory else {SUFFIX_SOURCE})
+    assert sum(1 for tokens, *_ in separate if tokens) > 100
 
 
 def write_run(directory, run_id, model, rows, started):
