@@ -368,6 +368,12 @@ class SuffixTree:
         """Add tokens to the sequence `cursor` indexes: every suffix of it (up to `depth` tokens) now ends with each
         new token in turn, and counts once more. The cursor then holds all of them."""
         ids = _ids(tokens)
+        if len(ids) <= APPEND_CHUNK:  # a step's few tokens
+            self._reserve(len(ids) * self.depth)
+            _append(self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths,
+                    cursor.size, ids, self.depth)
+            self.tokens += len(ids)
+            return
         for start in range(0, len(ids), APPEND_CHUNK):  # room reserved for the worst case of a chunk at a time
             chunk = ids[start: start + APPEND_CHUNK]
             self._reserve(len(chunk) * self.depth)
@@ -455,7 +461,8 @@ class SuffixTree:
     def _reserve(self, new_nodes: int) -> None:
         """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
         table kept at most half full."""
-        needed = int(self.meta[USED]) + new_nodes
+        used, _, filled = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
+        needed = used + new_nodes
         if needed > len(self.nodes):
             rows = max(needed, 2 * len(self.nodes))
             grown = np.full((rows, 6), -1, np.int32)
@@ -464,7 +471,7 @@ class SuffixTree:
             free = np.zeros(rows, np.int32)
             free[: len(self.free)] = self.free
             self.free = free
-        filled = int(self.meta[FILLED]) + new_nodes
+        filled += new_nodes
         if 2 * filled > len(self.keys):
             live = self.node_count + new_nodes
             slots = len(self.keys)
