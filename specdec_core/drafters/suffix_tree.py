@@ -34,17 +34,35 @@ from numba import njit  # noqa: E402  (after the cache directory is set)
 TOKEN, COUNT, FIRST, LAST, NEXT, PARENT = range(6)
 ROOT = 0
 EMPTY, TOMBSTONE = -1, -2  # hash-table keys that hold no entry
-# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included)
-USED, FREE, FILLED = range(3)
+# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included), and
+# the sum of `_touch`'s last loads (stored so that the loads are kept)
+USED, FREE, FILLED, TOUCHED = range(4)
 MAX_TOKEN = 1 << 24  # a key is parent << 24 | token
 APPEND_CHUNK = 256  # tokens appended per compiled call
+
+
+@njit(cache=True)
+def _home(keys, key):  # pragma: no cover - compiled
+    """The first slot of `key`'s probe path."""
+    return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & (keys.shape[0] - 1)
+
+
+@njit(cache=True)
+def _touch(keys, meta, cursor_nodes, cursor_lengths, size, token, depth):  # pragma: no cover - compiled
+    """Load the home slot of each held suffix's child for `token` before any is used: the loads are independent, so
+    the core overlaps their cache misses, which the lookups one after another would pay in turn."""
+    loaded = 0
+    for held in range(size):
+        if cursor_lengths[held] < depth:
+            loaded += keys[_home(keys, (np.int64(cursor_nodes[held]) << 24) | np.int64(token))]
+    meta[TOUCHED] = loaded
 
 
 @njit(cache=True)
 def _slot(keys, key):  # pragma: no cover - compiled
     """The slot holding `key`, else the slot it would go to (the first tombstone or empty one on its probe path)."""
     mask = keys.shape[0] - 1
-    index = np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & mask
+    index = _home(keys, key)
     free = -1
     while True:
         held = keys[index]
@@ -97,6 +115,7 @@ def _append(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, curso
     token alone starts a new one, and every one of them counts once more."""
     size = cursor_size[0]
     for token in tokens:
+        _touch(keys, meta, cursor_nodes, cursor_lengths, size, token, depth)
         kept = 0
         for held in range(size):  # longest first; kept <= held, so the arrays are rewritten in place
             if cursor_lengths[held] < depth:
@@ -119,6 +138,7 @@ def _advance(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, curs
     """Match tokens without adding them: the held suffixes the tree continues grow, the others are dropped."""
     size = cursor_size[0]
     for token in tokens:
+        _touch(keys, meta, cursor_nodes, cursor_lengths, size, token, depth)
         kept = 0
         for held in range(size):
             if cursor_lengths[held] < depth:
@@ -273,14 +293,20 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
 
 
 @njit(cache=True)
-def _extend_and_draft(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens, depth,
-                      other_nodes, other_keys, other_values, other_meta, other_free, other_cursor_nodes,
-                      other_cursor_lengths, other_cursor_size, other, max_tokens, factor, min_prob, out_tokens,
-                      out_parents, out_probs):  # pragma: no cover - compiled
+def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, depth, limits,
+                      out):  # pragma: no cover - compiled
     """`_append` of tokens to the cursor's sequence, `_advance` of the other tree's cursor by them (where `other`),
-    then the better draft of the two trees into out_*[0] -> (nodes, match length, score, 1 where the other's won).
+    then the better draft of the two trees into out's row 0 -> (nodes, match length, score, 1 where the other's won).
     The other tree is searched only where its longest match could beat this one's score (a tree's score is at
-    most its node count, at most factor x its match length). One compiled call for a row's step."""
+    most its node count, at most factor x its match length). One compiled call for a row's step.
+    tree: (nodes, keys, values, meta, free); cursor: (nodes, lengths, size); limits: (max_tokens, factor, min_prob);
+    out: (tokens, parents, probs), each [2, width]."""
+    nodes, keys, values, meta, free = tree
+    cursor_nodes, cursor_lengths, cursor_size = cursor
+    other_nodes, other_keys, other_values, other_meta, other_free = other_tree
+    other_cursor_nodes, other_cursor_lengths, other_cursor_size = other_cursor
+    max_tokens, factor, min_prob = limits
+    out_tokens, out_parents, out_probs = out
     if tokens.shape[0]:
         _append(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens, depth)
         if other:
@@ -340,7 +366,7 @@ class SuffixTree:
         self.nodes = np.full((capacity, 6), -1, np.int32)  # [rows, TOKEN..PARENT]; row 0 is the root
         self.nodes[ROOT, COUNT] = 0
         self.free = np.zeros(capacity, np.int32)  # rows freed by `remove`, reused first
-        self.meta = np.array([1, 0, 0], np.int64)  # USED, FREE, FILLED
+        self.meta = np.array([1, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED
         self.keys, self.values = _hash_table(2 * capacity)
         self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # extend_and_draft's [2, width] buffers
 
@@ -401,13 +427,16 @@ class SuffixTree:
         out_tokens, out_parents, out_probs = self._out
         second, second_cursor = (other, other_cursor) if other is not None else (self, cursor)
         taken, length, score, swapped = _extend_and_draft(
-            self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths, cursor.size, ids,
-            self.depth, second.nodes, second.keys, second.values, second.meta, second.free, second_cursor.nodes,
-            second_cursor.lengths, second_cursor.size, other is not None, max(max_tokens, 0), float(factor),
-            float(min_prob), out_tokens, out_parents, out_probs)
+            self._arrays(), (cursor.nodes, cursor.lengths, cursor.size), ids, second._arrays(),
+            (second_cursor.nodes, second_cursor.lengths, second_cursor.size), other is not None, self.depth,
+            (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
         draft = TreeDraft(out_tokens[0, :taken].tolist(), out_parents[0, :taken].tolist(), int(length), float(score),
                           out_probs[0, :taken].tolist())
         return draft, bool(swapped)
+
+    def _arrays(self) -> tuple:
+        """The compiled kernels' view of the tree: (nodes, keys, values, meta, free)."""
+        return self.nodes, self.keys, self.values, self.meta, self.free
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Take back one sequence that `extend` added from a fresh cursor (eviction)."""
@@ -461,7 +490,7 @@ class SuffixTree:
     def _reserve(self, new_nodes: int) -> None:
         """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
         table kept at most half full."""
-        used, _, filled = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
+        used, _, filled, _ = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
         needed = used + new_nodes
         if needed > len(self.nodes):
             rows = max(needed, 2 * len(self.nodes))
