@@ -21,8 +21,9 @@
 #             through HF's modules and fast_forward.py side by side, against HF generate (no weights to carry)
 #   stage recv (once per piece): a model's GGUF piece (.piece1/, .piece2/, ... split here) kept on the machine; the first
 #             call also installs the wheels
-#   stage smollm2 N: SmolLM2-135M (real weights, bf16) from its N pieces: batch_bench on 256 code edits and 256 open
-#             questions at batch 64 (a queue), HF vs ar / pld / copyspec / suffix (issue 50's second run)
+#   stage smollm2 N: SmolLM2-135M (real weights, bf16) from its N pieces: batch_bench on 256 code edits and the 80
+#             open questions (MT-Bench's first turns, all there are) at batch 64 (a queue), HF vs ar / pld / copyspec /
+#             suffix (issue 50's second run)
 #   stage qwen15 N: Qwen2.5-Coder-1.5B (1.1 GB: ~18 pieces of <= 61 MiB) from its N pieces: issue 29's batch_bench,
 #             CASD on RAG (issue 9) and SPECTRA on MT-Bench turn 1 (issue 10)
 # Here, before the calls: pip download the wheels the image lacks or has in other versions into .whl/ (transformers,

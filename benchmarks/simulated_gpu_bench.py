@@ -18,6 +18,7 @@ functions of the last round. The ratios to `ar` predict what speculation gains o
 this CPU's host speed (a GPU machine's host is usually faster).
 
   python benchmarks/simulated_gpu_bench.py --workload code_edit --requests 64 --batch-size 64 --methods ar pld suffix
+  python benchmarks/simulated_gpu_bench.py --requests 256  # a queue at batch 64, as issue 50 asks
 """
 
 from __future__ import annotations
