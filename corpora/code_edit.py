@@ -75,7 +75,7 @@ MORE_MODULES = ("pdb", "profile", "unittest.case", "unittest.mock", "unittest.lo
                 "concurrent.futures.process", "tempfile", "fileinput", "netrc", "plistlib", "_pyio", "gzip", "zipapp",
                 "venv", "enum", "fractions", "heapq", "pkgutil", "compileall", "py_compile", "re._parser",
                 "re._compiler", "pyclbr", "tabnanny", "ssl", "logging.handlers", "logging.config", "email.message",
-                "json.decoder", "getpass", "ipaddress", "_pydecimal", "bdb", "cmd", "code", "pstats", "selectors",
+                "json.decoder", "getpass", "ipaddress", "bdb", "cmd", "code", "pstats", "selectors",
                 "socketserver", "zipimport", "modulefinder", "runpy", "filecmp", "shelve", "copy", "reprlib",
                 "threading", "sched", "queue", "contextlib", "collections", "string", "os", "posixpath", "ntpath",
                 "email.feedparser", "email.generator", "email.headerregistry", "_strptime", "datetime", "graphlib",
@@ -87,7 +87,7 @@ MORE_MODULES = ("pdb", "profile", "unittest.case", "unittest.mock", "unittest.lo
                 "xml.sax.saxutils", "xml.dom.expatbuilder", "xml.etree.ElementPath", "webbrowser", "timeit",
                 "tracemalloc", "linecache", "warnings", "codecs", "email.charset", "email.contentmanager",
                 "email._policybase", "importlib._bootstrap_external", "ctypes.util", "dbm.dumb", "pty",
-                "rlcompleter", "socket", "poplib", "wave", "_osx_support", "_markupbase", "symtable", "codeop",
+                "socket", "poplib", "wave", "_osx_support", "_markupbase", "symtable", "codeop",
                 "importlib.util", "importlib._bootstrap", "asyncio.base_subprocess", "asyncio.proactor_events",
                 "asyncio.queues", "asyncio.taskgroups", "asyncio.runners", "multiprocessing.queues",
                 "multiprocessing.synchronize", "multiprocessing.util", "multiprocessing.spawn",
@@ -96,15 +96,20 @@ MORE_MODULES = ("pdb", "profile", "unittest.case", "unittest.mock", "unittest.lo
                 "encodings.punycode", "email.quoprimime", "email.iterators", "email.parser", "urllib.error",
                 "ensurepip", "sqlite3.dump", "wsgiref.simple_server", "wsgiref.util", "xml.sax.expatreader",
                 "xml.dom.pulldom", "encodings.idna", "zoneinfo._common", "zoneinfo._tzpath", "_threading_local", "bz2",
-                "lzma", "fnmatch", "hashlib", "hmac", "tty")
+                "lzma", "fnmatch", "hashlib", "hmac", "tty", "email.header", "email._encoded_words", "email.policy",
+                "importlib.abc", "importlib.machinery", "importlib.resources.readers", "asyncio.futures",
+                "asyncio.coroutines", "asyncio.staggered", "xml.etree.ElementInclude", "json.tool", "json.scanner",
+                "multiprocessing.sharedctypes", "multiprocessing.popen_spawn_posix", "ctypes.macholib.dyld", "html",
+                "urllib.response", "xml.sax.handler", "email.base64mime", "email.encoders", "dbm",
+                "email._parseaddr", "asyncio.subprocess", "asyncio.locks", "asyncio.timeouts", "wsgiref.headers")
 
 
 def stdlib_rename_tasks(count: int = 10, min_lines: int = 60, max_lines: int = 150) -> list[dict]:
     """Renames in 60-150-line standard-library functions, picked deterministically: the first suitable function of
     every module, then the second of every module, ... (round robin keeps the set varied and the first picks stable
     whatever `count` is). Past the module-level functions of STDLIB_MODULES (71 on CPython 3.11), a second tier
-    follows in the same round robin: their classes' methods, then MORE_MODULES' functions and methods. A batch
-    job wants a queue of a few hundred."""
+    follows, in a round robin of its own over their classes' methods and MORE_MODULES' functions and methods (259
+    tasks in all on CPython 3.11). A batch job wants a queue of a few hundred."""
     tiers = [[_module_rename_rows(name, min_lines, max_lines) for name in STDLIB_MODULES]]
     if count > sum(map(len, tiers[0])):
         tiers.append([_module_rename_rows(name, min_lines, max_lines, functions=False) for name in STDLIB_MODULES]
@@ -133,10 +138,15 @@ def _module_rename_rows(module_name: str, min_lines: int, max_lines: int, functi
             found.append((f"stdlib-{module_name}.{name}", obj))
     for name, cls in sorted(vars(module).items()):
         if methods and inspect.isclass(cls) and cls.__module__ == module_name:
+            # a method under its own name only: not a class-body alias (pdb's `do_b = do_break`) nor a function
+            # brought in from elsewhere, either of which would repeat a row
             found.extend((f"stdlib-{module_name}.{name}.{method}", obj) for method, obj in sorted(vars(cls).items())
-                         if inspect.isfunction(obj))
-    rows = []
+                         if inspect.isfunction(obj) and obj.__name__ == method and obj.__module__ == module_name)
+    rows, seen = [], set()
     for row_id, obj in found:
+        if obj.__code__ in seen:  # one class's method inherited as another's attribute
+            continue
+        seen.add(obj.__code__)
         try:
             source = textwrap.dedent(inspect.getsource(obj))
         except (OSError, TypeError):

@@ -293,25 +293,26 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
 
 
 @njit(cache=True)
-def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, depth, limits,
+def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, depths, limits,
                       out):  # pragma: no cover - compiled
     """`_append` of tokens to the cursor's sequence, `_advance` of the other tree's cursor by them (where `other`),
     then the better draft of the two trees into out's row 0 -> (nodes, match length, score, 1 where the other's won).
     The other tree is searched only where its longest match could beat this one's score (a tree's score is at
     most its node count, at most factor x its match length). One compiled call for a row's step.
-    tree: (nodes, keys, values, meta, free); cursor: (nodes, lengths, size); limits: (max_tokens, factor, min_prob);
-    out: (tokens, parents, probs), each [2, width]."""
+    tree: (nodes, keys, values, meta, free); cursor: (nodes, lengths, size); depths: the two trees';
+    limits: (max_tokens, factor, min_prob); out: (tokens, parents, probs), each [2, width]."""
     nodes, keys, values, meta, free = tree
     cursor_nodes, cursor_lengths, cursor_size = cursor
     other_nodes, other_keys, other_values, other_meta, other_free = other_tree
     other_cursor_nodes, other_cursor_lengths, other_cursor_size = other_cursor
+    depth, other_depth = depths
     max_tokens, factor, min_prob = limits
     out_tokens, out_parents, out_probs = out
     if tokens.shape[0]:
         _append(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens, depth)
         if other:
             _advance(other_nodes, other_keys, other_values, other_meta, other_free, other_cursor_nodes,
-                     other_cursor_lengths, other_cursor_size, tokens, depth)
+                     other_cursor_lengths, other_cursor_size, tokens, other_depth)
     taken, length, score = 0, 0, 0.0
     if cursor_size[0] > 0:
         taken, length, score = _draft(nodes, cursor_nodes, cursor_lengths, cursor_size[0], max_tokens, factor,
@@ -420,7 +421,6 @@ class SuffixTree:
                 other.advance(other_cursor, ids)
             ids = ids[:0]
         self._reserve(len(ids) * self.depth)
-        self.tokens += len(ids)
         width = max(max_tokens, 1)
         if self._out is None or self._out[0].shape[1] < width:
             self._out = (np.empty((2, width), np.int64), np.empty((2, width), np.int64), np.empty((2, width)))
@@ -428,8 +428,9 @@ class SuffixTree:
         second, second_cursor = (other, other_cursor) if other is not None else (self, cursor)
         taken, length, score, swapped = _extend_and_draft(
             self._arrays(), (cursor.nodes, cursor.lengths, cursor.size), ids, second._arrays(),
-            (second_cursor.nodes, second_cursor.lengths, second_cursor.size), other is not None, self.depth,
-            (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
+            (second_cursor.nodes, second_cursor.lengths, second_cursor.size), other is not None,
+            (self.depth, second.depth), (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
+        self.tokens += len(ids)
         draft = TreeDraft(out_tokens[0, :taken].tolist(), out_parents[0, :taken].tolist(), int(length), float(score),
                           out_probs[0, :taken].tolist())
         return draft, bool(swapped)

@@ -87,10 +87,10 @@ def test_one_compiled_call_a_step_drafts_as_the_separate_calls(with_memory):
     cursor's advance, both drafts, the memory searched only where it could win) drafts what the separate calls do."""
     import random
 
-    def run(drafter_class) -> list:
-        """Six rows' drafts over 40 steps."""
+    def run(drafter_class) -> tuple[list, list]:
+        """Six rows' drafts over 40 steps, and what the trees hold after each step (tokens, nodes)."""
         rng = random.Random(3)
-        memory = JobMemory(max_tokens=400) if with_memory else None
+        memory = JobMemory(max_tokens=4000) if with_memory else None
         script = [rng.randrange(40) for _ in range(600)]  # what every row writes, each from its own place
         rows = []
         for row in range(6):
@@ -98,20 +98,23 @@ def test_one_compiled_call_a_step_drafts_as_the_separate_calls(with_memory):
             drafter = drafter_class()
             start(drafter, tokens, prompt_len=30, memory=memory)
             rows.append((drafter, tokens, [12 * row]))
-        drafts = []
+        drafts, held = [], []
         for step in range(40):
             for drafter, tokens, place in rows:
                 draft = drafter.propose(tokens, max_tokens=8 if step % 7 else 0)
                 drafts.append((draft.tokens, draft.parents, draft.source if draft.tokens else None,
                                draft.confidence or None))
-                taken = rng.randrange(1, 4) if step != 20 else APPEND_CHUNK + 5
+                held.append((drafter.own.tokens, drafter.own.node_count) + (
+                    (memory.tree.tokens, memory.tree.node_count) if memory is not None else ()))
+                assert drafter.own.tokens == len(tokens)
+                taken = rng.randrange(1, 4) if step != 19 else APPEND_CHUNK + 5  # step 20 catches up, drafting
                 tokens.extend(script[place[0]: place[0] + taken] if rng.random() < 0.7 else [rng.randrange(6)])
                 place[0] += taken
                 drafter.observe(tokens, draft, 0)
-        return drafts
+        return drafts, held
 
-    separate, fused = run(SeparateCalls), run(SuffixDrafter)
-    assert fused == separate
+    (separate, held), (fused, fused_held) = run(SeparateCalls), run(SuffixDrafter)
+    assert fused == separate and fused_held == held
     sources = {source for _, _, source, _ in separate}
     assert sources >= ({SUFFIX_SOURCE, MEMORY_SOURCE} if with_memory else {SUFFIX_SOURCE})
     assert sum(1 for tokens, *_ in separate if tokens) > 100
