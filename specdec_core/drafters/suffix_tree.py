@@ -515,7 +515,7 @@ class SuffixTree:
 
 def _hash_table(slots: int) -> tuple[np.ndarray, np.ndarray]:
     """keys (parent << 24 | token) and values (the child node): strided views of one [slots, 2] table, so a probe's
-    key and value share a cache line (the trees outgrow the caches; a lookup's misses are most of an append's time)."""
+    key and value share a cache line."""
     table = np.zeros((slots, 2), np.int64)
     table[:, 0] = EMPTY
     return table[:, 0], table[:, 1]

@@ -233,9 +233,8 @@ def test_mode(monkeypatch):
 
 class _Replay:
     """A CPU's stand-in for a captured graph: a replay recomputes the bucket with its attention into the captured
-    output, then sleeps out the rest of its stated time. The eager recompute is not what is timed: eager flex on a CPU
-    can take longer than the stand-in's times, so a replay takes max(stated, recompute) and the stated times sit apart
-    by more than any recompute."""
+    output, then sleeps out the rest of its stated time: a replay takes max(stated, recompute). Eager flex on a CPU
+    recomputes slower than a stated time of a few ms, so the stated times sit apart by more than any recompute."""
 
     def __init__(self, step, args, output, seconds):
         self.step, self.args, self.output, self.seconds = step, args, output, seconds
