@@ -58,10 +58,6 @@ class JobMemory:
         return sequence
 
     def append(self, sequence: MemorySequence, tokens: Sequence[int]) -> None:
-        if not sequence.dropped and self.tree.tokens + len(tokens) <= self.max_tokens:  # room: a row's every step
-            self.tree.extend(sequence.cursor, tokens)
-            sequence.tokens.extend(tokens)
-            return
         tokens = list(tokens)
         while tokens and not sequence.dropped:
             room = self.max_tokens - self.tree.tokens

@@ -395,12 +395,6 @@ class SuffixTree:
         """Add tokens to the sequence `cursor` indexes: every suffix of it (up to `depth` tokens) now ends with each
         new token in turn, and counts once more. The cursor then holds all of them."""
         ids = _ids(tokens)
-        if len(ids) <= APPEND_CHUNK:  # a step's few tokens
-            self._reserve(len(ids) * self.depth)
-            _append(self.nodes, self.keys, self.values, self.meta, self.free, cursor.nodes, cursor.lengths,
-                    cursor.size, ids, self.depth)
-            self.tokens += len(ids)
-            return
         for start in range(0, len(ids), APPEND_CHUNK):  # room reserved for the worst case of a chunk at a time
             chunk = ids[start: start + APPEND_CHUNK]
             self._reserve(len(chunk) * self.depth)
