@@ -1,8 +1,8 @@
 """The decode loop on a simulated GPU: what a GPU actor's host work costs a step, method by method, on this CPU.
 
-On a lent GPU a captured step of SmolLM2 at batch 64 takes a few ms, and everything the loop does between steps on
-the host (the drafters' proposals, the plan, the step's inputs, committing each row) adds to it: nothing overlaps a
-step's one device-to-host copy. This bench measures that host work without a GPU:
+On a lent GPU a captured step of SmolLM2 at batch 64 takes a few ms, and what the loop does between steps on the
+host (the drafters' proposals, the plan, the step's inputs, committing each row) adds to it: only the drafters'
+`while_verifying` work runs while a launched step computes. This bench measures that host work without a GPU:
 - the target's tokens come from an oracle: what our `ar` decoded for the same prompts on this CPU (recorded once,
   untimed, cached under $SPECBATCH_CACHE), so drafts are accepted as the real model would accept them;
 - the loop runs its graph-ready path (graph_step.py) against a stand-in step that verifies each row's draft against
@@ -13,7 +13,7 @@ step's one device-to-host copy. This bench measures that host work without a GPU
 - the KV cache lives on the meta device: its copies cost the host their dispatch, as on a GPU, and no memory work.
 
 Per method it prints the decode steps' tok/s, the host ms a step (the step's wall time less the simulated device
-time) and its share of the step, side by side in one run, rounds interleaved; with --profile, cProfile's top host
+time: the host work the device's time did not hide) and its share of the step, side by side in one run, rounds interleaved; with --profile, cProfile's top host
 functions of the last round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with
 this CPU's host speed (a GPU machine's host is usually faster).
 
@@ -99,9 +99,12 @@ class SimulatedStep:
         self.device = device
         self.capture_s = 0.0
         self.device_s = 0.0
+        self.waited_s = 0.0  # the host's waits for launched steps
         self.steps = 0
 
-    def run(self, cache, batch, step_ids, verify, sampling=None):
+    def launch(self, cache, batch, step_ids, verify, sampling=None) -> "SimulatedLaunch":
+        """The step's verdicts, ready once the device's time from now has passed (the host goes on meanwhile, as
+        after a graph's replay)."""
         started = time.perf_counter()
         rows = self.decoder_ref[0].rows
         live, width = step_ids.shape
@@ -109,9 +112,13 @@ class SimulatedStep:
         depth = batch.positions - lengths[:, None]  # [B, T]
         argmax = torch.tensor([[self._token(row, int(d)) for d in depth[b]] for b, row in enumerate(rows)])
         found = verify(step_ids, batch.visible, depth, argmax).tolist()
-        self.occupy(self.device.seconds(live, width), started)
         self.steps += 1
-        return found
+        seconds = self.device.seconds(live, width)
+        self.device_s += seconds
+        return SimulatedLaunch(found, started + seconds, self)
+
+    def run(self, cache, batch, step_ids, verify, sampling=None):
+        return self.launch(cache, batch, step_ids, verify, sampling).result()
 
     def time_widths(self, cache, live, widths, verify, sampling=None, reps=3):
         return {w: self.device.seconds(live, w) for w in widths}
@@ -132,9 +139,26 @@ class SimulatedStep:
     def occupy(self, seconds: float, since: float) -> None:
         """The device busy for `seconds` from `since` (the host waits, as for a step's copy back)."""
         self.device_s += seconds
-        end = since + seconds
-        while (left := end - time.perf_counter()) > 0:
-            time.sleep(left if left > 2e-4 else 0)
+        wait_until(since + seconds)
+
+
+class SimulatedLaunch:
+    """A simulated step under way: `result()` waits until the device is done, then hands the verdicts over. What
+    the host did meanwhile overlapped the step; the wait is what the step cost the host beyond that."""
+
+    def __init__(self, found: list, ready_at: float, step: SimulatedStep):
+        self.found, self.ready_at, self.step = found, ready_at, step
+
+    def result(self) -> list:
+        started = time.perf_counter()
+        wait_until(self.ready_at)
+        self.step.waited_s += time.perf_counter() - started
+        return self.found
+
+
+def wait_until(end: float) -> None:
+    while (left := end - time.perf_counter()) > 0:
+        time.sleep(left if left > 2e-4 else 0)
 
 
 def record_oracle(engine, items, workload: str, new_tokens: int, batch_size: int) -> dict:
@@ -217,7 +241,7 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
 
 
 PHASES = {"_propose": "propose", "_plan": "plan", "_rank_planned": "rank", "_step_inputs": "inputs",
-          "_commit": "commit"}
+          "_commit": "commit", "_while_verifying": "overlapped"}
 
 
 def _time_phases(decoder) -> dict[str, float]:

@@ -188,6 +188,9 @@ class Drafter(ABC):
     #: ends its drafts where one more token costs more than it returns (DraftPricing, set per instance): the step's
     #: plan then decides only whether the row drafts, not how far (its geometric acceptance model knows less)
     prices_its_length: bool = False
+    #: has bookkeeping that no proposal of the running step needs (`while_verifying`): the loop runs it while the
+    #: target verifies, so on a GPU it overlaps the device's step instead of adding to it
+    works_while_verifying: bool = False
 
     def prepare(self, target) -> None:
         """Called once at admission, before the prompt is fed: take from the target (a ModelRunner) what this
@@ -203,6 +206,11 @@ class Drafter(ABC):
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         """`tokens` now ends with the accepted draft tokens + one target token. Default: nothing to learn."""
+
+    def while_verifying(self, tokens: Sequence[int]) -> None:
+        """works_while_verifying drafters only: called once a step, after the step's forward is launched and before
+        its verdicts are read (every live row, drafting or not), with the row's tokens as they stand (nothing of the
+        running step committed). Whatever it does reaches proposals from the next step on."""
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """HIDDEN_STATES readers only: [m, hidden] float32, layer `hidden_layer` at the m positions that just entered

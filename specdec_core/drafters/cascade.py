@@ -36,6 +36,7 @@ class CascadeDrafter(Drafter):
             raise ValueError("the cascade takes one pooled drafter (a draft model), last")
         self.candidates = candidates
         self.pool = pooled[0].pool if pooled else None
+        self.works_while_verifying = any(d.works_while_verifying for d in candidates)
         self.expected = [PRIOR_ACCEPTED] * len(candidates)  # per candidate: accepted tokens per verified draft
         self.chosen: int | None = None  # the candidate whose draft was proposed last
         self.proposed: list[Draft | None] = [None] * len(candidates)  # each copy candidate's last draft
@@ -75,6 +76,11 @@ class CascadeDrafter(Drafter):
 
     def _learn(self, index: int, accepted: int) -> None:
         self.expected[index] = (1 - SMOOTHING) * self.expected[index] + SMOOTHING * accepted
+
+    def while_verifying(self, tokens: Sequence[int]) -> None:
+        for drafter in self.candidates:
+            if drafter.works_while_verifying:
+                drafter.while_verifying(tokens)
 
     def finish(self) -> None:
         for drafter in self.candidates:

@@ -13,6 +13,7 @@ class FallbackDrafter(Drafter):
             raise ValueError("FallbackDrafter needs at least one drafter")
         self.drafters = drafters
         self.pool = next((d.pool for d in drafters if d.pool is not None), None)
+        self.works_while_verifying = any(d.works_while_verifying for d in drafters)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -30,6 +31,11 @@ class FallbackDrafter(Drafter):
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         for drafter in self.drafters:
             drafter.observe(tokens, draft, num_accepted)
+
+    def while_verifying(self, tokens: Sequence[int]) -> None:
+        for drafter in self.drafters:
+            if drafter.works_while_verifying:
+                drafter.while_verifying(tokens)
 
     def finish(self) -> None:
         for drafter in self.drafters:

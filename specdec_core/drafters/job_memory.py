@@ -5,7 +5,8 @@ earlier rows wrote is the best guess of what the next row writes.
 - The engine owns one memory per method (a benchmark's methods never draft from each other's outputs), so a job's
   actor keeps it across all its calls.
 - Outputs only: prompts go into each row's own tree, so one long prompt cannot crowd the memory.
-- A row's output enters token by token as it is decoded, so rows of one batch draft from each other at once.
+- A row's output enters step by step as it is decoded (a step after its commit, while the next step verifies), so
+  rows of one batch draft from each other while they run.
 - Bounded by `max_tokens`: finished outputs are evicted oldest first, whole. A row still decoding is never
   evicted; while the memory is full of them, new rows' outputs are not added.
 - Seeded from earlier runs' `generations` Parquet (`seed_sequences`), newest outputs kept.

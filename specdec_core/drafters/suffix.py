@@ -22,6 +22,8 @@ MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
 class SuffixDrafter(Drafter):
 
+    works_while_verifying = True  # the job memory's append (`while_verifying`)
+
     def __init__(self, factor: float = DEFAULTS.suffix_spec_factor, min_prob: float = DEFAULTS.suffix_min_prob,
                  depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth
@@ -33,6 +35,7 @@ class SuffixDrafter(Drafter):
         self.seen = 0  # tokens of the row indexed so far (its own tree, its memory cursor)
         self.remembered = 0  # tokens of the row handed to the job memory so far
         self.prompt_len = 0
+        self.latest: Sequence[int] = ()  # the row's tokens as last committed (`finish` hands their end to memory)
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -41,6 +44,7 @@ class SuffixDrafter(Drafter):
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory
         self.seen = self.remembered = 0
+        self.latest = tokens
         if self.memory is not None:
             self.memory_cursor = self.memory.tree.cursor(tokens[max(0, len(tokens) - self.depth):])
             self.output = self.memory.begin()
@@ -49,13 +53,12 @@ class SuffixDrafter(Drafter):
         self.seen = len(tokens)
 
     def _remember(self, tokens: Sequence[int]) -> None:
-        """The output so far (what follows the prompt) into the job memory, every step: other rows draft from it."""
+        """The output so far (what follows the prompt) into the job memory: other rows draft from it."""
         if self.memory is not None and len(tokens) > self.remembered:
             self.memory.append(self.output, tokens[max(self.remembered, self.prompt_len):])
         self.remembered = len(tokens)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        self._remember(tokens)
         # The row's new tokens into its own tree and its memory cursor, then the better of the two trees' drafts
         # (the memory's searched only where its longest match could beat the own draft's score): one compiled call.
         memory = self.memory
@@ -70,9 +73,15 @@ class SuffixDrafter(Drafter):
                      confidence=best.probs)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
+        self.latest = tokens
+
+    def while_verifying(self, tokens: Sequence[int]) -> None:
+        """The tokens committed since the last step into the job memory, while the device verifies: the other rows
+        draft from them a step later than they would at the commit, and no step waits for the append."""
         self._remember(tokens)
 
     def finish(self) -> None:
         if self.memory is not None and self.output is not None:
+            self._remember(self.latest)
             self.memory.finish(self.output)
             self.output = None

@@ -472,17 +472,32 @@ class BatchDecoder:
         batch = StepBatch(input_ids, positions, visible, logit_index, **signals.forward_kwargs())
         count = len(rows)
         graph = self.target.graph_step()  # (None on a CPU by default)
-        on_host = None
+        launched = None
         if graph is not None and _graph_ready(rows, signals):
             captured, started = graph.capture_s, time.perf_counter()
-            on_host = graph.run(self.cache, batch, step_ids, accept_greedy_nodes, _sampling(rows))
+            launched = graph.launch(self.cache, batch, step_ids, accept_greedy_nodes, _sampling(rows))
             self.stats.capture_s += graph.capture_s - captured
             self.stats.graph_s += time.perf_counter() - started - (graph.capture_s - captured)
-        if on_host is not None:  # verified on the device: [accepted, last node, next token] a row
+        self._while_verifying(rows)  # (an eager forward blocks: there it runs first, for the same drafts)
+        if launched is not None:  # verified on the device: [accepted, last node, next token] a row
+            started = time.perf_counter()
+            on_host = launched.result()
+            self.stats.graph_s += time.perf_counter() - started
             results = [_node_result(row.draft, *found) for row, found in zip(rows, on_host)]
             return count, width, real, self._commit(rows, None, signals, step_ids, results)
         logits = self.target.forward_slots(self.cache, batch)  # [N, vocab]
         return count, width, real, self._commit(rows, logits, signals, step_ids)
+
+    def _while_verifying(self, rows: list[Row]) -> None:
+        """The drafters' bookkeeping that no proposal of this step needs (Drafter.works_while_verifying), while the
+        device verifies the step. A failure is the row's error (the step still commits the row's tokens)."""
+        for row in rows:
+            drafter = row.request.drafter
+            if drafter.works_while_verifying and row.error is None:
+                try:
+                    drafter.while_verifying(row.state.tokens)
+                except Exception as exc:
+                    row.error = f"{type(exc).__name__}: {exc}"
 
     def _pinned_draft_limit(self) -> int:
         """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""

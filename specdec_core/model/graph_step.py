@@ -139,6 +139,19 @@ class Sampling:
         return any(t > 0 and (k > 0 or p < 1) for t, k, p in zip(self.temperatures, self.top_k, self.top_p))
 
 
+class Launched:
+    """A step under way: its verdicts [rows, 3] stay on the device until `result()` copies them to the host, the
+    step's one device-to-host copy (it waits for the device)."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, output: torch.Tensor):
+        self.output = output
+
+    def result(self) -> list[list[int]]:
+        return self.output.tolist()
+
+
 @dataclass
 class _Captured:
     graph: object  # torch.cuda.CUDAGraph
@@ -185,11 +198,19 @@ class GraphStep:
 
     def run(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier,
             sampling: Sampling | None = None) -> list[list[int]] | None:
-        """One step over every live row of `cache` (batch.rows must be None: rows 0..n-1).
+        """`launch`, then its result: per row [accepted, last accepted node, next token]; None where no bucket holds
+        the step."""
+        launched = self.launch(cache, batch, step_ids, verify, sampling)
+        return None if launched is None else launched.result()
+
+    def launch(self, cache, batch: StepBatch, step_ids: torch.Tensor, verify: Verifier,
+               sampling: Sampling | None = None) -> Launched | None:
+        """One step over every live row of `cache` (batch.rows must be None: rows 0..n-1), launched: on a GPU the
+        host goes on while the device works, until `result()`.
         step_ids [n, T] the rows' pending tokens and drafts as proposed (ids past the vocabulary never match).
         sampling: the rows' sampling parameters and draw seeds where some row samples (its drafts one-hot), else None.
-        -> per row [accepted, last accepted node, next token]; None where no bucket holds the step (run the eager
-        forward). The caller commits: lengths are not advanced."""
+        -> the step under way; None where no bucket holds the step (run the eager forward). The caller commits:
+        lengths are not advanced."""
         live, width = step_ids.shape
         bucket = bucket_for(live, width, max(cache.lengths[:live]), cache.slots, cache.capacity)
         if bucket is None:
@@ -203,8 +224,8 @@ class GraphStep:
             captured = self._captured(bucket, inputs, cache, verify)
             if captured is not None:
                 captured.graph.replay()
-                return captured.output[:live].tolist()  # the step's one device-to-host copy
-        return self.compute(bucket, inputs, cache, verify)[:live].tolist()
+                return Launched(captured.output[:live])
+        return Launched(self.compute(bucket, inputs, cache, verify)[:live])
 
     @property
     def calibrates(self) -> bool:

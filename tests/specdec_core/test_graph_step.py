@@ -5,6 +5,7 @@ log line. The real model's check is test_lossless.py's; the GPU's timing is benc
 
 import logging
 import random
+import re
 import time
 
 import pytest
@@ -177,23 +178,19 @@ def _boolean_index(index) -> bool:
 
 def test_a_graph_ready_step_reads_the_device_once(monkeypatch):
     """Every step of a drafting batch, its buffers' filling included, reads the device exactly once (its [rows, 3]
-    verdicts); the eager forward and host verification it replaces read it several times a step (the hook sees
+    verdicts), and only when the loop asks for its result: the launch reads nothing, so the host goes on while the
+    device works. The eager forward and host verification it replaces read it several times a step (the hook sees
     them)."""
     engine = Engine.from_runners(_runner(tiny_llama, "eager", monkeypatch))
-    counts = []
-    run = GraphStep.run
-
-    def counted(self, *args, **kwargs):
-        with HostReads() as reads:
-            out = run(self, *args, **kwargs)
-        counts.append(len(reads.seen))
-        return out
-
-    monkeypatch.setattr(GraphStep, "run", counted)
+    launches, results = [], []
+    launch, result = GraphStep.launch, graph_step.Launched.result
+    monkeypatch.setattr(GraphStep, "launch", lambda self, *a, **k: _count(launches, launch, self, a, k))
+    monkeypatch.setattr(graph_step.Launched, "result", lambda self: _count(results, result, self, (), {}))
     prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:4])]
-    results = _decode_mixed(engine, prompts, MIXED)
-    assert sum(r["drafted_tokens"] for r in results.values()) > 0
-    assert counts and set(counts) == {1}, counts
+    decoded = _decode_mixed(engine, prompts, MIXED)
+    assert sum(r["drafted_tokens"] for r in decoded.values()) > 0
+    assert launches and set(launches) == {0}, launches
+    assert len(results) == len(launches) and set(results) == {1}, results
     # the eager path's steps, counted the same way: the hook can fail
     engine.target.graph_mode = "off"
     engine.target._graph_step = None
@@ -202,6 +199,39 @@ def test_a_graph_ready_step_reads_the_device_once(monkeypatch):
     monkeypatch.setattr(type(engine.target), "forward_slots", lambda self, *a, **k: _count(eager, forward, self, a, k))
     _decode_mixed(engine, prompts, MIXED)
     assert eager and max(eager) > 1, eager
+
+
+@pytest.mark.parametrize("mode", ["eager", "off"])
+def test_drafters_bookkeeping_runs_while_the_step_verifies(mode, monkeypatch):
+    """`suffix`'s job memory append (Drafter.while_verifying) runs once a step for every live row, drafting or not:
+    after the graph-ready step's launch and before its verdicts are read, or before an eager forward, which blocks.
+    The rows still give greedy's tokens."""
+    from specdec_core.drafters.suffix import SuffixDrafter
+    from specdec_core.model.model_runner import ModelRunner
+
+    engine = Engine.from_runners(_runner(tiny_llama, mode, monkeypatch))
+    events = []
+    launch, result, work = GraphStep.launch, graph_step.Launched.result, SuffixDrafter.while_verifying
+    forward = ModelRunner.forward_slots
+    monkeypatch.setattr(GraphStep, "launch", lambda self, *a, **k: events.append("launch") or launch(self, *a, **k))
+    monkeypatch.setattr(graph_step.Launched, "result", lambda self: events.append("result") or result(self))
+    monkeypatch.setattr(SuffixDrafter, "while_verifying", lambda self, t: events.append("work") or work(self, t))
+    monkeypatch.setattr(ModelRunner, "forward_slots", lambda self, *a, **k: events.append("forward") or forward(
+        self, *a, **k))
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate(LENGTHS[:3])]
+    results = _decode_mixed(engine, prompts, [("suffix", MethodOptions())], batch_size=3)
+    for key, prompt in enumerate(prompts):
+        assert results[key]["output_token_ids"] == hf_greedy(engine.target, prompt, MAX_NEW), key
+    assert sum(r["accepted_tokens"] for r in results.values()) > 0
+    steps = "".join({"launch": "L", "result": "R", "work": "w", "forward": "F"}[e] for e in events)
+    decode = steps.lstrip("F")  # (prefill's forwards come first: the batch of 3 starts together)
+    if mode == "eager":
+        assert decode.count("L") > 5 and "F" not in decode
+        assert re.fullmatch(r"(Lw{1,3}R)+", decode), decode
+        assert decode[:4] == "Lwww"  # every row works
+    else:
+        assert "L" not in decode and decode.count("F") > 5 and decode[:4] == "wwwF"
+        assert re.fullmatch(r"(w{1,3}F)+", decode), decode
 
 
 def _count(counts, function, runner, args, kwargs):
@@ -486,13 +516,13 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
         engine = Engine.from_runners(_peaked(make))
         decoder = engine.decoder(batch_size=4, speculation_budget=False)
         sampled = []
-        run = GraphStep.run
+        launch = GraphStep.launch
 
         def counted(self, cache, batch, step_ids, verify, sampling=None):
             sampled.append(0 if sampling is None else 1 + sampling.filtered)
-            return run(self, cache, batch, step_ids, verify, sampling)
+            return launch(self, cache, batch, step_ids, verify, sampling)
 
-        monkeypatch.setattr(GraphStep, "run", counted)
+        monkeypatch.setattr(GraphStep, "launch", counted)
         for key, prompt in enumerate(prompts):
             greedy = greedy_only or key % 3 == 2
             params = DecodeParams(max_new_tokens=48, sampling=SamplingParams(
@@ -501,7 +531,7 @@ def test_graph_ready_steps_sample_what_the_eager_forward_samples(make, monkeypat
             name, options = (method, MethodOptions()) if method else plans[key % len(plans)]
             decoder.submit(engine.request(BatchItem(key, prompt, params), name, options, decoder))
         results = {request.key: result for request, result in decoder.run()}
-        monkeypatch.setattr(GraphStep, "run", run)
+        monkeypatch.setattr(GraphStep, "launch", launch)
         return results, sampled
 
     on_device, sampled = decode("eager")

@@ -48,7 +48,10 @@ def test_a_row_drafts_what_another_row_is_writing_and_its_own_text():
     memory = JobMemory(max_tokens=1000)
     writer, reader = SuffixDrafter(), SuffixDrafter()
     start(writer, [1, 2, 50], prompt_len=2, memory=memory)
-    writer.observe([1, 2, 50, 51, 52, 53, 54], None, 0)  # its output so far enters the memory as it is decoded
+    written = [1, 2, 50, 51, 52, 53, 54]
+    writer.observe(written, None, 0)
+    assert memory.tokens == 1  # a commit hands the memory nothing: the next step's verify does
+    writer.while_verifying(written)  # its output so far enters the memory as it is decoded
     start(reader, [9, 9, 50, 51], prompt_len=2, memory=memory)
     draft = reader.propose([9, 9, 50, 51], max_tokens=8)
     assert draft.tokens == [52, 53] and draft.source == MEMORY_SOURCE  # factor 1 x a match of 2 (50 51) nodes
@@ -57,8 +60,10 @@ def test_a_row_drafts_what_another_row_is_writing_and_its_own_text():
     start(own, [4, 5, 6, 7, 4, 5, 6], prompt_len=7, memory=memory)
     draft = own.propose([4, 5, 6, 7, 4, 5, 6], max_tokens=8)
     assert draft.tokens == [7, 4, 5] and draft.source == SUFFIX_SOURCE and draft.from_context
-    writer.finish()
-    assert memory.sequences[0].finished
+    written.append(55)
+    writer.observe(written, None, 0)
+    writer.finish()  # the last commit's tokens too
+    assert memory.sequences[0].finished and memory.sequences[0].tokens == written[2:]
 
 
 class SeparateCalls(SuffixDrafter):
@@ -66,7 +71,6 @@ class SeparateCalls(SuffixDrafter):
     call (SuffixTree.extend_and_draft) must equal."""
 
     def propose(self, tokens, max_tokens):
-        self._remember(tokens)
         new = tokens[self.seen:]
         self.own.extend(self.own_cursor, new)
         if self.memory is not None:
@@ -107,6 +111,7 @@ def test_one_compiled_call_a_step_drafts_as_the_separate_calls(with_memory):
                 held.append((drafter.own.tokens, drafter.own.node_count) + (
                     (memory.tree.tokens, memory.tree.node_count) if memory is not None else ()))
                 assert drafter.own.tokens == len(tokens)
+                drafter.while_verifying(tokens)  # as the loop calls it: after the proposals, before the commit
                 taken = rng.randrange(1, 4) if step != 19 else APPEND_CHUNK + 5  # step 20 catches up, drafting
                 tokens.extend(script[place[0]: place[0] + taken] if rng.random() < 0.7 else [rng.randrange(6)])
                 place[0] += taken
