@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ from specdec_core.defaults import DEFAULT_MODEL, cache_root  # noqa: E402
 from specdec_core.engine import Engine, EngineConfig  # noqa: E402
 from specdec_core.loop.kv_cache import SlotKVCache  # noqa: E402
 from specdec_core.loop.prefix_cache import PrefixCache  # noqa: E402
+from specdec_core.warm_up import freeze_heap  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -208,6 +210,7 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
         for item in items:
             decoder.submit(engine.request(item, method, None, decoder))
         step_s, host_s, tokens, steps = 0.0, 0.0, 0, 0
+        full = FullCollections()
         decoder.waiting = type(decoder.waiting)(sorted(decoder.waiting, key=lambda r: len(r.prompt_ids)))
         started = time.perf_counter()
         while decoder.waiting or decoder.rows:
@@ -229,6 +232,7 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
         wall = time.perf_counter() - started
     finally:
         runner.forward_slots, runner.graph_step = real_forward, real_graph_step
+        full.stop()
     errors = [r for _, r in decoder.finished if isinstance(r, str)]
     if errors:
         raise SystemExit(f"{method}: {len(errors)} rows failed, e.g. {errors[0]}")
@@ -237,7 +241,27 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
             "tokens": tokens, "decode_tok_s": tokens / step_s, "device_tok_s": tokens / (step_s - host_s),
             "host_ms": host_s / steps * 1e3, "host_share": host_s / step_s, "wall_s": wall,
             "mean_rows": decoder.stats.mean_occupancy, "accepted": decoder.stats.accepted_tokens,
-            "verified": decoder.stats.verified_tokens, "wrong_rows": wrong}
+            "verified": decoder.stats.verified_tokens, "wrong_rows": wrong, "full_gc": full.count,
+            "full_gc_ms": full.seconds * 1e3}
+
+
+class FullCollections:
+    """The cycle collector's full (generation 2) passes while it is on, and their seconds: host time too."""
+
+    def __init__(self):
+        self.count, self.seconds, self._began = 0, 0.0, 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._began = time.perf_counter()
+            else:
+                self.count += 1
+                self.seconds += time.perf_counter() - self._began
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._seen)
 
 
 PHASES = {"_propose": "propose", "_plan": "plan", "_rank_planned": "rank", "_step_inputs": "inputs",
@@ -273,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="captured", help="the step_roofline.json records to simulate")
     parser.add_argument("--step-ms", type=float, help="a device step of this many ms at every width instead")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    parser.add_argument("--gc-as-is", action="store_true",
+                        help="leave the heap unfrozen (decode actors freeze theirs after the warm-up: warm_up.py)")
     parser.add_argument("--profile", action="store_true", help="cProfile's top host functions, a pass after the rounds")
     parser.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="--profile's order")
     args = parser.parse_args(argv)
@@ -287,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {m: [] for m in args.methods}
     for method in args.methods:  # untimed: each method's first pass builds its indexes and kernels
         simulate(engine, items[: args.batch_size], method, args.batch_size, oracle, device, args.prefill_us_per_token)
+    if not args.gc_as_is:
+        print(f"# heap frozen as a decode actor's is after its warm-up: {freeze_heap()} objects", flush=True)
     for round_ in range(args.rounds):
         for method in args.methods:
             engine.forget()
@@ -294,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             results[method].append(result)
             print(f"round {round_ + 1} {method:10s} decode {result['decode_tok_s']:8.0f} tok/s  host "
                   f"{result['host_ms']:.3f} ms/step ({result['host_share']:.0%})  steps {result['steps']}  "
-                  f"accepted {result['accepted']}/{result['verified']}  rows off the oracle {result['wrong_rows']}",
+                  f"accepted {result['accepted']}/{result['verified']}  rows off the oracle {result['wrong_rows']}  "
+                  f"full gc {result['full_gc']} ({result['full_gc_ms']:.0f} ms)",
                   flush=True)
     base = [r["decode_tok_s"] for r in results[args.methods[0]]]
     print(f"\nmedians of {args.rounds} rounds; x = decode tok/s over {args.methods[0]}'s in the same round")

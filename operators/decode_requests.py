@@ -47,10 +47,11 @@ class DecodeRequests:
 
     def warm_up(self) -> None:
         """Compile (or load) every kernel the job's methods use and run the process's first forwards before the
-        first timed pass; its seconds go on each row this actor decodes (`actor_warmup_s`)."""
+        first timed pass; its seconds go on each row this actor decodes (`actor_warmup_s`). Then freeze the heap:
+        the actor keeps its engine to the end, and its loop's full collections skip what loading made."""
         import logging
 
-        from specdec_core.warm_up import warm_up  # lazy: torch, in the actor only
+        from specdec_core.warm_up import freeze_heap, warm_up  # lazy: torch, in the actor only
 
         cfg = self.config
         try:
@@ -59,6 +60,7 @@ class DecodeRequests:
             logging.getLogger(__name__).warning("warm-up failed (%s: %s); the first pass is timed cold",
                                                 type(exc).__name__, exc)
             self.engine.forget()
+        freeze_heap()
 
     @classmethod
     def on_engine(cls, engine, config, journal=None) -> "DecodeRequests":

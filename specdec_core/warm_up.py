@@ -8,10 +8,15 @@ short ones beside it, text that repeats so drafts are verified), before its firs
 
 It is also where a kernel that fails to compile is found and turned off (numba_kernels.KernelUnavailableError):
 the pass is run again, on the kernel's torch path.
+
+Once warm, a process that keeps its engine freezes its heap (`freeze_heap`): the objects of torch, transformers,
+numba and the loaded model leave the cycle collector's full passes, which otherwise scan all of them every few
+hundred decode steps, a pause of the whole loop each time (decisions.md, issue 50, session 29).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -47,6 +52,16 @@ def warm_up(engine, methods: list[str], batch_size: int, options=None) -> float:
                 break
     engine.forget()
     return time.perf_counter() - started
+
+
+def freeze_heap() -> int:
+    """Collect, then move every object alive now out of the cycle collector's reach (gc.freeze): later full
+    collections scan only what the process makes from here on. For processes that keep their engine to the end (a
+    decode actor, a batch command, a benchmark): a cycle of these objects that becomes garbage later is never
+    freed. -> objects frozen in all."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _kernels_off() -> int:
