@@ -13,8 +13,8 @@ host (the drafters' proposals, the plan, the step's inputs, committing each row)
 - the KV cache lives on the meta device: its copies cost the host their dispatch, as on a GPU, and no memory work.
 
 Per method it prints the decode steps' tok/s, the host ms a step (the step's wall time less the simulated device
-time: the host work the device's time did not hide) and its share of the step, side by side in one run, rounds interleaved; with --profile, cProfile's top host
-functions of the last round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with
+time: the host work the device's time did not hide) and its share of the step, and the cycle collector's full
+passes, side by side in one run, rounds interleaved; with --profile, cProfile's top host functions of the last round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with
 this CPU's host speed (a GPU machine's host is usually faster).
 
   python benchmarks/simulated_gpu_bench.py --workload code_edit --requests 64 --batch-size 64 --methods ar pld suffix
