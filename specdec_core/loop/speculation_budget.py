@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.ragged_tokens import MAX_REAL_SHARE
+from .expected_gains import cuts, expected_gains
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward the decoder's pooled estimate
 
@@ -488,12 +489,8 @@ class SpeculationBudget:
         prior = self.pooled.rate(prior=0.5)
         priced = None if confidences is None else [
             None if c is None else self.calibration.priced(c) for c in confidences]
-        gained, deepening = _expected_gains(reaches, [e.rate(prior) for e in estimates], longest, priced)
-        table = np.empty((rows, longest + 1))  # [R, longest + 1]: gained, each row's last sum repeated past its nodes
-        for row, sums in enumerate(gained):
-            table[row, :len(sums)] = sums
-            table[row, len(sums):] = sums[-1]
-        gained = table
+        # [R, longest + 1]: what each row's first n nodes add, each row's last sum repeated past its nodes
+        gained, deepening = expected_gains(reaches, [e.rate(prior) for e in estimates], longest, priced)
         best, best_value = self._best_width(lengths, gained, counted, context, longest, [0] * rows,
                                             float(counted) * self.min_advantage)
         token_slope = self.cost.slopes(rows, context)[0] if self.cost.fixed is None else 0.0
@@ -501,8 +498,8 @@ class SpeculationBudget:
             token_slope *= self.payoff.penalty.get(batch_bucket(rows), 1.0)  # the clock's verdict on wide steps
         if self.ragged and token_slope > 0:
             for bar in (float(counted), None):  # the plain step's bar, then the best plan's
-                cuts = self._cuts(deepening, (best_value if bar is None else bar) * token_slope / rows)
-                best, best_value = self._best_width([min(n, cut) for n, cut in zip(lengths, cuts)], gained, counted,
+                limits = cuts(deepening, (best_value if bar is None else bar) * token_slope / rows)
+                best, best_value = self._best_width([min(n, cut) for n, cut in zip(lengths, limits)], gained, counted,
                                                     context, longest, best, best_value)
         self.planning_s += time.perf_counter() - started
         return self._explore(best, lengths, estimates)
@@ -554,19 +551,6 @@ class SpeculationBudget:
                     best[r] = 1
         return best
 
-    @staticmethod
-    def _cuts(deepening: list[list[tuple[int, float]]], bar: float) -> list[int]:
-        """Per row, the most nodes worth verifying: up to the last node that deepens its path by at least `bar`."""
-        cuts = []
-        for steps in deepening:
-            cut = 0
-            for n, gain in steps:
-                if gain < bar:
-                    break
-                cut = n
-            cuts.append(cut)
-        return cuts
-
     def record_step(self, rows: int, width: int, tokens: float, seconds: float, context: int = 0,
                     real: int | None = None, drafting_s: float = 0.0) -> None:
         """A finished step: its width, the tokens its rows kept (or, where only the critical rows count, the rows
@@ -602,31 +586,3 @@ class SpeculationBudget:
         self.pooled.update(drafted, accepted)
         if confidence is not None:
             self.calibration.update(sum(confidence), accepted)
-
-
-def _expected_gains(reaches: list[list[int]], rates: list[float], longest: int,
-                    confidences: list[list[float] | None] | None = None) -> tuple[list, list]:
-    """gained[r][n] = expected tokens row r's first n nodes add (a node adds rate^depth when it deepens the path its
-    draft can accept, nothing otherwise; with a confidence, its own); deepening[r] = (n, what node n adds) of the
-    nodes that add something."""
-    gained, deepening = [], []
-    for row, (reach, rate) in enumerate(zip(reaches, rates)):
-        confidence = confidences[row] if confidences is not None else None
-        if confidence is not None and len(confidence) >= min(len(reach), longest):
-            sums, steps = [0.0], []
-            for n, chance in enumerate(confidence[:min(len(reach), longest)], start=1):
-                sums.append(sums[-1] + chance)
-                steps.append((n, chance))
-            gained.append(sums)
-            deepening.append(steps)
-            continue
-        total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
-        for n, deepest in enumerate(reach[:longest], start=1):
-            if deepest > depth:
-                depth, power = deepest, power * rate
-                total += power
-                steps.append((n, power))
-            sums.append(total)
-        gained.append(sums)
-        deepening.append(steps)
-    return gained, deepening
