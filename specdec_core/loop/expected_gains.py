@@ -1,9 +1,9 @@
-"""The speculation budget's per-row arithmetic for a step's plan, compiled: what each row's first n draft nodes are
-expected to add (`expected_gains`) and where a row's draft stops paying (`cuts`). A step of 64 rows with drafts
-of ~16 nodes ran these as Python loops on every step, time a GPU's step waits for (issue 50).
+"""The speculation budget's per-row arithmetic for a step's plan: what each row's first n draft nodes are expected to
+add (`expected_gains`) and where a row's draft stops paying (`cuts`). Compiled where numba compiles: a step of 64
+rows with drafts of ~16 nodes ran these as Python loops on every step, time a GPU's step waits for (issue 50).
 
-The arithmetic is the budget's own, operation for operation (the same float sums in the same order), so a plan is
-the same bit for bit as the Python loops gave.
+The compiled arithmetic is the Python loops' operation for operation (the same float sums in the same order), so a
+plan is the same bit for bit on either path.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from itertools import chain
 
 import numpy as np
 
-from ..kernels.numba_kernels import use_numba_cache
-
-use_numba_cache()
-from numba import njit  # noqa: E402  (after the cache directory is set)
+from ..kernels.numba_kernels import LazyKernel
 
 
 class Deepening:
@@ -39,73 +36,127 @@ def expected_gains(reaches: list[list[int]], rates: list[float], longest: int,
     it deepens the path its draft can accept, nothing otherwise; with a confidence long enough, its own), each row's
     last sum repeated past its nodes; and the deepening nodes. reaches[r][n - 1]: the deepest path row r's draft
     cut to n nodes can accept."""
+    compiled = kernels()
+    if confidences is None:
+        confidences = [None] * len(reaches)
+    if compiled is None:
+        return python_gains(reaches, rates, longest, confidences)
     rows = len(reaches)
     reach_ends = np.cumsum([len(r) for r in reaches], dtype=np.int64) if rows else np.zeros(0, np.int64)
     reach_flat = np.fromiter(chain.from_iterable(reaches), np.int64, int(reach_ends[-1]) if rows else 0)
-    if confidences is None:
-        confidences = [None] * rows
     # A row's confidence counts where it covers the nodes the plan may verify; -1: the row has none that does.
     lengths = [len(c) if c is not None and len(c) >= min(len(r), longest) else -1
                for c, r in zip(confidences, reaches)]
     confidence_ends = np.cumsum([max(n, 0) for n in lengths], dtype=np.int64) if rows else np.zeros(0, np.int64)
     confidence_flat = np.fromiter(chain.from_iterable(c for c, n in zip(confidences, lengths) if n >= 0),
                                   np.float64, int(confidence_ends[-1]) if rows else 0)
-    gained, nodes, adds, counts = _gains(reach_flat, reach_ends, np.asarray(rates, np.float64), confidence_flat,
-                                         confidence_ends, np.asarray(lengths, np.int64), longest)
+    gained, nodes, adds, counts = compiled[0](reach_flat, reach_ends, np.asarray(rates, np.float64),
+                                              confidence_flat, confidence_ends, np.asarray(lengths, np.int64),
+                                              longest)
     return gained, Deepening(nodes, adds, counts)
 
 
 def cuts(deepening: Deepening, bar: float) -> list[int]:
     """Per row, the most nodes worth verifying: up to the last node that deepens its path by at least `bar`."""
-    return _cuts(deepening.nodes, deepening.adds, deepening.counts, float(bar)).tolist()
+    compiled = kernels()
+    if compiled is None:
+        return [_python_cut(steps, bar) for steps in deepening.rows()]
+    return compiled[1](deepening.nodes, deepening.adds, deepening.counts, float(bar)).tolist()
 
 
-@njit(cache=True)
-def _gains(reach_flat, reach_ends, rates, confidence_flat, confidence_ends, confidence_lengths,
-           longest):  # pragma: no cover - compiled
-    rows = rates.shape[0]
+def python_gains(reaches: list[list[int]], rates: list[float], longest: int,
+                 confidences: list[list[float] | None]) -> tuple[np.ndarray, Deepening]:
+    """`expected_gains` in Python loops: where numba does not compile (and what the compiled path must equal)."""
+    rows = len(reaches)
     gained = np.empty((rows, longest + 1))
-    nodes = np.zeros((rows, max(longest, 1)), np.int64)
-    adds = np.zeros((rows, max(longest, 1)))
-    counts = np.zeros(rows, np.int64)
-    for row in range(rows):
-        start = reach_ends[row - 1] if row > 0 else 0
-        taken = min(reach_ends[row] - start, longest)
-        gained[row, 0] = 0.0
-        count = 0
-        if confidence_lengths[row] >= 0:
-            at = confidence_ends[row - 1] if row > 0 else 0
-            for n in range(1, taken + 1):
-                chance = confidence_flat[at + n - 1]
-                gained[row, n] = gained[row, n - 1] + chance
-                nodes[row, count] = n
-                adds[row, count] = chance
-                count += 1
+    width = max(longest, 1)
+    deepening = Deepening(np.zeros((rows, width), np.int64), np.zeros((rows, width)), np.zeros(rows, np.int64))
+    for row, (reach, rate, confidence) in enumerate(zip(reaches, rates, confidences)):
+        if confidence is not None and len(confidence) >= min(len(reach), longest):
+            sums, steps = [0.0], []
+            for n, chance in enumerate(confidence[:min(len(reach), longest)], start=1):
+                sums.append(sums[-1] + chance)
+                steps.append((n, chance))
         else:
-            total, depth, power, rate = 0.0, 0, 1.0, rates[row]
-            for n in range(1, taken + 1):
-                deepest = reach_flat[start + n - 1]
+            total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
+            for n, deepest in enumerate(reach[:longest], start=1):
                 if deepest > depth:
                     depth, power = deepest, power * rate
                     total += power
+                    steps.append((n, power))
+                sums.append(total)
+        gained[row, :len(sums)] = sums
+        gained[row, len(sums):] = sums[-1]
+        deepening.counts[row] = len(steps)
+        for index, (n, add) in enumerate(steps):
+            deepening.nodes[row, index], deepening.adds[row, index] = n, add
+    return gained, deepening
+
+
+def _python_cut(steps: list[tuple[int, float]], bar: float) -> int:
+    cut = 0
+    for n, gain in steps:
+        if gain < bar:
+            break
+        cut = n
+    return cut
+
+
+def _compile():
+    from numba import njit
+
+    @njit(cache=True)
+    def gains(reach_flat, reach_ends, rates, confidence_flat, confidence_ends, confidence_lengths,
+              longest):  # pragma: no cover - compiled
+        """python_gains over flat arrays: row r's reach is reach_flat[reach_ends[r - 1]:reach_ends[r]], its
+        confidence likewise (confidence_lengths[r] < 0: none that counts)."""
+        rows = rates.shape[0]
+        gained = np.empty((rows, longest + 1))
+        nodes = np.zeros((rows, max(longest, 1)), np.int64)
+        adds = np.zeros((rows, max(longest, 1)))
+        counts = np.zeros(rows, np.int64)
+        for row in range(rows):
+            start = reach_ends[row - 1] if row > 0 else 0
+            taken = min(reach_ends[row] - start, longest)
+            gained[row, 0] = 0.0
+            count = 0
+            if confidence_lengths[row] >= 0:
+                at = confidence_ends[row - 1] if row > 0 else 0
+                for n in range(1, taken + 1):
+                    chance = confidence_flat[at + n - 1]
+                    gained[row, n] = gained[row, n - 1] + chance
                     nodes[row, count] = n
-                    adds[row, count] = power
+                    adds[row, count] = chance
                     count += 1
-                gained[row, n] = total
-        counts[row] = count
-        for n in range(taken + 1, longest + 1):
-            gained[row, n] = gained[row, taken]
-    return gained, nodes, adds, counts
+            else:
+                total, depth, power, rate = 0.0, 0, 1.0, rates[row]
+                for n in range(1, taken + 1):
+                    deepest = reach_flat[start + n - 1]
+                    if deepest > depth:
+                        depth, power = deepest, power * rate
+                        total += power
+                        nodes[row, count] = n
+                        adds[row, count] = power
+                        count += 1
+                    gained[row, n] = total
+            counts[row] = count
+            for n in range(taken + 1, longest + 1):
+                gained[row, n] = gained[row, taken]
+        return gained, nodes, adds, counts
+
+    @njit(cache=True)
+    def row_cuts(nodes, adds, counts, bar):  # pragma: no cover - compiled
+        out = np.zeros(counts.shape[0], np.int64)
+        for row in range(counts.shape[0]):
+            cut = 0
+            for index in range(counts[row]):
+                if adds[row, index] < bar:
+                    break
+                cut = nodes[row, index]
+            out[row] = cut
+        return out
+
+    return gains, row_cuts
 
 
-@njit(cache=True)
-def _cuts(nodes, adds, counts, bar):  # pragma: no cover - compiled
-    out = np.zeros(counts.shape[0], np.int64)
-    for row in range(counts.shape[0]):
-        cut = 0
-        for index in range(counts[row]):
-            if adds[row, index] < bar:
-                break
-            cut = nodes[row, index]
-        out[row] = cut
-    return out
+kernels = LazyKernel(_compile, "the compiled plan arithmetic", "; the budget plans in Python loops")

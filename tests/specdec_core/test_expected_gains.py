@@ -1,57 +1,40 @@
-"""The budget's compiled per-row arithmetic (expected_gains.py) against the Python loops it replaced, bit for bit."""
+"""The budget's per-row plan arithmetic (expected_gains.py): its values on small drafts worked by hand, and the
+compiled path equal to the Python loops bit for bit (the loops serve where numba does not compile)."""
 
 import random
 
+import pytest
+
+from specdec_core.loop import expected_gains as gains_module
 from specdec_core.loop.draft_tree import prefix_depths
-from specdec_core.loop.expected_gains import cuts, expected_gains
+from specdec_core.loop.expected_gains import cuts, expected_gains, python_gains
 
 
-def reference(reaches, rates, longest, confidences):
-    """The budget's former Python loops: gained[r] (a list), deepening[r] = [(n, what node n adds), ...]."""
-    gained, deepening = [], []
-    for row, (reach, rate) in enumerate(zip(reaches, rates)):
-        confidence = confidences[row] if confidences is not None else None
-        if confidence is not None and len(confidence) >= min(len(reach), longest):
-            sums, steps = [0.0], []
-            for n, chance in enumerate(confidence[:min(len(reach), longest)], start=1):
-                sums.append(sums[-1] + chance)
-                steps.append((n, chance))
-            gained.append(sums)
-            deepening.append(steps)
-            continue
-        total, depth, power, sums, steps = 0.0, 0, 1.0, [0.0], []
-        for n, deepest in enumerate(reach[:longest], start=1):
-            if deepest > depth:
-                depth, power = deepest, power * rate
-                total += power
-                steps.append((n, power))
-            sums.append(total)
-        gained.append(sums)
-        deepening.append(steps)
-    return gained, deepening
-
-
-def reference_cuts(deepening, bar):
-    out = []
-    for steps in deepening:
-        cut = 0
-        for n, gain in steps:
-            if gain < bar:
-                break
-            cut = n
-        out.append(cut)
-    return out
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gains_and_cuts_of_small_drafts(compiled, monkeypatch):
+    if not compiled:
+        monkeypatch.setattr(gains_module, "kernels", lambda: None)
+    # a chain of 3 at rate 0.5; a tree whose second node is a sibling of the first (it deepens nothing); a row
+    # priced by its own confidence; a row with no draft; longest 3 cuts the 4-node chain
+    reaches = [[1, 2, 3], [1, 1, 2], [1, 2], [], [1, 2, 3, 4]]
+    confidences = [None, None, [0.9, 0.25], None, None]
+    gained, deepening = expected_gains(reaches, [0.5, 0.5, 0.1, 0.5, 0.5], 3, confidences)
+    assert gained.tolist() == [[0, 0.5, 0.75, 0.875], [0, 0.5, 0.5, 0.75], [0, 0.9, 1.15, 1.15], [0, 0, 0, 0],
+                               [0, 0.5, 0.75, 0.875]]
+    assert deepening.rows() == [[(1, 0.5), (2, 0.25), (3, 0.125)], [(1, 0.5), (3, 0.25)], [(1, 0.9), (2, 0.25)], [],
+                                [(1, 0.5), (2, 0.25), (3, 0.125)]]
+    assert cuts(deepening, 0.2) == [2, 3, 2, 0, 2]  # up to the last node adding at least the bar
+    assert cuts(deepening, 0.3) == [1, 1, 1, 0, 1] and cuts(deepening, 1.0) == [0] * 5
 
 
 def random_reach(rng):
     size = rng.choice([0, 1, 3, 8, 16, 30])
     if rng.random() < 0.5:
         return list(range(1, size + 1))  # a chain
-    parents = [rng.randrange(-1, i) for i in range(size)]  # a tree, parents first
-    return prefix_depths(parents)
+    return prefix_depths([rng.randrange(-1, i) for i in range(size)])  # a tree, parents first
 
 
-def test_the_compiled_gains_and_cuts_equal_the_python_loops():
+def test_the_compiled_path_equals_the_python_loops_bit_for_bit(monkeypatch):
     rng = random.Random(7)
     checked_cuts = 0
     for trial in range(300):
@@ -59,16 +42,18 @@ def test_the_compiled_gains_and_cuts_equal_the_python_loops():
         reaches = [random_reach(rng) for _ in range(rows)]
         longest = max(1, min(max(len(r) for r in reaches), rng.choice([4, 8, 16, 64])))
         rates = [rng.random() for _ in range(rows)]
-        confidences = None if trial % 3 == 0 else [
+        confidences = [None] * rows if trial % 3 == 0 else [
             None if rng.random() < 0.3 else sorted((rng.random() for _ in range(rng.randrange(0, 32))), reverse=True)
             for _ in range(rows)]
         gained, deepening = expected_gains(reaches, rates, longest, confidences)
-        want, want_deepening = reference(reaches, rates, longest, confidences)
-        assert gained.shape == (rows, longest + 1)
-        for row, sums in enumerate(want):
-            assert gained[row].tolist() == sums + [sums[-1]] * (longest + 1 - len(sums)), (trial, row)
-        assert deepening.rows() == want_deepening, trial
+        want, want_deepening = python_gains(reaches, rates, longest, confidences)
+        assert gained.tolist() == want.tolist(), trial
+        assert deepening.rows() == want_deepening.rows(), trial
         for bar in (0.0, rng.random(), 0.5, 2.0):
-            assert cuts(deepening, bar) == reference_cuts(want_deepening, bar), (trial, bar)
-            checked_cuts += any(reference_cuts(want_deepening, bar))
+            with monkeypatch.context() as patched:
+                patched.setattr(gains_module, "kernels", lambda: None)
+                looped = cuts(want_deepening, bar)
+            assert cuts(deepening, bar) == looped, (trial, bar)
+            checked_cuts += 0 < sum(looped) < sum(len(r) for r in reaches)
+    assert gains_module.kernels() is not None  # the compiled path ran
     assert checked_cuts > 100  # bars that cut some rows and not others
