@@ -43,6 +43,7 @@ from specdec_core.engine import BatchItem, Engine, EngineConfig
 from specdec_core.kernels.linear_plan import cpu_description
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.methods import MethodOptions
+from specdec_core.warm_up import freeze_heap
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -165,7 +166,8 @@ def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, 
     """Untimed: a process's first forwards are slow, and HF, timed first, would pay for it; and the first use of a
     drafter's numba kernels on a machine compiles them (cached on disk after), which would land in that method's
     first timed pass. The first prefill of a whole batch is slow too, so `ar` also prefills `batch_size` of the
-    prompts once (decisions.md: benchmarks/batch_bench.py)."""
+    prompts once (decisions.md: benchmarks/batch_bench.py). Then the heap is frozen, as a decode actor's is after its
+    warm-up (warm_up.freeze_heap)."""
 
     generate_batch(engine.target, [items[0].prompt_ids], [4])
     short = [dataclasses.replace(items[0], params=dataclasses.replace(items[0].params, max_new_tokens=8))]
@@ -175,6 +177,7 @@ def warm_up(engine, items, methods: list[str], memory_seed: list | None = None, 
         batch = [dataclasses.replace(i, params=dataclasses.replace(i.params, max_new_tokens=2))
                  for i in items[:batch_size]]
         run_ours(engine, batch, "ar", batch_size, None)
+    freeze_heap()
 
 
 def run_ours(engine, items, method_text: str, size: int, hf_outputs: dict | None,
