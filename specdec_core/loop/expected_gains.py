@@ -1,6 +1,6 @@
 """The speculation budget's per-row arithmetic for a step's plan: what each row's first n draft nodes are expected to
-add (`expected_gains`) and where a row's draft stops paying (`cuts`). Compiled where numba compiles: a step of 64
-rows with drafts of ~16 nodes ran these as Python loops on every step, time a GPU's step waits for (issue 50).
+add (`expected_gains`) and where a row's draft stops paying (`cuts`). Compiled where numba compiles: as Python loops
+over every row's nodes they ran on every step, time a GPU's step waits for (issue 50; decisions.md, session 29).
 
 The compiled arithmetic is the Python loops' operation for operation (the same float sums in the same order), so a
 plan is the same bit for bit on either path.
