@@ -14,8 +14,9 @@ host (the drafters' proposals, the plan, the step's inputs, committing each row)
 
 Per method it prints the decode steps' tok/s, the host ms a step (the step's wall time less the simulated device
 time: the host work the device's time did not hide) and its share of the step, and the cycle collector's full
-passes, side by side in one run, rounds interleaved; with --profile, cProfile's top host functions of the last round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with
-this CPU's host speed (a GPU machine's host is usually faster).
+passes, side by side in one run, rounds interleaved; with --profile, cProfile's top host functions of the last
+round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with this CPU's host speed
+(a GPU machine's host is usually faster).
 
   python benchmarks/simulated_gpu_bench.py --workload code_edit --requests 64 --batch-size 64 --methods ar pld suffix
   python benchmarks/simulated_gpu_bench.py --requests 256  # a queue at batch 64, as issue 50 asks
@@ -101,7 +102,6 @@ class SimulatedStep:
         self.device = device
         self.capture_s = 0.0
         self.device_s = 0.0
-        self.waited_s = 0.0  # the host's waits for launched steps
         self.steps = 0
 
     def launch(self, cache, batch, step_ids, verify, sampling=None) -> "SimulatedLaunch":
@@ -117,7 +117,7 @@ class SimulatedStep:
         self.steps += 1
         seconds = self.device.seconds(live, width)
         self.device_s += seconds
-        return SimulatedLaunch(found, started + seconds, self)
+        return SimulatedLaunch(found, started + seconds)
 
     def run(self, cache, batch, step_ids, verify, sampling=None):
         return self.launch(cache, batch, step_ids, verify, sampling).result()
@@ -148,13 +148,11 @@ class SimulatedLaunch:
     """A simulated step under way: `result()` waits until the device is done, then hands the verdicts over. What
     the host did meanwhile overlapped the step; the wait is what the step cost the host beyond that."""
 
-    def __init__(self, found: list, ready_at: float, step: SimulatedStep):
-        self.found, self.ready_at, self.step = found, ready_at, step
+    def __init__(self, found: list, ready_at: float):
+        self.found, self.ready_at = found, ready_at
 
     def result(self) -> list:
-        started = time.perf_counter()
         wait_until(self.ready_at)
-        self.step.waited_s += time.perf_counter() - started
         return self.found
 
 
