@@ -31,7 +31,7 @@ from ..model.model_runner import ModelRunner
 from ..model.graph_step import Sampling
 from ..model.step_batch import StepBatch
 from ..model.step_buckets import CALIBRATED_WIDTHS, row_bucket
-from .draft_tree import ancestor_array, depths, prefix_depths
+from .draft_tree import depths, prefix_depths, trees_into
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
 from .prefill_plan import default_budget, next_forward, worth_reusing
@@ -602,7 +602,7 @@ class BatchDecoder:
 
         A chain's node t sits at position length + t and sees nodes 0..t; a tree's node at length + its depth and
         sees its ancestors (draft_tree.py). Padding nodes see nothing and are never read. Built as whole-batch
-        tensors (one from a list of the rows' ids); only tree rows are filled in one by one.
+        tensors (one from a list of the rows' ids); the tree rows are written in together (draft_tree.trees_into).
         """
         lengths = torch.tensor(self.cache.lengths)  # [B]
         if width == 1:  # a plain decode step: each row feeds its pending token alone, at its length
@@ -614,11 +614,9 @@ class BatchDecoder:
                                   for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
         inside, visible = _chain_visibility(np.array(counts), width)  # [B, T], [B, T, T]
         offsets = np.tile(np.arange(width), (len(rows), 1))  # [B, T]: position - length of each node
-        for b, row in enumerate(rows):
-            parents = row.draft.parents
-            if parents is not None:
-                offsets[b, 1:counts[b]] = depths(parents)
-                visible[b] = ancestor_array(parents, width)
+        trees = [b for b, row in enumerate(rows) if row.draft.parents is not None]
+        if trees:
+            trees_into(visible, offsets, trees, [rows[b].draft.parents for b in trees])
         logit_index = torch.from_numpy(np.argwhere(inside))  # [N, 2] (row, node), row-major as the verifier reads
         return input_ids, lengths[:, None] + torch.from_numpy(offsets), torch.from_numpy(visible), logit_index
 

@@ -14,8 +14,12 @@ move to offset 2 (its depth), where a chain would have put them.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
+
+from ..kernels.numba_kernels import LazyKernel
 
 
 def chain_parents(length: int) -> list[int]:
@@ -81,6 +85,45 @@ def ancestor_array(parents: list[int], width: int) -> np.ndarray:
         visible[node] = visible[parent + 1]
         visible[node, node] = True
     return visible
+
+
+def trees_into(visible: np.ndarray, offsets: np.ndarray, rows: list[int], parents: list[list[int]]) -> None:
+    """Write the trees of a step's tree rows into its masks: visible [B, T, T] row rows[i] = ancestor_array(parents[i]),
+    offsets [B, T] row rows[i], nodes 1..n = depths(parents[i]) (the rest untouched). One compiled call for every
+    tree row of the step where numba compiles; else row by row."""
+    kernel = tree_kernel()
+    if kernel is None:
+        for row, tree in zip(rows, parents):
+            offsets[row, 1:len(tree) + 1] = depths(tree)
+            visible[row] = ancestor_array(tree, visible.shape[1])
+        return
+    ends = np.cumsum([len(tree) for tree in parents], dtype=np.int64)
+    flat = np.fromiter(chain.from_iterable(parents), np.int64, int(ends[-1]) if len(ends) else 0)
+    kernel(visible, offsets, np.asarray(rows, np.int64), flat, ends)
+
+
+def _compile_trees():
+    from numba import njit
+
+    @njit(cache=True)
+    def fill(visible, offsets, rows, flat, ends):  # pragma: no cover - compiled
+        width = visible.shape[1]
+        for index in range(rows.shape[0]):
+            row, start = rows[index], ends[index - 1] if index > 0 else 0
+            shown = visible[row]
+            shown[:, :] = False
+            shown[0, 0] = True
+            for at in range(ends[index] - start):
+                parent, node = flat[start + at], at + 1
+                for column in range(width):
+                    shown[node, column] = shown[parent + 1, column]
+                shown[node, node] = True
+                offsets[row, node] = 1 if parent < 0 else offsets[row, parent + 1] + 1
+
+    return fill
+
+
+tree_kernel = LazyKernel(_compile_trees, "compiled draft tree masks", "; each tree row built in numpy")
 
 
 def children_of(parents: list[int]) -> dict[int, list[int]]:

@@ -1,9 +1,12 @@
 """Draft-tree index arithmetic (draft_tree.py's worked example) and multi-candidate copy/lookup proposals."""
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
+from specdec_core.loop import draft_tree
 from specdec_core.loop.draft_tree import ancestor_mask, build_trie, children_of, depths, prefix_depths
 from specdec_core.drafters.base import Draft
 from specdec_core.drafters.copyspec import CopySpecDrafter
@@ -58,3 +61,26 @@ def test_prompt_lookup_candidates():
     assert find_prompt_lookup_candidates(tokens, 1, 1, 2, count=3) == [[1, 2], [3, 4], [1, 5]]
     assert find_prompt_lookup_candidates(tokens, 1, 1, 1, count=3) == [[1], [3]]
     assert find_prompt_lookup_candidates(np.array([1, 2, 3]), 2, 1, 2, count=3) == []
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_steps_tree_rows_are_written_in_as_each_row_alone(compiled, monkeypatch):
+    """trees_into (one compiled call for every tree row of a step, or row by row where numba does not compile)
+    writes each tree row's masks and depths as ancestor_array and depths give them alone, and leaves chain rows
+    and padding as they were."""
+    if not compiled:
+        monkeypatch.setattr(draft_tree, "tree_kernel", lambda: None)
+    rng = random.Random(5)
+    for _ in range(50):
+        width, batch = rng.randrange(2, 20), rng.randrange(1, 12)
+        trees = {b: [rng.randrange(-1, i) for i in range(rng.randrange(0, width))] for b in range(batch)
+                 if rng.random() < 0.6}
+        visible = np.tril(np.ones((width, width), dtype=bool))[None].repeat(batch, 0)  # chain rows' masks
+        offsets = np.tile(np.arange(width), (batch, 1))
+        want_visible, want_offsets = visible.copy(), offsets.copy()
+        for b, parents in trees.items():
+            want_visible[b] = draft_tree.ancestor_array(parents, width)
+            want_offsets[b, 1:len(parents) + 1] = draft_tree.depths(parents)
+        draft_tree.trees_into(visible, offsets, list(trees), list(trees.values()))
+        assert (visible == want_visible).all() and (offsets == want_offsets).all()
+    assert (draft_tree.tree_kernel() is not None) == compiled
