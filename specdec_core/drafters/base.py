@@ -135,6 +135,7 @@ class RequestContext:
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()  # the target's
     job_memory: "JobMemory | None" = None  # the outputs of the job's rows so far (job_memory.py); None: no memory
+    tokens_left: int = 0  # the most tokens the row may still add: an index over it can be sized once, at start
 
 
 class DraftPool(ABC):

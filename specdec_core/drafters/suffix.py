@@ -39,7 +39,7 @@ class SuffixDrafter(Drafter):
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        self.own = SuffixTree(self.depth)
+        self.own = SuffixTree.for_tokens(len(tokens) + request.tokens_left, self.depth)
         self.own_cursor = self.own.cursor()
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory

@@ -360,16 +360,24 @@ class TreeDraft:
 
 class SuffixTree:
     def __init__(self, depth: int = 24, capacity: int = 1024):
+        """capacity: nodes held before the tables grow (`for_tokens` sizes it for a known sequence length)."""
         if depth < 1:
             raise ValueError(f"a suffix tree needs depth >= 1, got {depth}")
+        capacity = max(capacity, 2)
         self.depth = depth
         self.tokens = 0  # tokens indexed
         self.nodes = np.full((capacity, 6), -1, np.int32)  # [rows, TOKEN..PARENT]; row 0 is the root
         self.nodes[ROOT, COUNT] = 0
         self.free = np.zeros(capacity, np.int32)  # rows freed by `remove`, reused first
         self.meta = np.array([1, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED
-        self.keys, self.values = _hash_table(2 * capacity)
+        self.keys, self.values = _hash_table(1 << (2 * capacity - 1).bit_length())  # (a power of two)
         self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # extend_and_draft's [2, width] buffers
+
+    @classmethod
+    def for_tokens(cls, tokens: int, depth: int = 24) -> "SuffixTree":
+        """A tree with room for a sequence of `tokens` tokens (each adds at most `depth` nodes): one that indexes a
+        row's prompt and output never grows while the row decodes, where a growth copies its tables."""
+        return cls(depth, capacity=1 + tokens * depth)
 
     @property
     def node_count(self) -> int:

@@ -344,7 +344,8 @@ class BatchDecoder:
         state.metrics.ttft_s = time.perf_counter() - row.admitted_at
         request.drafter.start(state.tokens, RequestContext(
             prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
-            generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory))
+            generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory,
+            tokens_left=max(0, min(_tokens_left(row), self.target.max_positions - len(state.tokens)))))
         if HIDDEN_STATES in request.drafter.reads:  # the whole prompt's states, for later rows' prefix hits
             layer = request.drafter.hidden_layer
             self.prefix_cache.store_hidden(request.prompt_ids, layer,

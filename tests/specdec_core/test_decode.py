@@ -156,3 +156,23 @@ def test_one_hot_speculative_sampling_draws_what_ar_draws(peaked_engine):
     copy = peaked_engine.generate_ids(PROMPT, method="copyspec", params=params)
     assert copy["accepted_tokens"] > 0, "nothing was drafted and accepted: the test proved nothing"
     assert copy["output_token_ids"] == ar["output_token_ids"]
+
+
+def test_a_drafter_learns_at_start_how_many_tokens_its_row_may_still_add(engine):
+    """RequestContext.tokens_left: max_new_tokens less the prefill's token, or less where the context limit ends
+    the row first (what a drafter's index sizes itself for)."""
+    from specdec_core.drafters.prompt_lookup import PromptLookupDrafter
+
+    class Recording(PromptLookupDrafter):
+        def start(self, tokens, request):
+            super().start(tokens, request)
+            seen.append((len(tokens), request.tokens_left))
+
+    seen: list = []
+    limit = engine.target.max_positions
+    decoder = BatchDecoder(engine.target, max_batch=2)
+    decoder.submit(DecodeRequest(0, PROMPT, DecodeParams(max_new_tokens=12), Recording()))
+    long_prompt = repetitive_prompt(1, limit - 5)
+    decoder.submit(DecodeRequest(1, long_prompt, DecodeParams(max_new_tokens=12), Recording()))
+    list(decoder.run())
+    assert sorted(seen) == [(len(PROMPT) + 1, 11), (limit - 4, 4)]

@@ -147,3 +147,39 @@ def test_a_draft_carries_each_nodes_path_probability():
     proposed = drafter.propose([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 8)
     assert proposed.tokens[:2] == [3, 4] and proposed.confidence[:2] == [1.0, 1.0]
     assert proposed.truncated(1).confidence == [1.0]
+
+
+def test_a_rows_own_tree_is_sized_at_start_and_never_grows_while_it_decodes():
+    """A row's tree sized for its prompt and the tokens it may still add (RequestContext.tokens_left) holds them all
+    without growing its tables (a growth copies them, on the step's critical path), and drafts exactly what a tree
+    that grew from the default size drafts."""
+    import random
+
+    from specdec_core.drafters.base import RequestContext
+    from specdec_core.drafters.suffix import SuffixDrafter
+
+    generator = random.Random(3)
+    prompt = [generator.randrange(30) for _ in range(300)]
+    output = [generator.randrange(30) for _ in range(120)]
+    sized, grown = SuffixDrafter(), SuffixDrafter()
+    sized.start(prompt, RequestContext(prompt_len=len(prompt), tokens_left=len(output)))
+    grown.start(prompt, RequestContext(prompt_len=len(prompt)))
+    tables = (sized.own.nodes, sized.own.keys)
+    tokens, step = list(prompt), 0
+    while len(tokens) < len(prompt) + len(output):
+        step = step % 3 + 1  # 1, 2 or 3 tokens committed a step
+        tokens += output[len(tokens) - len(prompt):][:step]
+        got, want = sized.propose(tokens, 8), grown.propose(tokens, 8)
+        assert (got.tokens, got.parents, got.confidence) == (want.tokens, want.parents, want.confidence)
+    assert sized.own.nodes is tables[0] and sized.own.keys is tables[1]
+    assert grown.own.nodes.shape[0] > 1024  # (the default size did grow: the sized tree was put to the test)
+    assert sized.own.node_count == grown.own.node_count
+
+
+def test_a_tree_for_a_sequence_has_room_for_every_node_it_can_make():
+    tree = SuffixTree.for_tokens(50, depth=4)
+    sequence = list(range(50))  # no repeats: every suffix is new, the most nodes a sequence makes
+    nodes, keys = tree.nodes, tree.keys
+    tree.extend(tree.cursor(), sequence)
+    assert tree.nodes is nodes and tree.keys is keys
+    assert tree.node_count == sum(min(4, 50 - start) for start in range(50))
