@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .base import Draft, Drafter, RequestContext
 
@@ -18,7 +19,7 @@ class FallbackDrafter(Drafter):
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
         for drafter in self.drafters:
-            drafter.start(tokens, request)
+            drafter.start(tokens, replace(request, row_pools=None))  # (proposals compared here, at once)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         for drafter in self.drafters[:-1]:
