@@ -136,7 +136,6 @@ class RequestContext:
     eos_token_ids: frozenset[int] = frozenset()  # the target's
     job_memory: "JobMemory | None" = None  # the outputs of the job's rows so far (job_memory.py); None: no memory
     tokens_left: int = 0  # the most tokens the row may still add: an index over it can be sized once, at start
-    row_pools: dict | None = None  # the decoder's pools that its rows' drafters share by kind (suffix_batch.py)
 
 
 class DraftPool(ABC):
@@ -146,9 +145,6 @@ class DraftPool(ABC):
 
     collecting: bool = False
     pricing: "DraftPricing | None" = None  # the decoder's running prices (speculation_budget.py), given at creation
-    #: flushed as soon as the step's proposals are collected, for the plan to read whole drafts (a compiled pass
-    #: over many rows'), not after the plan, which caps what a draft model's forwards draft
-    fills_before_plan: bool = False
 
     @contextmanager
     def collecting_proposals(self):

@@ -18,7 +18,6 @@ expectation; the priors are set so that each is tried before the row settles.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from ..loop.verification import greedy_accepted
 from .base import Draft, Drafter, RequestContext, empty_draft
@@ -46,7 +45,7 @@ class CascadeDrafter(Drafter):
         super().start(tokens, request)
         self.expected = [PRIOR_ACCEPTED] * len(self.candidates)
         for drafter in self.candidates:
-            drafter.start(tokens, replace(request, row_pools=None))  # (proposals compared here, at once)
+            drafter.start(tokens, request)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         best, best_value, self.chosen = empty_draft(), 0.0, None

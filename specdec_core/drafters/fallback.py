@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from .base import Draft, Drafter, RequestContext
 
@@ -19,7 +18,7 @@ class FallbackDrafter(Drafter):
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
         for drafter in self.drafters:
-            drafter.start(tokens, replace(request, row_pools=None))  # (proposals compared here, at once)
+            drafter.start(tokens, request)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         for drafter in self.drafters[:-1]:

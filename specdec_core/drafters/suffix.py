@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from ..method_options import DEFAULTS
 from .base import Draft, Drafter, RequestContext, empty_draft
 from .job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
-from .suffix_batch import MEMORY_SOURCE, SUFFIX_SOURCE, SuffixBatch
-from .suffix_tree import APPEND_CHUNK, Cursor, SuffixTree, checked_ids
+from .suffix_tree import Cursor, SuffixTree
+
+SUFFIX_SOURCE = "suffix"  # drafted from the request's own tree
+MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
 
 class SuffixDrafter(Drafter):
@@ -34,9 +36,6 @@ class SuffixDrafter(Drafter):
         self.remembered = 0  # tokens of the row handed to the job memory so far
         self.prompt_len = 0
         self.latest: Sequence[int] = ()  # the row's tokens as last committed (`finish` hands their end to memory)
-        self.pool: SuffixBatch | None = None  # the decoder's batch of suffix rows (suffix_batch.py), from start()
-        self.slot: int | None = None  # this row's place in it
-        self._tables: tuple = ()  # the own tree's tables as the batch holds them
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
@@ -52,11 +51,6 @@ class SuffixDrafter(Drafter):
         self._remember(tokens)
         self.own.extend(self.own_cursor, tokens)  # (the memory cursor matched the prompt's end already)
         self.seen = len(tokens)
-        if request.row_pools is not None:  # (None under a wrapper, which compares its drafters' drafts at once)
-            self.pool = SuffixBatch.shared(request.row_pools, self)
-            if self.pool is not None:
-                self.slot = self.pool.attach(self)
-                self._tables = (self.own.nodes, self.own.keys)
 
     def _remember(self, tokens: Sequence[int]) -> None:
         """The output so far (what follows the prompt) into the job memory: other rows draft from it."""
@@ -65,8 +59,6 @@ class SuffixDrafter(Drafter):
         self.remembered = len(tokens)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        if self.pool is not None and self.pool.collecting:  # the loop's step: drafted with the other rows
-            return self.pool.ask(self, self._catch_up(tokens), max_tokens)
         # The row's new tokens into its own tree and its memory cursor, then the better of the two trees' drafts
         # (the memory's searched only where its longest match could beat the own draft's score): one compiled call.
         memory = self.memory
@@ -74,33 +66,11 @@ class SuffixDrafter(Drafter):
             self.own_cursor, tokens[self.seen:], max_tokens, self.factor, self.min_prob,
             memory.tree if memory is not None else None, self.memory_cursor if memory is not None else None)
         self.seen = len(tokens)
-        if self.pool is not None:
-            self._follow_tables()
         if not best.tokens:
             return empty_draft()
         source = MEMORY_SOURCE if from_memory else SUFFIX_SOURCE
         return Draft(tokens=best.tokens, source=source, parents=best.parents, from_context=source == SUFFIX_SOURCE,
                      confidence=best.probs)
-
-    def _catch_up(self, tokens: Sequence[int]) -> list[int]:
-        """The row's tokens since the last proposal, checked, with room made for them in its tree -> those the batch
-        is to add (none after a long catch-up, added here in chunks)."""
-        new = checked_ids(tokens[self.seen:])
-        self.seen = len(tokens)
-        if len(new) > APPEND_CHUNK:
-            self.own.extend(self.own_cursor, new)
-            if self.memory is not None:
-                self.memory.tree.advance(self.memory_cursor, new)
-            new = []
-        self.own.reserve_for(len(new))
-        self._follow_tables()
-        return new
-
-    def _follow_tables(self) -> None:
-        """Where the own tree grew (past the tokens it was sized for), its slot in the batch takes the new tables."""
-        if self.own.nodes is not self._tables[0] or self.own.keys is not self._tables[1]:
-            self.pool.refresh(self)
-            self._tables = (self.own.nodes, self.own.keys)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
         self.latest = tokens
@@ -115,6 +85,3 @@ class SuffixDrafter(Drafter):
             self._remember(self.latest)
             self.memory.finish(self.output)
             self.output = None
-        if self.pool is not None:
-            self.pool.release(self)
-            self.pool, self.slot = None, None

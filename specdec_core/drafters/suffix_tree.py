@@ -437,12 +437,6 @@ class SuffixTree:
                           out_probs[0, :taken].tolist())
         return draft, bool(swapped)
 
-    def reserve_for(self, tokens: int) -> None:
-        """Room for `tokens` more tokens of one sequence (what `extend` of them can add), counted as indexed: the
-        caller adds them itself (suffix_batch.py's compiled pass)."""
-        self._reserve(tokens * self.depth)
-        self.tokens += tokens
-
     def _arrays(self) -> tuple:
         """The compiled kernels' view of the tree: (nodes, keys, values, meta, free)."""
         return self.nodes, self.keys, self.values, self.meta, self.free
@@ -527,14 +521,6 @@ def _hash_table(slots: int) -> tuple[np.ndarray, np.ndarray]:
     table = np.zeros((slots, 2), np.int64)
     table[:, 0] = EMPTY
     return table[:, 0], table[:, 1]
-
-
-def checked_ids(tokens: Sequence[int]) -> list[int]:
-    """A step's few tokens as a list of ids a tree can hold (ValueError otherwise)."""
-    tokens = list(tokens)
-    if tokens and (min(tokens) < 0 or max(tokens) >= MAX_TOKEN):
-        raise ValueError(f"token ids must be within [0, {MAX_TOKEN}) for a suffix tree")
-    return tokens
 
 
 def _ids(tokens: Iterable[int] | int) -> np.ndarray:

@@ -139,7 +139,6 @@ class BatchDecoder:
         self.slowest_forward_s = 0.0
         self.draft_pool = draft_pool  # the engine's draft-model pool for this decoder's drafters, if it has a draft model
         self.job_memory = job_memory  # the engine's job memory for this decoder's method (job_memory.py), if it keeps one
-        self.row_pools: dict = {}  # pools its rows' drafters share by kind (RequestContext.row_pools)
         self.max_draft = max_draft
         self._paths: list[tuple[int, list[int], list[int]]] = []  # (row, from, to): this step's accepted tree paths
         # Room past a row's last position for one step's padded draft tokens (rows pad up to the step's width).
@@ -346,8 +345,7 @@ class BatchDecoder:
         request.drafter.start(state.tokens, RequestContext(
             prompt_len=state.prompt_len, context_ids=request.context_ids, sampling=request.params.sampling,
             generator=state.generator, eos_token_ids=self.target.eos_token_ids, job_memory=self.job_memory,
-            tokens_left=max(0, min(_tokens_left(row), self.target.max_positions - len(state.tokens))),
-            row_pools=self.row_pools))
+            tokens_left=max(0, min(_tokens_left(row), self.target.max_positions - len(state.tokens)))))
         if HIDDEN_STATES in request.drafter.reads:  # the whole prompt's states, for later rows' prefix hits
             layer = request.drafter.hidden_layer
             self.prefix_cache.store_hidden(request.prompt_ids, layer,
@@ -529,7 +527,6 @@ class BatchDecoder:
                 collecting.enter_context(pool.collecting_proposals())
             failed += [row for row in rows if row.error is None and not self._propose_row(row, outline=True)]
         self._retire_rows(failed)
-        self._flush({key: pool for key, pool in pools.items() if pool.fills_before_plan})
         return pools
 
     def _propose_row(self, row: Row, outline: bool = False) -> bool:
