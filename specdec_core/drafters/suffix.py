@@ -16,6 +16,7 @@ from .base import Draft, Drafter, RequestContext, empty_draft
 from .job_memory import MEMORY_DEPTH, JobMemory, MemorySequence
 from .suffix_tree import Cursor, SuffixTree
 
+SIZED_OUTPUT_TOKENS = 512  # output a row's own tree has room for from its start (a longer one grows it)
 SUFFIX_SOURCE = "suffix"  # drafted from the request's own tree
 MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
@@ -39,7 +40,9 @@ class SuffixDrafter(Drafter):
 
     def start(self, tokens: Sequence[int], request: RequestContext) -> None:
         super().start(tokens, request)
-        self.own = SuffixTree.for_tokens(len(tokens) + request.tokens_left, self.depth)
+        # Sized once for what the row may add: growing copies the tables, a few times a row. Capped, so a row that
+        # may write thousands of tokens and stops early does not hold tables for them.
+        self.own = SuffixTree.for_tokens(len(tokens) + min(request.tokens_left, SIZED_OUTPUT_TOKENS), self.depth)
         self.own_cursor = self.own.cursor()
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory

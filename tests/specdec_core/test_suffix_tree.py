@@ -183,3 +183,12 @@ def test_a_tree_for_a_sequence_has_room_for_every_node_it_can_make():
     tree.extend(tree.cursor(), sequence)
     assert tree.nodes is nodes and tree.keys is keys
     assert tree.node_count == sum(min(4, 50 - start) for start in range(50))
+
+
+def test_a_row_that_may_write_thousands_of_tokens_starts_with_room_for_a_few_hundred():
+    from specdec_core.drafters.base import RequestContext
+    from specdec_core.drafters.suffix import SIZED_OUTPUT_TOKENS, SuffixDrafter
+
+    drafter = SuffixDrafter()
+    drafter.start([1, 2, 3], RequestContext(prompt_len=3, tokens_left=100_000))
+    assert len(drafter.own.nodes) == 1 + (3 + SIZED_OUTPUT_TOKENS) * drafter.depth
