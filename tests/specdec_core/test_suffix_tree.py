@@ -151,7 +151,7 @@ def test_a_draft_carries_each_nodes_path_probability():
 
 def test_a_rows_own_tree_is_sized_at_start_and_never_grows_while_it_decodes():
     """A row's tree sized for its prompt and the tokens it may still add (RequestContext.tokens_left) holds them all
-    without growing its tables (a growth copies them, on the step's critical path), and drafts exactly what a tree
+    without growing its tables (a growth copies them, a few times a row), and drafts exactly what a tree
     that grew from the default size drafts."""
     import random
 
