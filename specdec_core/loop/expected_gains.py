@@ -64,6 +64,23 @@ def cuts(deepening: Deepening, bar: float) -> list[int]:
     return compiled[1](deepening.nodes, deepening.adds, deepening.counts, float(bar)).tolist()
 
 
+def best_width(caps: np.ndarray, gained: np.ndarray, counted: int, slopes: tuple[float, float] | None,
+               scale: float, computed_share: float | None) -> tuple[int, float]:
+    """The best of the plans where row r drafts min(caps[r], w - 1) nodes, over the widths w = 2 .. max(caps) + 1
+    -> (its nodes per row's cap, top: w - 1, and its value: expected tokens over its cost in plain steps; the first
+    of equal values). caps [R] (each <= gained's last column), gained [R, longest + 1] (expected_gains). A step
+    costs 1 + s_token x (computed - R) / R + s_width x (w - 1) plain steps, times `scale` (the clock's penalty);
+    `computed_share`: the forward computes the real tokens where they are at most this share of the padded block
+    (ragged), else the padded block; None: always the padded block. slopes None: the compiled path is not asked
+    for (a fixed cost function), as where numba does not compile -> (-1, 0.0)."""
+    compiled = kernels()
+    if compiled is None or slopes is None:
+        return -1, 0.0
+    share = -1.0 if computed_share is None else float(computed_share)
+    top, value = compiled[2](caps, gained, float(counted), float(slopes[0]), float(slopes[1]), float(scale), share)
+    return int(top), float(value)
+
+
 def python_gains(reaches: list[list[int]], rates: list[float], longest: int,
                  confidences: list[list[float] | None]) -> tuple[np.ndarray, Deepening]:
     """`expected_gains` in Python loops: where numba does not compile (and what the compiled path must equal)."""
@@ -156,7 +173,31 @@ def _compile():
             out[row] = cut
         return out
 
-    return gains, row_cuts
+    @njit(cache=True)
+    def widest_best(caps, gained, counted, token, per_width, scale, share):  # pragma: no cover - compiled
+        """best_width in loops, the numpy version's float operations in its order: a width's tokens summed over
+        the rows in order, then added to `counted`."""
+        rows = caps.shape[0]
+        top = 0
+        for row in range(rows):
+            top = max(top, caps[row])
+        best, best_value = -1, 0.0
+        for nodes in range(1, top + 1):
+            total, real = 0.0, rows
+            for row in range(rows):
+                take = min(caps[row], nodes)
+                total = total + gained[row, take] if row > 0 else gained[row, take]
+                real += take
+            width = nodes + 1
+            padded = rows * width
+            computed = real if share >= 0.0 and real <= share * padded else padded
+            ratio = (1.0 + token * (computed - rows) / rows + per_width * (width - 1)) * scale
+            value = (counted + total) / ratio
+            if best < 0 or value > best_value:
+                best, best_value = nodes, value
+        return best, best_value
+
+    return gains, row_cuts, widest_best
 
 
 kernels = LazyKernel(_compile, "the compiled plan arithmetic", "; the budget plans in Python loops")

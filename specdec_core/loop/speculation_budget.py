@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.ragged_tokens import MAX_REAL_SHARE
-from .expected_gains import cuts, expected_gains
+from .expected_gains import best_width as compiled_best_width, cuts, expected_gains
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations pulling a new row's acceptance toward the decoder's pooled estimate
 
@@ -514,8 +514,15 @@ class SpeculationBudget:
         if top == 0:
             return best, best_value
         rows = len(caps)
+        scale = self.payoff.penalty.get(batch_bucket(rows), 1.0) if self.check_payoff else 1.0
+        nodes, value = compiled_best_width(caps, gained, counted, None if self.cost.fixed is not None else
+                                           self.cost.slopes(rows, context), scale,
+                                           self.gather_share if self.ragged else None)
+        if nodes > 0:  # (compiled: the numpy below, in loops)
+            return (np.minimum(caps, nodes).tolist(), value) if value > best_value else (best, best_value)
         plans = np.minimum(caps[None, :], np.arange(1, top + 1)[:, None])  # [W, R]: widths 2 .. top + 1
-        tokens = counted + np.take_along_axis(gained, plans.T, axis=1).sum(axis=0)  # [W]
+        # [W]; the rows summed in order, as the compiled path does (numpy sums a contiguous axis pairwise)
+        tokens = counted + np.ascontiguousarray(np.take_along_axis(gained, plans.T, axis=1)).sum(axis=0)
         widths = np.arange(2, top + 2)  # [W] (wider plans repeat the widest, at the same value)
         real = rows + plans.sum(axis=1)  # [W]
         padded = rows * widths

@@ -57,3 +57,33 @@ def test_the_compiled_path_equals_the_python_loops_bit_for_bit(monkeypatch):
             checked_cuts += 0 < sum(looped) < sum(len(r) for r in reaches)
     assert gains_module.kernels() is not None  # the compiled path ran
     assert checked_cuts > 100  # bars that cut some rows and not others
+
+
+def test_the_compiled_best_width_equals_the_numpy_plan_bit_for_bit(monkeypatch):
+    """SpeculationBudget._best_width, compiled and in numpy arrays, on random rows, costs, penalties and both kinds
+    of forward (padded, ragged): the same plan and the same value, or the same refusal against the best so far."""
+    from specdec_core.loop.speculation_budget import SpeculationBudget, batch_bucket
+
+    rng = random.Random(11)
+    compared = won = 0
+    for trial in range(400):
+        rows = rng.randrange(1, 70)
+        reaches = [random_reach(rng) for _ in range(rows)]
+        longest = max(1, min(max(len(r) for r in reaches), rng.choice([4, 8, 16, 64])))
+        gained, _ = expected_gains(reaches, [rng.random() for _ in range(rows)], longest)
+        budget = SpeculationBudget(ragged=rng.random() < 0.5, gather_share=rng.choice([0.3, 0.5, 0.9]),
+                                   check_payoff=rng.random() < 0.7)
+        budget.payoff.penalty[batch_bucket(rows)] = rng.choice([1.0, 1.25, 3.0])
+        slopes = (rng.random() * 2, rng.random() * 0.2)
+        monkeypatch.setattr(budget.cost, "slopes", lambda rows, context=0, _s=slopes: _s)
+        caps = [rng.randrange(0, len(r) + 1) for r in reaches]
+        best, best_value = [0] * rows, rng.choice([0.0, float(rows), rows * 1.3])
+        got = budget._best_width(caps, gained, rows, 0, longest, best, best_value)
+        with monkeypatch.context() as patched:
+            patched.setattr(gains_module, "kernels", lambda: None)
+            want = budget._best_width(caps, gained, rows, 0, longest, best, best_value)
+        assert got == want, trial
+        compared += 1
+        won += got[0] is not best
+    assert gains_module.kernels() is not None
+    assert 50 < won < compared  # plans that beat the best so far, and some that did not
