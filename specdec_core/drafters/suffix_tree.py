@@ -335,12 +335,13 @@ class Cursor:
     """A sequence being matched against (and, for `SuffixTree.extend`, added to) a tree: the nodes of its suffixes
     that the tree holds, longest first, with their lengths."""
 
-    __slots__ = ("nodes", "lengths", "size")
+    __slots__ = ("nodes", "lengths", "size", "arrays")
 
     def __init__(self, depth: int):
         self.nodes = np.zeros(depth + 1, np.int64)
         self.lengths = np.zeros(depth + 1, np.int64)
         self.size = np.zeros(1, np.int64)
+        self.arrays = (self.nodes, self.lengths, self.size)  # the compiled kernels' view (built once: a row's step)
 
     @property
     def matched(self) -> list[tuple[int, int]]:
@@ -349,7 +350,7 @@ class Cursor:
         return list(zip(self.nodes[:count].tolist(), self.lengths[:count].tolist()))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)  # (not frozen: a frozen dataclass sets each field through object.__setattr__)
 class TreeDraft:
     tokens: list[int]
     parents: list[int]  # parents[i]: index of token i's parent (-1 = the row's last token); parents first
@@ -372,6 +373,7 @@ class SuffixTree:
         self.meta = np.array([1, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED
         self.keys, self.values = _hash_table(1 << (2 * capacity - 1).bit_length())  # (a power of two)
         self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # extend_and_draft's [2, width] buffers
+        self.arrays = self._arrays()  # the compiled kernels' view of the tables, until they grow
 
     @classmethod
     def for_tokens(cls, tokens: int, depth: int = 24) -> "SuffixTree":
@@ -429,8 +431,7 @@ class SuffixTree:
         out_tokens, out_parents, out_probs = self._out
         second, second_cursor = (other, other_cursor) if other is not None else (self, cursor)
         taken, length, score, swapped = _extend_and_draft(
-            self._arrays(), (cursor.nodes, cursor.lengths, cursor.size), ids, second._arrays(),
-            (second_cursor.nodes, second_cursor.lengths, second_cursor.size), other is not None,
+            self.arrays, cursor.arrays, ids, second.arrays, second_cursor.arrays, other is not None,
             (self.depth, second.depth), (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
         self.tokens += len(ids)
         draft = TreeDraft(out_tokens[0, :taken].tolist(), out_parents[0, :taken].tolist(), int(length), float(score),
@@ -513,6 +514,7 @@ class SuffixTree:
             _rehash(self.keys, self.values, keys, values)
             self.keys, self.values = keys, values
             self.meta[FILLED] = self.node_count  # tombstones are gone
+        self.arrays = self._arrays()
 
 
 def _hash_table(slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -530,8 +532,9 @@ def _ids(tokens: Iterable[int] | int) -> np.ndarray:
         ids = tokens.astype(np.int64, copy=False)
         low, high = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
     else:  # a step's few tokens: Python's min and max, cheaper than two numpy reductions
-        tokens = list(tokens)
-        ids = np.asarray(tokens, dtype=np.int64)
+        if not isinstance(tokens, list):
+            tokens = list(tokens)
+        ids = np.array(tokens, dtype=np.int64)
         low, high = (min(tokens), max(tokens)) if tokens else (0, 0)
     if low < 0 or high >= MAX_TOKEN:
         raise ValueError(f"token ids must be within [0, {MAX_TOKEN}) for a suffix tree")
