@@ -31,7 +31,7 @@ from ..model.model_runner import ModelRunner
 from ..model.graph_step import Sampling
 from ..model.step_batch import StepBatch
 from ..model.step_buckets import CALIBRATED_WIDTHS, row_bucket
-from .draft_tree import depths, prefix_depths, trees_into
+from .draft_tree import depths, prefix_depths
 from .kv_cache import new_slot_cache
 from .metrics import TARGET_SOURCE
 from .prefill_plan import default_budget, next_forward, worth_reusing
@@ -47,6 +47,7 @@ from .requests import (
 )
 from .sampling import SamplingParams, draw_nodes, make_generator, row_seed, select_token
 from .speculation_budget import AcceptanceEstimate, SpeculationBudget, batch_bucket, context_bucket, step_worth
+from .step_inputs import chain_visibility, step_inputs
 from .target_signals import PendingAttention, Signals, deliver_attention, hand_over, wanted
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
@@ -306,7 +307,7 @@ class BatchDecoder:
         input_ids = torch.tensor([entry.row.request.prompt_ids[entry.done: entry.done + chunk] + [0] * (width - chunk)
                                   for entry, chunk in zip(group, chunks)], dtype=torch.long)  # [b, T]
         positions = done[:, None] + torch.arange(width)  # [b, T]
-        visible = torch.from_numpy(_chain_visibility(np.array(chunks), width)[1])  # [b, T, T]
+        visible = torch.from_numpy(chain_visibility(np.array(chunks), width)[1])  # [b, T, T]
         ending = [(b, chunk - 1) for b, (entry, chunk) in enumerate(zip(group, chunks))
                   if entry.done + chunk == len(entry.row.request.prompt_ids)]  # (batch row, its last node)
         signals = wanted([p.row.request.drafter for p in group])
@@ -599,27 +600,10 @@ class BatchDecoder:
         self._retire([live[id(row)] for row in rows])
 
     def _step_inputs(self, rows: list[Row], width: int):
-        """-> step_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r).
-
-        A chain's node t sits at position length + t and sees nodes 0..t; a tree's node at length + its depth and
-        sees its ancestors (draft_tree.py). Padding nodes see nothing and are never read. Built as whole-batch
-        tensors (one from a list of the rows' ids); the tree rows are written in together (draft_tree.trees_into).
-        """
-        lengths = torch.tensor(self.cache.lengths)  # [B]
-        if width == 1:  # a plain decode step: each row feeds its pending token alone, at its length
-            input_ids = torch.tensor([[row.state.tokens[-1]] for row in rows], dtype=torch.long)  # [B, 1]
-            logit_index = torch.stack([torch.arange(len(rows)), torch.zeros(len(rows), dtype=torch.long)], 1)
-            return input_ids, lengths[:, None], torch.ones(len(rows), 1, 1, dtype=torch.bool), logit_index
-        counts = [1 + len(row.draft) for row in rows]
-        input_ids = torch.tensor([[row.state.tokens[-1], *row.draft.tokens] + [0] * (width - count)
-                                  for row, count in zip(rows, counts)], dtype=torch.long)  # [B, T], padding id 0
-        inside, visible = _chain_visibility(np.array(counts), width)  # [B, T], [B, T, T]
-        offsets = np.tile(np.arange(width), (len(rows), 1))  # [B, T]: position - length of each node
-        trees = [b for b, row in enumerate(rows) if row.draft.parents is not None]
-        if trees:
-            trees_into(visible, offsets, trees, [rows[b].draft.parents for b in trees])
-        logit_index = torch.from_numpy(np.argwhere(inside))  # [N, 2] (row, node), row-major as the verifier reads
-        return input_ids, lengths[:, None] + torch.from_numpy(offsets), torch.from_numpy(visible), logit_index
+        """-> step_ids [B, T], positions [B, T], visible [B, T, T], logit_index [N, 2] (N = sum of 1 + k_r): each
+        row's pending token and draft as step_inputs.py lays them out."""
+        return step_inputs(self.cache.lengths, [row.state.tokens[-1] for row in rows], [row.draft for row in rows],
+                           width)
 
     def _commit(self, rows: list[Row], logits: torch.Tensor | None, signals: Signals | None = None,
                 step_ids: torch.Tensor | None = None, results: list[VerifyResult] | None = None) -> float:
@@ -781,14 +765,6 @@ def _node_result(draft: Draft, accepted: int, last: int, token: int) -> VerifyRe
         path.append(last - 1)
         last = draft.parents[last - 1] + 1
     return VerifyResult(accepted, token, tuple(reversed(path)))
-
-
-def _chain_visibility(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """counts [B]: real nodes per row -> inside [B, T] (node t is real) and visible [B, T, T] (real node t sees real
-    nodes 0..t: a chain; padding sees nothing), in numpy (see draft_tree.ancestor_array)."""
-    inside = np.arange(width)[None, :] < counts[:, None]
-    visible = np.tril(np.ones((width, width), dtype=bool))[None] & inside[:, :, None] & inside[:, None, :]
-    return inside, visible
 
 
 def _tokens_left(row: Row) -> int:
