@@ -390,15 +390,15 @@ class BatchDecoder:
         graph = self.target.graph_step()
         if graph is None or not graph.calibrates or not self.budget.enabled:
             return
+        rows, context = len(self.rows), max(self.cache.lengths[:len(self.rows)], default=0)
+        key = (batch_bucket(rows), context_bucket(context))
+        if key in self._calibrated:  # (checked first: the checks below cost every step of every row)
+            return
         if not any(r.request.drafter.proposes for r in self.rows):
             return
         signals = wanted([r.request.drafter for r in self.rows])
         if not _graph_ready(self.rows, signals):
             return  # these steps run the eager forward: the graph's cost is not theirs
-        rows, context = len(self.rows), max(self.cache.lengths[:len(self.rows)], default=0)
-        key = (batch_bucket(rows), context_bucket(context))
-        if key in self._calibrated:
-            return
         self._calibrated.add(key)
         widest = 1 + min(self.max_draft, self.budget.most_nodes(rows))
         started = time.perf_counter()
