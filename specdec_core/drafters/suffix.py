@@ -63,7 +63,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         # The row's new tokens into its own tree and its memory cursor, then the better of the two trees' drafts
-        # (the memory's searched only where its longest match could beat the own draft's score): one compiled call.
+        # (the memory's searched only where one of its matches could beat the own draft's score): one compiled call.
         memory = self.memory
         best, from_memory = self.own.extend_and_draft(
             self.own_cursor, tokens[self.seen:], max_tokens, self.factor, self.min_prob,

@@ -269,22 +269,43 @@ def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents,
 
 
 @njit(cache=True)
-def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, out_tokens, out_parents,
-           out_probs):  # pragma: no cover - compiled
-    """The best tree over the held suffixes (see the module's docstring) -> (nodes, match length, score)."""
+def _bound(length, max_tokens, factor, depth):  # pragma: no cover - compiled
+    """The most a held suffix of `length` tokens can score: its budget (at most factor x length nodes), and the
+    depths below it (nodes at one depth are exclusive continuations: their path probabilities sum to at most 1)."""
+    return min(max_tokens, int(np.floor(factor * length)), depth - length)
+
+
+@njit(cache=True)
+def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, depth,
+           out):  # pragma: no cover - compiled
+    """The best tree over the held suffixes (see the module's docstring) into out = (tokens, parents, probs): the
+    highest score, the longest suffix of equal scores -> (nodes, match length, score). The suffixes are searched by
+    what they can score, most first, and the search ends where none left can win (a match near half the depth can
+    score the most)."""
+    out_tokens, out_parents, out_probs = out
     best_taken, best_length, best_score = 0, 0, 0.0
     tokens = np.empty(max(max_tokens, 1), np.int64)
     parents = np.empty(max(max_tokens, 1), np.int64)
     probs = np.empty(max(max_tokens, 1), np.float64)
-    for held in range(size):  # longest first
-        length = cursor_lengths[held]
-        budget = min(max_tokens, int(np.floor(factor * length)))
-        if budget <= best_score:  # a score is at most its node count, and budgets only shrink from here
-            break
-        if nodes[cursor_nodes[held], FIRST] < 0:
+    bounds = np.empty(size, np.int64)
+    for held in range(size):
+        bounds[held] = _bound(cursor_lengths[held], max_tokens, factor, depth)
+    for _ in range(size):
+        pick = -1  # the highest bound left, the longest of equal bounds (held suffixes come longest first)
+        for held in range(size):
+            if bounds[held] >= 0 and (pick < 0 or bounds[held] > bounds[pick]):
+                pick = held
+        if pick < 0 or bounds[pick] < best_score or bounds[pick] <= 0:
+            break  # nothing left can score more (nor tie the best from a longer suffix: those came first)
+        bound, length = bounds[pick], cursor_lengths[pick]
+        bounds[pick] = -1
+        if bound == best_score and length < best_length:
             continue
-        taken, score = _best_first(nodes, cursor_nodes[held], budget, min_prob, tokens, parents, probs)
-        if score > best_score:
+        if nodes[cursor_nodes[pick], FIRST] < 0:
+            continue
+        taken, score = _best_first(nodes, cursor_nodes[pick], min(max_tokens, int(np.floor(factor * length))),
+                                   min_prob, tokens, parents, probs)
+        if score > best_score or (score == best_score and score > 0 and length > best_length):
             best_taken, best_length, best_score = taken, length, score
             out_tokens[:taken] = tokens[:taken]
             out_parents[:taken] = parents[:taken]
@@ -297,8 +318,8 @@ def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, dep
                       out):  # pragma: no cover - compiled
     """`_append` of tokens to the cursor's sequence, `_advance` of the other tree's cursor by them (where `other`),
     then the better draft of the two trees into out's row 0 -> (nodes, match length, score, 1 where the other's won).
-    The other tree is searched only where its longest match could beat this one's score (a tree's score is at
-    most its node count, at most factor x its match length). One compiled call for a row's step.
+    The other tree is searched only where one of its matches could beat this one's score (`_bound`). One compiled
+    call for a row's step.
     tree: (nodes, keys, values, meta, free); cursor: (nodes, lengths, size); depths: the two trees';
     limits: (max_tokens, factor, min_prob); out: (tokens, parents, probs), each [2, width]."""
     nodes, keys, values, meta, free = tree
@@ -316,13 +337,17 @@ def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, dep
     taken, length, score = 0, 0, 0.0
     if cursor_size[0] > 0:
         taken, length, score = _draft(nodes, cursor_nodes, cursor_lengths, cursor_size[0], max_tokens, factor,
-                                      min_prob, out_tokens[0], out_parents[0], out_probs[0])
+                                      min_prob, depth, (out_tokens[0], out_parents[0], out_probs[0]))
     if not other or other_cursor_size[0] == 0:
         return taken, length, score, 0
-    if min(max_tokens, int(np.floor(factor * other_cursor_lengths[0]))) <= score:
+    most = 0  # the most the other tree's draft can score
+    for held in range(other_cursor_size[0]):
+        most = max(most, _bound(other_cursor_lengths[held], max_tokens, factor, other_depth))
+    if most <= score:
         return taken, length, score, 0
     got, got_length, got_score = _draft(other_nodes, other_cursor_nodes, other_cursor_lengths, other_cursor_size[0],
-                                        max_tokens, factor, min_prob, out_tokens[1], out_parents[1], out_probs[1])
+                                        max_tokens, factor, min_prob, other_depth,
+                                        (out_tokens[1], out_parents[1], out_probs[1]))
     if got_score <= score:
         return taken, length, score, 0
     out_tokens[0, :got] = out_tokens[1, :got]
@@ -457,7 +482,7 @@ class SuffixTree:
         parents = np.empty(max_tokens, np.int64)
         probs = np.empty(max_tokens, np.float64)
         taken, length, score = _draft(self.nodes, cursor.nodes, cursor.lengths, size, max_tokens, float(factor),
-                                      float(min_prob), tokens, parents, probs)
+                                      float(min_prob), self.depth, (tokens, parents, probs))
         return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score),
                          probs[:taken].tolist())
 

@@ -192,3 +192,37 @@ def test_a_row_that_may_write_thousands_of_tokens_starts_with_room_for_a_few_hun
     drafter = SuffixDrafter()
     drafter.start([1, 2, 3], RequestContext(prompt_len=3, tokens_left=100_000))
     assert len(drafter.own.nodes) == 1 + (3 + SIZED_OUTPUT_TOKENS) * drafter.depth
+
+
+def test_a_draft_is_the_best_tree_over_every_held_suffix():
+    """The search visits the held suffixes by what they can score and stops early; what it drafts must be what trying
+    every held suffix gives: the highest score, the longest suffix among equal scores."""
+    import math
+    import random
+
+    rng = random.Random(13)
+    compared = 0
+    for trial in range(60):
+        depth = rng.choice([4, 8, 24])
+        tree = SuffixTree(depth)
+        alphabet = rng.choice([2, 3, 5, 20])
+        base = [rng.randrange(alphabet) for _ in range(rng.randrange(20, 60))]
+        for _ in range(rng.randrange(1, 5)):  # sequences that repeat each other's stretches: long and short matches
+            start = rng.randrange(len(base))
+            tree.extend(tree.cursor(), base[start:] + [rng.randrange(alphabet) for _ in range(rng.randrange(30))])
+        for _ in range(15):
+            cursor = tree.cursor([rng.randrange(alphabet) for _ in range(rng.randrange(1, 40))])
+            max_tokens, factor = rng.choice([1, 4, 16, 64]), rng.choice([0.5, 1.0, 2.0])
+            min_prob = rng.choice([0.0, 0.1, 0.3])
+            best = ([], [], 0, 0.0)
+            for node, length in cursor.matched:  # longest first; a tie keeps the longer
+                budget = min(max_tokens, math.floor(factor * length))
+                if budget <= 0:
+                    continue
+                tokens, parents, score = tree.best_first_tree(node, budget, min_prob)
+                if score > best[3]:
+                    best = (tokens, parents, length, score)
+            got = tree.draft(cursor, max_tokens, factor, min_prob)
+            assert (got.tokens, got.parents, got.match_length, got.score) == best, trial
+            compared += bool(best[0])
+    assert compared > 300
