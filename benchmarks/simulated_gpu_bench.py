@@ -202,11 +202,12 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
     runner.forward_slots, runner.graph_step = prefill, lambda: step
     try:
         decoder = engine.decoder(batch_size, method=method)
-        # Keys and values of one head of one dimension on the CPU: the cache's copies (a tree's accepted path, a
-        # retiring row) cost the host the dispatch of torch's C++ kernels, as a GPU's launches do, and almost no
-        # memory traffic, which a GPU does off the host. (On the meta device each copy ran torch's shape checks in
-        # Python: ~0.6 ms an index copy, several times a GPU's dispatch.)
-        decoder.cache = SlotKVCache(decoder.cache.num_layers, 1, 1, decoder.cache.dtype, "cpu")
+        # Keys and values of one layer, one head of one dimension on the CPU: the cache's copies (a tree's accepted
+        # path, a retiring row) cost the host the dispatch of torch's C++ kernels, as a GPU's launches do (one for
+        # every layer), and almost no memory traffic, which a GPU does off the host. (On the meta device each copy
+        # ran torch's shape checks in Python, several times a GPU's dispatch; with every layer a retiring row's
+        # copy read its keys' cold lines.)
+        decoder.cache = SlotKVCache(1, 1, 1, decoder.cache.dtype, "cpu")
         decoder.prefix_cache = PrefixCache(budget_bytes=0)  # (it would copy the stand-in keys; prefill is not timed)
         decoder_ref.append(decoder)
         phases = _time_phases(decoder)
