@@ -10,8 +10,9 @@ host (the drafters' proposals, the plan, the step's inputs, committing each row)
   device's time for its rows and width: the H200's captured SmolLM2 steps in benchmarks/results/gpu/step_roofline.json
   (or --step-ms);
 - prefill forwards answer at once (--prefill-us-per-token adds a device time per prompt token);
-- the KV cache holds one head of one dimension on the CPU: its copies cost the host their dispatch, as on a GPU, and
-  almost no memory work.
+- the KV cache holds one layer, one head of one dimension on the CPU: its copies cost the host their dispatch, as on a
+  GPU, and almost no memory work;
+- a step's wait spins its last millisecond: a sleeper woken late would count the delay as host time.
 
 Per method it prints the decode steps' tok/s, the host ms a step (the step's wall time less the simulated device
 time: the host work the device's time did not hide) and its share of the step, and the cycle collector's full
