@@ -159,8 +159,8 @@ class SimulatedLaunch:
 
 
 def wait_until(end: float) -> None:
-    """Sleeps, then spins the last millisecond: the OS wakes a sleeper late (by 0.1-0.5 ms here), which would count
-    as host time, while a device sync returns as the device finishes."""
+    """Sleeps, then spins the last millisecond: the OS wakes a sleeper late, which would count as host time, while a
+    device sync returns as the device finishes."""
     while (left := end - time.perf_counter()) > 0:
         if left > 1e-3:
             time.sleep(left - 1e-3)
@@ -204,10 +204,10 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
     try:
         decoder = engine.decoder(batch_size, method=method)
         # Keys and values of one layer, one head of one dimension on the CPU: the cache's copies (a tree's accepted
-        # path, a retiring row) cost the host the dispatch of torch's C++ kernels, as a GPU's launches do (one for
-        # every layer), and almost no memory traffic, which a GPU does off the host. (On the meta device each copy
-        # ran torch's shape checks in Python, several times a GPU's dispatch; with every layer a retiring row's
-        # copy read its keys' cold lines.)
+        # path, a retiring row) cost the host the dispatch of torch's C++ kernels, as a GPU's launches do (one copy
+        # covers every layer there too), and almost no memory traffic, which a GPU does off the host. (On the meta
+        # device each copy ran torch's shape checks in Python; with every layer, a retiring row's copy read all its
+        # keys' cold lines.)
         decoder.cache = SlotKVCache(1, 1, 1, decoder.cache.dtype, "cpu")
         decoder.prefix_cache = PrefixCache(budget_bytes=0)  # (it would copy the stand-in keys; prefill is not timed)
         decoder_ref.append(decoder)

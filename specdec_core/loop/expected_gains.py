@@ -67,12 +67,12 @@ def cuts(deepening: Deepening, bar: float) -> list[int]:
 def best_width(caps: np.ndarray, gained: np.ndarray, counted: int, slopes: tuple[float, float] | None,
                scale: float, computed_share: float | None) -> tuple[int, float]:
     """The best of the plans where row r drafts min(caps[r], w - 1) nodes, over the widths w = 2 .. max(caps) + 1
-    -> (its nodes per row's cap, top: w - 1, and its value: expected tokens over its cost in plain steps; the first
-    of equal values). caps [R] (each <= gained's last column), gained [R, longest + 1] (expected_gains). A step
-    costs 1 + s_token x (computed - R) / R + s_width x (w - 1) plain steps, times `scale` (the clock's penalty);
-    `computed_share`: the forward computes the real tokens where they are at most this share of the padded block
-    (ragged), else the padded block; None: always the padded block. slopes None: the compiled path is not asked
-    for (a fixed cost function), as where numba does not compile -> (-1, 0.0)."""
+    -> (w - 1 of the best, the first of equal values, and its value: expected tokens over its cost in plain steps).
+    caps [R] (each <= gained's last column), gained [R, longest + 1] (expected_gains). A step costs 1 + s_token x
+    (computed - R) / R + s_width x (w - 1) plain steps, times `scale` (the clock's penalty); `computed_share`: the
+    forward computes the real tokens where they are at most this share of the padded block (ragged), else the padded
+    block; None: always the padded block. slopes None (a fixed cost function), or no numba: (-1, 0.0), and the
+    caller plans in numpy."""
     compiled = kernels()
     if compiled is None or slopes is None:
         return -1, 0.0
