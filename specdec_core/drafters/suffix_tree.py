@@ -269,10 +269,16 @@ def _best_first(nodes, start, max_nodes, min_prob, out_tokens, out_parents,
 
 
 @njit(cache=True)
+def _budget(length, max_tokens, factor):  # pragma: no cover - compiled
+    """The most nodes a draft from a held suffix of `length` tokens may take: factor x length, within max_tokens."""
+    return min(max_tokens, int(np.floor(factor * length)))
+
+
+@njit(cache=True)
 def _bound(length, max_tokens, factor, depth):  # pragma: no cover - compiled
-    """The most a held suffix of `length` tokens can score: its budget (at most factor x length nodes), and the
-    depths below it (nodes at one depth are exclusive continuations: their path probabilities sum to at most 1)."""
-    return min(max_tokens, int(np.floor(factor * length)), depth - length)
+    """The most a held suffix of `length` tokens can score: its budget, and the depths below it (nodes at one depth
+    are exclusive continuations: their path probabilities sum to at most 1)."""
+    return min(_budget(length, max_tokens, factor), depth - length)
 
 
 @njit(cache=True)
@@ -303,8 +309,8 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
             continue
         if nodes[cursor_nodes[pick], FIRST] < 0:
             continue
-        taken, score = _best_first(nodes, cursor_nodes[pick], min(max_tokens, int(np.floor(factor * length))),
-                                   min_prob, tokens, parents, probs)
+        taken, score = _best_first(nodes, cursor_nodes[pick], _budget(length, max_tokens, factor), min_prob, tokens,
+                                   parents, probs)
         if score > best_score or (score == best_score and score > 0 and length > best_length):
             best_taken, best_length, best_score = taken, length, score
             out_tokens[:taken] = tokens[:taken]
@@ -520,8 +526,9 @@ class SuffixTree:
         """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
         table kept at most half full."""
         used, _, filled, _ = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
-        needed = used + new_nodes
+        needed, grown_tables = used + new_nodes, False
         if needed > len(self.nodes):
+            grown_tables = True
             rows = max(needed, 2 * len(self.nodes))
             grown = np.full((rows, 6), -1, np.int32)
             grown[: len(self.nodes)] = self.nodes
@@ -531,6 +538,7 @@ class SuffixTree:
             self.free = free
         filled += new_nodes
         if 2 * filled > len(self.keys):
+            grown_tables = True
             live = self.node_count + new_nodes
             slots = len(self.keys)
             while slots < 3 * live:  # (grown again at half full)
@@ -539,7 +547,8 @@ class SuffixTree:
             _rehash(self.keys, self.values, keys, values)
             self.keys, self.values = keys, values
             self.meta[FILLED] = self.node_count  # tombstones are gone
-        self.arrays = self._arrays()
+        if grown_tables:  # (the kernels' view still holds the old tables)
+            self.arrays = self._arrays()
 
 
 def _hash_table(slots: int) -> tuple[np.ndarray, np.ndarray]:

@@ -514,7 +514,7 @@ class SpeculationBudget:
         if top == 0:
             return best, best_value
         rows = len(caps)
-        scale = self.payoff.penalty.get(batch_bucket(rows), 1.0) if self.check_payoff else 1.0
+        scale = self.payoff.scaled(rows, 1.0) if self.check_payoff else 1.0  # (the numpy path's `scaled` below)
         nodes, value = compiled_best_width(caps, gained, counted, None if self.cost.fixed is not None else
                                            self.cost.slopes(rows, context), scale,
                                            self.gather_share if self.ragged else None)
