@@ -4,7 +4,9 @@ accepted tokens is drafted and the loop verifies it as a tree (lossless).
 
 As the paper: the frequency-ranked tree of the longest-matching suffix's continuations, at most factor x the match
 length nodes, branches below min_prob cut (suffix_tree.py). Where it differs: suffix tries of bounded depth (the
-match and the draft both fit in MEMORY_DEPTH tokens); the two trees' drafts are compared, not merged.
+match and the draft both fit in MEMORY_DEPTH tokens); the two trees' drafts are compared, not merged; a step's
+tokens join the row's own tree while the device verifies the next step, so a draft misses what those newest tokens
+would add to the own tree's counts (the paper indexes them before drafting).
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ MEMORY_SOURCE = "memory"  # drafted from the job memory's
 
 class SuffixDrafter(Drafter):
 
-    works_while_verifying = True  # the job memory's append (`while_verifying`)
+    works_while_verifying = True  # the own tree's and the job memory's appends (`while_verifying`)
 
     def __init__(self, factor: float = DEFAULTS.suffix_spec_factor, min_prob: float = DEFAULTS.suffix_min_prob,
                  depth: int = MEMORY_DEPTH):
         self.factor, self.min_prob, self.depth = factor, min_prob, depth
         self.own: SuffixTree | None = None  # built in start(), per request
-        self.own_cursor: Cursor | None = None
+        self.own_cursor: Cursor | None = None  # the suffixes of the row's first `indexed` tokens in its own tree
         self.memory: JobMemory | None = None
-        self.memory_cursor: Cursor | None = None  # the row's suffixes matched in the memory's tree
+        self.memory_cursor: Cursor | None = None  # those of them that the memory's tree held when they were matched
         self.output: MemorySequence | None = None  # the row's output, as the memory holds it
-        self.seen = 0  # tokens of the row indexed so far (its own tree, its memory cursor)
+        self.indexed = 0  # tokens of the row in its own tree and matched by its memory cursor
         self.remembered = 0  # tokens of the row handed to the job memory so far
         self.prompt_len = 0
         self.latest: Sequence[int] = ()  # the row's tokens as last committed (`finish` hands their end to memory)
@@ -46,14 +48,14 @@ class SuffixDrafter(Drafter):
         self.own_cursor = self.own.cursor()
         self.prompt_len = request.prompt_len
         self.memory = request.job_memory
-        self.seen = self.remembered = 0
+        self.remembered = 0
         self.latest = tokens
         if self.memory is not None:
             self.memory_cursor = self.memory.tree.cursor(tokens[max(0, len(tokens) - self.depth):])
             self.output = self.memory.begin()
         self._remember(tokens)
         self.own.extend(self.own_cursor, tokens)  # (the memory cursor matched the prompt's end already)
-        self.seen = len(tokens)
+        self.indexed = len(tokens)
 
     def _remember(self, tokens: Sequence[int]) -> None:
         """The output so far (what follows the prompt) into the job memory: other rows draft from it."""
@@ -62,13 +64,13 @@ class SuffixDrafter(Drafter):
         self.remembered = len(tokens)
 
     def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        # The row's new tokens into its own tree and its memory cursor, then the better of the two trees' drafts
-        # (the memory's searched only where one of its matches could beat the own draft's score): one compiled call.
+        # The better of the two trees' drafts, from the row's tokens: its cursors matched those up to the last step,
+        # and the tokens since are looked up from the suffixes the search reaches (`_draft`). The memory is searched
+        # only where one of its suffixes could beat the own draft's score. One compiled call.
         memory = self.memory
-        best, from_memory = self.own.extend_and_draft(
-            self.own_cursor, tokens[self.seen:], max_tokens, self.factor, self.min_prob,
-            memory.tree if memory is not None else None, self.memory_cursor if memory is not None else None)
-        self.seen = len(tokens)
+        best, from_memory = self.own.best_draft(
+            self.own_cursor, tokens[self.indexed:], (max_tokens, self.factor, self.min_prob),
+            memory.tree if memory is not None else None, self.memory_cursor)
         if not best.tokens:
             return empty_draft()
         source = MEMORY_SOURCE if from_memory else SUFFIX_SOURCE
@@ -79,8 +81,13 @@ class SuffixDrafter(Drafter):
         self.latest = tokens
 
     def while_verifying(self, tokens: Sequence[int]) -> None:
-        """The tokens committed since the last step into the job memory, while the device verifies: the other rows
-        draft from them a step later than they would at the commit, and no step waits for the append."""
+        """The tokens committed since the last step into the row's own tree and the job memory, while the device
+        verifies: drafts see them a step later than they would at the commit, and no step waits for the appends."""
+        new = tokens[self.indexed:]
+        self.own.extend(self.own_cursor, new)
+        if self.memory is not None:  # (matched before the row's own new tokens join the memory)
+            self.memory.tree.advance(self.memory_cursor, new)
+        self.indexed = len(tokens)
         self._remember(tokens)
 
     def finish(self) -> None:

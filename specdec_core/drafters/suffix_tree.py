@@ -13,7 +13,8 @@ Where it differs:
 - a suffix trie of bounded depth (each suffix's first `depth` tokens), not a compressed suffix tree: O(depth) work
   per appended token, no edge labels to split; a match and its draft both fit in `depth` tokens;
 - the match is kept incrementally per sequence (`Cursor`): the nodes of its held suffixes, advanced by each new
-  token. A path another sequence adds later is found once the cursor's suffixes reach it anew;
+  token. A path another sequence adds later is found once the cursor's suffixes reach it anew. A draft may start
+  from a cursor a few tokens behind: it looks those tokens up only from the suffixes its search reaches;
 - the trie lives in arrays (a node table, a hash table from (parent, token) to child) that numba-compiled loops
   walk, because every row indexes its whole prompt at admission (costs in docs/decisions.md).
 """
@@ -282,35 +283,73 @@ def _bound(length, max_tokens, factor, depth):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_prob, depth,
-           out):  # pragma: no cover - compiled
-    """The best tree over the held suffixes (see the module's docstring) into out = (tokens, parents, probs): the
-    highest score, the longest suffix of equal scores -> (nodes, match length, score). The suffixes are searched by
-    what they can score, most first, and the search ends where none left can win (a match near half the depth can
-    score the most)."""
+def _walk(tree, node, tokens):  # pragma: no cover - compiled
+    """The node that `tokens` lead to from `node`, or -1 where the tree does not hold the path."""
+    nodes, keys, values, meta, free = tree
+    for token in tokens:
+        node = _child(nodes, keys, values, meta, free, node, token, False)
+        if node < 0:
+            return -1
+    return node
+
+
+@njit(cache=True)
+def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - compiled
+    """The best tree over the suffixes the tree holds of the cursor's sequence followed by `pending` (see the
+    module's docstring) into out = (tokens, parents, probs): the highest score, the longest suffix of equal scores
+    -> (nodes, match length, score). The suffixes are searched by what they can score, most first, and the search
+    ends where none left can win (a match near half the depth can score the most). A suffix's node is looked up
+    only when the search reaches it: `pending` from the node of a held suffix (or from the root, for a suffix of
+    pending alone), which is what `_advance` by `pending` would hold, in the same order (longest first).
+    limits: (max_tokens, factor, min_prob)."""
+    nodes = tree[0]
+    cursor_nodes, cursor_lengths, cursor_size = cursor
+    max_tokens, factor, min_prob = limits
     out_tokens, out_parents, out_probs = out
+    extra = pending.shape[0]
+    size = cursor_size[0] + min(extra, depth)
+    lengths = np.empty(size, np.int64)  # the candidates, longest first
+    starts = np.empty(size, np.int64)  # a held suffix's index in the cursor, or -1 for pending's own suffix
+    count = 0
+    for held in range(cursor_size[0]):
+        if cursor_lengths[held] + extra <= depth:  # (`_advance` drops a suffix at the depth)
+            lengths[count] = cursor_lengths[held] + extra
+            starts[count] = held
+            count += 1
+    for length in range(min(extra, depth), 0, -1):
+        lengths[count] = length
+        starts[count] = -1
+        count += 1
     best_taken, best_length, best_score = 0, 0, 0.0
     tokens = np.empty(max(max_tokens, 1), np.int64)
     parents = np.empty(max(max_tokens, 1), np.int64)
     probs = np.empty(max(max_tokens, 1), np.float64)
-    bounds = np.empty(size, np.int64)
-    for held in range(size):
-        bounds[held] = _bound(cursor_lengths[held], max_tokens, factor, depth)
-    for _ in range(size):
-        pick = -1  # the highest bound left, the longest of equal bounds (held suffixes come longest first)
-        for held in range(size):
-            if bounds[held] >= 0 and (pick < 0 or bounds[held] > bounds[pick]):
-                pick = held
+    bounds = np.empty(count, np.int64)
+    for index in range(count):
+        bounds[index] = _bound(lengths[index], max_tokens, factor, depth)
+    missing = depth + 1  # the shortest candidate the tree lacks: it lacks every longer one too
+    for _ in range(count):
+        pick = -1  # the highest bound left, the longest of equal bounds
+        for index in range(count):
+            if bounds[index] >= 0 and (pick < 0 or bounds[index] > bounds[pick]):
+                pick = index
         if pick < 0 or bounds[pick] < best_score or bounds[pick] <= 0:
             break  # nothing left can score more (nor tie the best from a longer suffix: those came first)
-        bound, length = bounds[pick], cursor_lengths[pick]
+        bound, length = bounds[pick], lengths[pick]
         bounds[pick] = -1
-        if bound == best_score and length < best_length:
+        if (bound == best_score and length < best_length) or length >= missing:
             continue
-        if nodes[cursor_nodes[pick], FIRST] < 0:
+        if starts[pick] >= 0:
+            node = _walk(tree, cursor_nodes[starts[pick]], pending)
+        else:
+            node = _walk(tree, ROOT, pending[extra - length:])
+        if node < 0:
+            missing = length
             continue
-        taken, score = _best_first(nodes, cursor_nodes[pick], _budget(length, max_tokens, factor), min_prob, tokens,
-                                   parents, probs)
+        if nodes[node, FIRST] < 0:
+            continue
+        taken, score = _best_first(nodes, node, _budget(length, max_tokens, factor), min_prob, tokens, parents,
+                                   probs)
         if score > best_score or (score == best_score and score > 0 and length > best_length):
             best_taken, best_length, best_score = taken, length, score
             out_tokens[:taken] = tokens[:taken]
@@ -320,39 +359,29 @@ def _draft(nodes, cursor_nodes, cursor_lengths, size, max_tokens, factor, min_pr
 
 
 @njit(cache=True)
-def _extend_and_draft(tree, cursor, tokens, other_tree, other_cursor, other, depths, limits,
-                      out):  # pragma: no cover - compiled
-    """`_append` of tokens to the cursor's sequence, `_advance` of the other tree's cursor by them (where `other`),
-    then the better draft of the two trees into out's row 0 -> (nodes, match length, score, 1 where the other's won).
-    The other tree is searched only where one of its matches could beat this one's score (`_bound`). One compiled
-    call for a row's step.
-    tree: (nodes, keys, values, meta, free); cursor: (nodes, lengths, size); depths: the two trees';
-    limits: (max_tokens, factor, min_prob); out: (tokens, parents, probs), each [2, width]."""
-    nodes, keys, values, meta, free = tree
-    cursor_nodes, cursor_lengths, cursor_size = cursor
-    other_nodes, other_keys, other_values, other_meta, other_free = other_tree
-    other_cursor_nodes, other_cursor_lengths, other_cursor_size = other_cursor
+def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, depths, limits,
+                out):  # pragma: no cover - compiled
+    """`_draft` on this tree, then on the other (where `other`) into out's row 1, searched only where one of its
+    suffixes could beat this one's score (`_bound`) -> (nodes, match length, score, 1 where the other's won), the
+    winner in out's row 0. One compiled call for a row's step.
+    depths: the two trees'; limits: (max_tokens, factor, min_prob); out: (tokens, parents, probs), each [2, width]."""
     depth, other_depth = depths
-    max_tokens, factor, min_prob = limits
+    max_tokens, factor = limits[0], limits[1]
     out_tokens, out_parents, out_probs = out
-    if tokens.shape[0]:
-        _append(nodes, keys, values, meta, free, cursor_nodes, cursor_lengths, cursor_size, tokens, depth)
-        if other:
-            _advance(other_nodes, other_keys, other_values, other_meta, other_free, other_cursor_nodes,
-                     other_cursor_lengths, other_cursor_size, tokens, other_depth)
-    taken, length, score = 0, 0, 0.0
-    if cursor_size[0] > 0:
-        taken, length, score = _draft(nodes, cursor_nodes, cursor_lengths, cursor_size[0], max_tokens, factor,
-                                      min_prob, depth, (out_tokens[0], out_parents[0], out_probs[0]))
-    if not other or other_cursor_size[0] == 0:
+    taken, length, score = _draft(tree, cursor, pending, depth, limits, (out_tokens[0], out_parents[0], out_probs[0]))
+    if not other:
         return taken, length, score, 0
-    most = 0  # the most the other tree's draft can score
-    for held in range(other_cursor_size[0]):
-        most = max(most, _bound(other_cursor_lengths[held], max_tokens, factor, other_depth))
+    other_lengths, other_size = other_cursor[1], other_cursor[2][0]
+    extra = pending.shape[0]
+    most = 0  # the most the other tree's draft can score (its candidates' bounds: see `_draft`)
+    for held in range(other_size):
+        if other_lengths[held] + extra <= other_depth:
+            most = max(most, _bound(other_lengths[held] + extra, max_tokens, factor, other_depth))
+    for length in range(1, min(extra, other_depth) + 1):
+        most = max(most, _bound(length, max_tokens, factor, other_depth))
     if most <= score:
         return taken, length, score, 0
-    got, got_length, got_score = _draft(other_nodes, other_cursor_nodes, other_cursor_lengths, other_cursor_size[0],
-                                        max_tokens, factor, min_prob, other_depth,
+    got, got_length, got_score = _draft(other_tree, other_cursor, pending, other_depth, limits,
                                         (out_tokens[1], out_parents[1], out_probs[1]))
     if got_score <= score:
         return taken, length, score, 0
@@ -443,28 +472,21 @@ class SuffixTree:
                     cursor.size, chunk, self.depth)
         self.tokens += len(ids)
 
-    def extend_and_draft(self, cursor: Cursor, tokens: Iterable[int], max_tokens: int, factor: float,
-                         min_prob: float, other: "SuffixTree | None" = None,
-                         other_cursor: Cursor | None = None) -> tuple[TreeDraft, bool]:
-        """`extend(cursor, tokens)`, `other.advance(other_cursor, tokens)`, then the better of `draft` on the two
-        (this tree's on a tie), in one compiled call -> (the draft, whether it is the other tree's). Equal to those
-        calls made one by one; a row's step pays one dispatch instead of four or five."""
-        ids = _ids(tokens)
-        if len(ids) > APPEND_CHUNK:  # a long catch-up: the chunked path
-            self.extend(cursor, ids)
-            if other is not None:
-                other.advance(other_cursor, ids)
-            ids = ids[:0]
-        self._reserve(len(ids) * self.depth)
+    def best_draft(self, cursor: Cursor, pending: Sequence[int], limits: tuple[int, float, float],
+                   other: "SuffixTree | None" = None, other_cursor: Cursor | None = None) -> tuple[TreeDraft, bool]:
+        """`draft` from the cursor's sequence followed by `pending` on this tree and on `other` (with its cursor),
+        the better of the two (this tree's on a tie), in one compiled call; limits: (max_tokens, factor, min_prob)
+        -> (the draft, whether it is the other tree's)."""
+        ids = _ids(pending)
+        max_tokens, factor, min_prob = limits
         width = max(max_tokens, 1)
         if self._out is None or self._out[0].shape[1] < width:
             self._out = (np.empty((2, width), np.int64), np.empty((2, width), np.int64), np.empty((2, width)))
         out_tokens, out_parents, out_probs = self._out
         second, second_cursor = (other, other_cursor) if other is not None else (self, cursor)
-        taken, length, score, swapped = _extend_and_draft(
-            self.arrays, cursor.arrays, ids, second.arrays, second_cursor.arrays, other is not None,
+        taken, length, score, swapped = _draft_pair(
+            self.arrays, cursor.arrays, second.arrays, second_cursor.arrays, other is not None, ids,
             (self.depth, second.depth), (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
-        self.tokens += len(ids)
         draft = TreeDraft(out_tokens[0, :taken].tolist(), out_parents[0, :taken].tolist(), int(length), float(score),
                           out_probs[0, :taken].tolist())
         return draft, bool(swapped)
@@ -480,15 +502,17 @@ class SuffixTree:
             _remove(self.nodes, self.keys, self.values, self.meta, self.free, ids, self.depth)
         self.tokens -= len(ids)
 
-    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1) -> TreeDraft:
-        size = int(cursor.size[0])
-        if size == 0 or max_tokens <= 0:
+    def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1,
+              pending: Sequence[int] = ()) -> TreeDraft:
+        """The draft from the cursor's sequence followed by `pending` (tokens the cursor has not matched)."""
+        ids = _ids(pending)
+        if int(cursor.size[0]) + len(ids) == 0 or max_tokens <= 0:
             return TreeDraft([], [], 0, 0.0)
         tokens = np.empty(max_tokens, np.int64)
         parents = np.empty(max_tokens, np.int64)
         probs = np.empty(max_tokens, np.float64)
-        taken, length, score = _draft(self.nodes, cursor.nodes, cursor.lengths, size, max_tokens, float(factor),
-                                      float(min_prob), self.depth, (tokens, parents, probs))
+        taken, length, score = _draft(self.arrays, cursor.arrays, ids, self.depth,
+                                      (max_tokens, float(factor), float(min_prob)), (tokens, parents, probs))
         return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score),
                          probs[:taken].tolist())
 

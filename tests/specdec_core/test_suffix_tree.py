@@ -226,3 +226,60 @@ def test_a_draft_is_the_best_tree_over_every_held_suffix():
             assert (got.tokens, got.parents, got.match_length, got.score) == best, trial
             compared += bool(best[0])
     assert compared > 300
+
+
+def test_a_draft_past_the_cursor_equals_the_draft_from_the_cursor_advanced():
+    """`pending` tokens are looked up only from the suffixes the search reaches: the draft must be the one from the
+    cursor advanced by them, on trees that changed since the cursor matched (sequences added and removed), where a
+    suffix reaches the depth, and from an empty cursor; and the pair of trees' draft the better of the two."""
+    import random
+
+    from specdec_core.drafters.suffix_tree import Cursor
+
+    def advanced(tree, cursor, tokens):
+        copy = Cursor(tree.depth)
+        copy.nodes[:], copy.lengths[:], copy.size[:] = cursor.nodes, cursor.lengths, cursor.size
+        tree.advance(copy, tokens)
+        return copy
+
+    rng = random.Random(29)
+    compared = won = 0
+    for trial in range(80):
+        depth = rng.choice([3, 6, 24])
+        alphabet = rng.choice([2, 3, 6, 30])
+        base = [rng.randrange(alphabet) for _ in range(80)]
+        trees, sequences = [SuffixTree(depth), SuffixTree(depth)], []
+        for tree in trees:
+            for _ in range(rng.randrange(1, 4)):
+                start = rng.randrange(len(base))
+                sequences.append((tree, base[start: start + rng.randrange(5, 50)]))
+                tree.extend(tree.cursor(), sequences[-1][1])
+        for _ in range(12):
+            start = rng.randrange(len(base))
+            seen = base[start: start + rng.randrange(0, 30)]
+            cursors = [tree.cursor(seen) for tree in trees]
+            if rng.random() < 0.4:  # the trees change after the cursors matched
+                tree, removed = sequences.pop(rng.randrange(len(sequences))) if len(sequences) > 2 else (None, None)
+                if tree is not None:
+                    tree.remove(removed)
+                added = trees[rng.randrange(2)]
+                sequences.append((added, base[rng.randrange(len(base)):]))
+                added.extend(added.cursor(), sequences[-1][1])
+            step = start + len(seen)
+            pending = (base[step: step + rng.randrange(0, 6)] if rng.random() < 0.7
+                       else [rng.randrange(alphabet) for _ in range(rng.randrange(1, 4))])
+            limits = (rng.choice([0, 1, 4, 16, 64]), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.3]))
+            drafts = []
+            for tree, cursor in zip(trees, cursors):
+                expected = tree.draft(advanced(tree, cursor, pending), *limits)
+                got = tree.draft(cursor, *limits, pending=pending)
+                assert (got.tokens, got.parents, got.match_length, got.score, got.probs) == (
+                    expected.tokens, expected.parents, expected.match_length, expected.score, expected.probs), trial
+                drafts.append(expected)
+                compared += bool(expected.tokens)
+            pair, other_won = trees[0].best_draft(cursors[0], pending, limits, trees[1], cursors[1])
+            better = drafts[1] if drafts[1].score > drafts[0].score else drafts[0]
+            assert (pair.tokens, pair.parents, pair.score, other_won) == (
+                better.tokens, better.parents, better.score, better is drafts[1]), trial
+            won += other_won
+    assert compared > 800 and won > 100
