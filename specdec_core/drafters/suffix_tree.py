@@ -35,9 +35,9 @@ from numba import njit  # noqa: E402  (after the cache directory is set)
 TOKEN, COUNT, FIRST, LAST, NEXT, PARENT = range(6)
 ROOT = 0
 EMPTY, TOMBSTONE = -1, -2  # hash-table keys that hold no entry
-# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included), and
-# the sum of `_touch`'s last loads (stored so that the loads are kept)
-USED, FREE, FILLED, TOUCHED = range(4)
+# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included), the
+# sum of `_touch`'s last loads (stored so that the loads are kept), and sequences removed so far
+USED, FREE, FILLED, TOUCHED, REMOVED = range(5)
 MAX_TOKEN = 1 << 24  # a key is parent << 24 | token
 APPEND_CHUNK = 256  # tokens appended per compiled call
 
@@ -162,6 +162,7 @@ def _remove(nodes, keys, values, meta, free, tokens, depth):  # pragma: no cover
     """Take back a sequence `_append` added from an empty cursor: every path of its suffixes counts once less, and a
     node left at 0 goes with its subtree (a child never counts more than its parent, so all of it is at 0 too)."""
     stack = np.empty(64, np.int64)
+    meta[REMOVED] += 1
     for start in range(tokens.shape[0]):
         node = ROOT
         for position in range(start, min(start + depth, tokens.shape[0])):
@@ -294,6 +295,15 @@ def _walk(tree, node, tokens):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _lookup(tree, cursor_nodes, start, pending, length):  # pragma: no cover - compiled
+    """The node of a `_draft` candidate: pending from the cursor's held suffix `start`, or pending's last `length`
+    tokens from the root (start -1); -1 where the tree does not hold it."""
+    if start >= 0:
+        return _walk(tree, cursor_nodes[start], pending)
+    return _walk(tree, ROOT, pending[pending.shape[0] - length:])
+
+
+@njit(cache=True)
 def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - compiled
     """The best tree over the suffixes the tree holds of the cursor's sequence followed by `pending` (see the
     module's docstring) into out = (tokens, parents, probs): the highest score, the longest suffix of equal scores
@@ -311,10 +321,10 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
     lengths = np.empty(size, np.int64)  # the candidates, longest first
     starts = np.empty(size, np.int64)  # a held suffix's index in the cursor, or -1 for pending's own suffix
     count = 0
-    for held in range(cursor_size[0]):
-        if cursor_lengths[held] + extra <= depth:  # (`_advance` drops a suffix at the depth)
-            lengths[count] = cursor_lengths[held] + extra
-            starts[count] = held
+    for index in range(cursor_size[0]):
+        if cursor_lengths[index] + extra <= depth:  # (`_advance` drops a suffix at the depth)
+            lengths[count] = cursor_lengths[index] + extra
+            starts[count] = index
             count += 1
     for length in range(min(extra, depth), 0, -1):
         lengths[count] = length
@@ -327,7 +337,11 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
     bounds = np.empty(count, np.int64)
     for index in range(count):
         bounds[index] = _bound(lengths[index], max_tokens, factor, depth)
-    missing = depth + 1  # the shortest candidate the tree lacks: it lacks every longer one too
+    # The tree lacks every candidate before `held` (it lacks a suffix of each: they are longer). Past the first
+    # miss, bisection finds the first candidate it holds (node `held_node`): it holds every shorter one too. Not once
+    # a sequence was removed: a cursor may then hold a freed node, reused for another path, and a lookup through it
+    # may find what the tree does not hold.
+    held, held_node, bisects = 0, -1, tree[3][REMOVED] == 0
     for _ in range(count):
         pick = -1  # the highest bound left, the longest of equal bounds
         for index in range(count):
@@ -337,16 +351,21 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
             break  # nothing left can score more (nor tie the best from a longer suffix: those came first)
         bound, length = bounds[pick], lengths[pick]
         bounds[pick] = -1
-        if (bound == best_score and length < best_length) or length >= missing:
+        if (bound == best_score and length < best_length) or pick < held:
             continue
-        if starts[pick] >= 0:
-            node = _walk(tree, cursor_nodes[starts[pick]], pending)
-        else:
-            node = _walk(tree, ROOT, pending[extra - length:])
-        if node < 0:
-            missing = length
-            continue
-        if nodes[node, FIRST] < 0:
+        node = held_node if pick == held and held_node >= 0 else _lookup(tree, cursor_nodes, starts[pick], pending,
+                                                                         length)
+        if node < 0 and bisects:  # the longest candidate held lies past `pick`
+            low, high = pick + 1, count  # held is in [low, high] (count: none is held)
+            while low < high:
+                middle = (low + high) // 2
+                found = _lookup(tree, cursor_nodes, starts[middle], pending, lengths[middle])
+                if found >= 0:
+                    high, held_node = middle, found
+                else:
+                    low = middle + 1
+            held = low
+        if node < 0 or nodes[node, FIRST] < 0:
             continue
         taken, score = _best_first(nodes, node, _budget(length, max_tokens, factor), min_prob, tokens, parents,
                                    probs)
@@ -377,8 +396,8 @@ def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, depths, 
     for held in range(other_size):
         if other_lengths[held] + extra <= other_depth:
             most = max(most, _bound(other_lengths[held] + extra, max_tokens, factor, other_depth))
-    for length in range(1, min(extra, other_depth) + 1):
-        most = max(most, _bound(length, max_tokens, factor, other_depth))
+    for alone in range(1, min(extra, other_depth) + 1):
+        most = max(most, _bound(alone, max_tokens, factor, other_depth))
     if most <= score:
         return taken, length, score, 0
     got, got_length, got_score = _draft(other_tree, other_cursor, pending, other_depth, limits,
@@ -430,9 +449,9 @@ class SuffixTree:
         self.nodes = np.full((capacity, 6), -1, np.int32)  # [rows, TOKEN..PARENT]; row 0 is the root
         self.nodes[ROOT, COUNT] = 0
         self.free = np.zeros(capacity, np.int32)  # rows freed by `remove`, reused first
-        self.meta = np.array([1, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED
+        self.meta = np.array([1, 0, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED, REMOVED
         self.keys, self.values = _hash_table(1 << (2 * capacity - 1).bit_length())  # (a power of two)
-        self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # extend_and_draft's [2, width] buffers
+        self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # best_draft's [2, width] buffers
         self.arrays = self._arrays()  # the compiled kernels' view of the tables, until they grow
 
     @classmethod
@@ -549,7 +568,7 @@ class SuffixTree:
     def _reserve(self, new_nodes: int) -> None:
         """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
         table kept at most half full."""
-        used, _, filled, _ = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
+        used, _, filled = self.meta[:3].tolist()  # (Python ints: cheaper than numpy scalars)
         needed, grown_tables = used + new_nodes, False
         if needed > len(self.nodes):
             grown_tables = True

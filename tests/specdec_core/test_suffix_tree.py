@@ -279,7 +279,7 @@ def test_a_draft_past_the_cursor_equals_the_draft_from_the_cursor_advanced():
                 compared += bool(expected.tokens)
             pair, other_won = trees[0].best_draft(cursors[0], pending, limits, trees[1], cursors[1])
             better = drafts[1] if drafts[1].score > drafts[0].score else drafts[0]
-            assert (pair.tokens, pair.parents, pair.score, other_won) == (
-                better.tokens, better.parents, better.score, better is drafts[1]), trial
+            assert (pair.tokens, pair.parents, pair.match_length, pair.score, other_won) == (
+                better.tokens, better.parents, better.match_length, better.score, better is drafts[1]), trial
             won += other_won
     assert compared > 800 and won > 100
