@@ -35,9 +35,9 @@ from numba import njit  # noqa: E402  (after the cache directory is set)
 TOKEN, COUNT, FIRST, LAST, NEXT, PARENT = range(6)
 ROOT = 0
 EMPTY, TOMBSTONE = -1, -2  # hash-table keys that hold no entry
-# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included), the
-# sum of `_touch`'s last loads (stored so that the loads are kept), and sequences removed so far
-USED, FREE, FILLED, TOUCHED, REMOVED = range(5)
+# meta: rows of the node table in use, free rows on the free list, hash slots filled (tombstones included), and
+# the sum of `_touch`'s last loads (stored so that the loads are kept)
+USED, FREE, FILLED, TOUCHED = range(4)
 MAX_TOKEN = 1 << 24  # a key is parent << 24 | token
 APPEND_CHUNK = 256  # tokens appended per compiled call
 
@@ -162,7 +162,6 @@ def _remove(nodes, keys, values, meta, free, tokens, depth):  # pragma: no cover
     """Take back a sequence `_append` added from an empty cursor: every path of its suffixes counts once less, and a
     node left at 0 goes with its subtree (a child never counts more than its parent, so all of it is at 0 too)."""
     stack = np.empty(64, np.int64)
-    meta[REMOVED] += 1
     for start in range(tokens.shape[0]):
         node = ROOT
         for position in range(start, min(start + depth, tokens.shape[0])):
@@ -284,36 +283,39 @@ def _bound(length, max_tokens, factor, depth):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _walk(tree, node, tokens):  # pragma: no cover - compiled
-    """The node that `tokens` lead to from `node`, or -1 where the tree does not hold the path."""
-    nodes, keys, values, meta, free = tree
+def _walk(table, node, tokens):  # pragma: no cover - compiled
+    """The node that `tokens` lead to from `node` (table: the hash table, [slots, (key, child)]), or -1 where the
+    tree does not hold the path."""
+    keys = table[:, 0]
     for token in tokens:
-        node = _child(nodes, keys, values, meta, free, node, token, False)
-        if node < 0:
+        key = (np.int64(node) << 24) | np.int64(token)
+        slot = _slot(keys, key)
+        if keys[slot] != key:
             return -1
+        node = table[slot, 1]
     return node
 
 
 @njit(cache=True)
-def _lookup(tree, cursor_nodes, start, pending, length):  # pragma: no cover - compiled
+def _lookup(table, cursor_nodes, start, pending, length):  # pragma: no cover - compiled
     """The node of a `_draft` candidate: pending from the cursor's held suffix `start`, or pending's last `length`
     tokens from the root (start -1); -1 where the tree does not hold it."""
     if start >= 0:
-        return _walk(tree, cursor_nodes[start], pending)
-    return _walk(tree, ROOT, pending[pending.shape[0] - length:])
+        return _walk(table, cursor_nodes[start], pending)
+    return _walk(table, ROOT, pending[pending.shape[0] - length:])
 
 
 @njit(cache=True)
-def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - compiled
+def _draft(tree, cursor, pending, limits, out):  # pragma: no cover - compiled
     """The best tree over the suffixes the tree holds of the cursor's sequence followed by `pending` (see the
     module's docstring) into out = (tokens, parents, probs): the highest score, the longest suffix of equal scores
     -> (nodes, match length, score). The suffixes are searched by what they can score, most first, and the search
     ends where none left can win (a match near half the depth can score the most). A suffix's node is looked up
     only when the search reaches it: `pending` from the node of a held suffix (or from the root, for a suffix of
     pending alone), which is what `_advance` by `pending` would hold, in the same order (longest first).
-    limits: (max_tokens, factor, min_prob)."""
-    nodes = tree[0]
-    cursor_nodes, cursor_lengths, cursor_size = cursor
+    tree: `SuffixTree.view`; cursor: `Cursor.state`; limits: (max_tokens, factor, min_prob)."""
+    nodes, table, depth, bisects = tree
+    cursor_nodes, cursor_lengths, cursor_size = _held(cursor)
     max_tokens, factor, min_prob = limits
     out_tokens, out_parents, out_probs = out
     extra = pending.shape[0]
@@ -341,7 +343,7 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
     # miss, bisection finds the first candidate it holds (node `held_node`): it holds every shorter one too. Not once
     # a sequence was removed: a cursor may then hold a freed node, reused for another path, and a lookup through it
     # may find what the tree does not hold.
-    held, held_node, bisects = 0, -1, tree[3][REMOVED] == 0
+    held, held_node = 0, -1
     for _ in range(count):
         pick = -1  # the highest bound left, the longest of equal bounds
         for index in range(count):
@@ -353,13 +355,13 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
         bounds[pick] = -1
         if (bound == best_score and length < best_length) or pick < held:
             continue
-        node = held_node if pick == held and held_node >= 0 else _lookup(tree, cursor_nodes, starts[pick], pending,
+        node = held_node if pick == held and held_node >= 0 else _lookup(table, cursor_nodes, starts[pick], pending,
                                                                          length)
         if node < 0 and bisects:  # the longest candidate held lies past `pick`
             low, high = pick + 1, count  # held is in [low, high] (count: none is held)
             while low < high:
                 middle = (low + high) // 2
-                found = _lookup(tree, cursor_nodes, starts[middle], pending, lengths[middle])
+                found = _lookup(table, cursor_nodes, starts[middle], pending, lengths[middle])
                 if found >= 0:
                     high, held_node = middle, found
                 else:
@@ -378,19 +380,27 @@ def _draft(tree, cursor, pending, depth, limits, out):  # pragma: no cover - com
 
 
 @njit(cache=True)
-def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, depths, limits,
-                out):  # pragma: no cover - compiled
-    """`_draft` on this tree, then on the other (where `other`) into out's row 1, searched only where one of its
+def _held(state):  # pragma: no cover - compiled
+    """A `Cursor.state`'s parts: (nodes, lengths, size), views of it."""
+    slots = (state.shape[0] - 1) // 2
+    return state[1: 1 + slots], state[1 + slots:], state[:1]
+
+
+@njit(cache=True)
+def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, limits, out_ids,
+                out_probs):  # pragma: no cover - compiled
+    """`_draft` on this tree, then on the other (where `other`) into the outs' row 1, searched only where one of its
     suffixes could beat this one's score (`_bound`) -> (nodes, match length, score, 1 where the other's won), the
-    winner in out's row 0. One compiled call for a row's step.
-    depths: the two trees'; limits: (max_tokens, factor, min_prob); out: (tokens, parents, probs), each [2, width]."""
-    depth, other_depth = depths
+    winner in the outs' row 0. One compiled call for a row's step, its arguments few arrays (each costs the call
+    its unboxing).
+    trees: `SuffixTree.view`s; cursors: `Cursor.state`s; limits: (max_tokens, factor, min_prob); out_ids: [2, 2,
+    width] (tokens, parents) a row; out_probs: [2, width]."""
+    other_depth = other_tree[2]
     max_tokens, factor = limits[0], limits[1]
-    out_tokens, out_parents, out_probs = out
-    taken, length, score = _draft(tree, cursor, pending, depth, limits, (out_tokens[0], out_parents[0], out_probs[0]))
+    taken, length, score = _draft(tree, cursor, pending, limits, (out_ids[0, 0], out_ids[0, 1], out_probs[0]))
     if not other:
         return taken, length, score, 0
-    other_lengths, other_size = other_cursor[1], other_cursor[2][0]
+    other_lengths, other_size = _held(other_cursor)[1], other_cursor[0]
     extra = pending.shape[0]
     most = 0  # the most the other tree's draft can score (its candidates' bounds: see `_draft`)
     for held in range(other_size):
@@ -400,12 +410,11 @@ def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, depths, 
         most = max(most, _bound(alone, max_tokens, factor, other_depth))
     if most <= score:
         return taken, length, score, 0
-    got, got_length, got_score = _draft(other_tree, other_cursor, pending, other_depth, limits,
-                                        (out_tokens[1], out_parents[1], out_probs[1]))
+    got, got_length, got_score = _draft(other_tree, other_cursor, pending, limits,
+                                        (out_ids[1, 0], out_ids[1, 1], out_probs[1]))
     if got_score <= score:
         return taken, length, score, 0
-    out_tokens[0, :got] = out_tokens[1, :got]
-    out_parents[0, :got] = out_parents[1, :got]
+    out_ids[0, :, :got] = out_ids[1, :, :got]
     out_probs[0, :got] = out_probs[1, :got]
     return got, got_length, got_score, 1
 
@@ -414,13 +423,13 @@ class Cursor:
     """A sequence being matched against (and, for `SuffixTree.extend`, added to) a tree: the nodes of its suffixes
     that the tree holds, longest first, with their lengths."""
 
-    __slots__ = ("nodes", "lengths", "size", "arrays")
+    __slots__ = ("state", "nodes", "lengths", "size", "arrays")
 
     def __init__(self, depth: int):
-        self.nodes = np.zeros(depth + 1, np.int64)
-        self.lengths = np.zeros(depth + 1, np.int64)
-        self.size = np.zeros(1, np.int64)
-        self.arrays = (self.nodes, self.lengths, self.size)  # the compiled kernels' view (built once: a row's step)
+        # One array (a draft's kernel unboxes one argument, not three): [size, nodes..., lengths...]
+        self.state = np.zeros(1 + 2 * (depth + 1), np.int64)
+        self.size, self.nodes, self.lengths = self.state[:1], self.state[1: depth + 2], self.state[depth + 2:]
+        self.arrays = (self.nodes, self.lengths, self.size)  # the appending kernels' view (built once: a row's step)
 
     @property
     def matched(self) -> list[tuple[int, int]]:
@@ -449,10 +458,13 @@ class SuffixTree:
         self.nodes = np.full((capacity, 6), -1, np.int32)  # [rows, TOKEN..PARENT]; row 0 is the root
         self.nodes[ROOT, COUNT] = 0
         self.free = np.zeros(capacity, np.int32)  # rows freed by `remove`, reused first
-        self.meta = np.array([1, 0, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED, REMOVED
-        self.keys, self.values = _hash_table(1 << (2 * capacity - 1).bit_length())  # (a power of two)
-        self._out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # best_draft's [2, width] buffers
+        self.meta = np.array([1, 0, 0, 0], np.int64)  # USED, FREE, FILLED, TOUCHED
+        self.table = _hash_table(1 << (2 * capacity - 1).bit_length())  # (a power of two)
+        self.keys, self.values = self.table[:, 0], self.table[:, 1]
+        self.removed = 0  # sequences `remove`d so far
+        self._out: tuple[np.ndarray, np.ndarray] | None = None  # best_draft's (ids [2, 2, width], probs [2, width])
         self.arrays = self._arrays()  # the compiled kernels' view of the tables, until they grow
+        self.view = self._view()  # the drafting kernels' (`_draft`)
 
     @classmethod
     def for_tokens(cls, tokens: int, depth: int = 24) -> "SuffixTree":
@@ -466,7 +478,7 @@ class SuffixTree:
 
     @property
     def nbytes(self) -> int:
-        return self.nodes.nbytes + self.free.nbytes + 2 * self.keys.nbytes
+        return self.nodes.nbytes + self.free.nbytes + self.table.nbytes
 
     def cursor(self, tokens: Iterable[int] = ()) -> Cursor:
         """A cursor that has matched `tokens` (without adding them)."""
@@ -499,14 +511,14 @@ class SuffixTree:
         ids = _ids(pending)
         max_tokens, factor, min_prob = limits
         width = max(max_tokens, 1)
-        if self._out is None or self._out[0].shape[1] < width:
-            self._out = (np.empty((2, width), np.int64), np.empty((2, width), np.int64), np.empty((2, width)))
-        out_tokens, out_parents, out_probs = self._out
+        if self._out is None or self._out[1].shape[1] < width:
+            self._out = (np.empty((2, 2, width), np.int64), np.empty((2, width)))
+        out_ids, out_probs = self._out
         second, second_cursor = (other, other_cursor) if other is not None else (self, cursor)
         taken, length, score, swapped = _draft_pair(
-            self.arrays, cursor.arrays, second.arrays, second_cursor.arrays, other is not None, ids,
-            (self.depth, second.depth), (max(max_tokens, 0), float(factor), float(min_prob)), self._out)
-        draft = TreeDraft(out_tokens[0, :taken].tolist(), out_parents[0, :taken].tolist(), int(length), float(score),
+            self.view, cursor.state, second.view, second_cursor.state, other is not None, ids,
+            (max(max_tokens, 0), float(factor), float(min_prob)), out_ids, out_probs)
+        draft = TreeDraft(out_ids[0, 0, :taken].tolist(), out_ids[0, 1, :taken].tolist(), int(length), float(score),
                           out_probs[0, :taken].tolist())
         return draft, bool(swapped)
 
@@ -514,11 +526,19 @@ class SuffixTree:
         """The compiled kernels' view of the tree: (nodes, keys, values, meta, free)."""
         return self.nodes, self.keys, self.values, self.meta, self.free
 
+    def _view(self) -> tuple:
+        """The drafting kernels' view: (nodes, table, depth, whether a draft may bisect). Not once a sequence was
+        removed: a cursor may then hold a freed node, reused for another path, and a lookup through it may find what
+        the tree does not hold (`_draft`)."""
+        return self.nodes, self.table, self.depth, self.removed == 0
+
     def remove(self, tokens: Sequence[int]) -> None:
         """Take back one sequence that `extend` added from a fresh cursor (eviction)."""
         ids = _ids(tokens)
         if len(ids):
             _remove(self.nodes, self.keys, self.values, self.meta, self.free, ids, self.depth)
+            self.removed += 1
+            self.view = self._view()
         self.tokens -= len(ids)
 
     def draft(self, cursor: Cursor, max_tokens: int, factor: float = 1.0, min_prob: float = 0.1,
@@ -530,8 +550,8 @@ class SuffixTree:
         tokens = np.empty(max_tokens, np.int64)
         parents = np.empty(max_tokens, np.int64)
         probs = np.empty(max_tokens, np.float64)
-        taken, length, score = _draft(self.arrays, cursor.arrays, ids, self.depth,
-                                      (max_tokens, float(factor), float(min_prob)), (tokens, parents, probs))
+        taken, length, score = _draft(self.view, cursor.state, ids, (max_tokens, float(factor), float(min_prob)),
+                                      (tokens, parents, probs))
         return TreeDraft(tokens[:taken].tolist(), parents[:taken].tolist(), int(length), float(score),
                          probs[:taken].tolist())
 
@@ -568,7 +588,7 @@ class SuffixTree:
     def _reserve(self, new_nodes: int) -> None:
         """Room for `new_nodes` more nodes (the most an append of them can create) and their hash entries, the hash
         table kept at most half full."""
-        used, _, filled = self.meta[:3].tolist()  # (Python ints: cheaper than numpy scalars)
+        used, _, filled, _ = self.meta.tolist()  # (Python ints: cheaper than numpy scalars)
         needed, grown_tables = used + new_nodes, False
         if needed > len(self.nodes):
             grown_tables = True
@@ -586,20 +606,20 @@ class SuffixTree:
             slots = len(self.keys)
             while slots < 3 * live:  # (grown again at half full)
                 slots *= 2
-            keys, values = _hash_table(slots)
-            _rehash(self.keys, self.values, keys, values)
-            self.keys, self.values = keys, values
+            table = _hash_table(slots)
+            _rehash(self.keys, self.values, table[:, 0], table[:, 1])
+            self.table, self.keys, self.values = table, table[:, 0], table[:, 1]
             self.meta[FILLED] = self.node_count  # tombstones are gone
-        if grown_tables:  # (the kernels' view still holds the old tables)
-            self.arrays = self._arrays()
+        if grown_tables:  # (the kernels' views still hold the old tables)
+            self.arrays, self.view = self._arrays(), self._view()
 
 
-def _hash_table(slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """keys (parent << 24 | token) and values (the child node): strided views of one [slots, 2] table, so a probe's
-    key and value share a cache line."""
+def _hash_table(slots: int) -> np.ndarray:
+    """[slots, (key, value)]: keys (parent << 24 | token) and values (the child node) in one table, so a probe's key
+    and value share a cache line (the kernels take its columns as keys and values)."""
     table = np.zeros((slots, 2), np.int64)
     table[:, 0] = EMPTY
-    return table[:, 0], table[:, 1]
+    return table
 
 
 def _ids(tokens: Iterable[int] | int) -> np.ndarray:
