@@ -114,7 +114,8 @@ class SimulatedStep:
         live, width = step_ids.shape
         lengths = torch.tensor(cache.lengths[:live])
         depth = batch.positions - lengths[:, None]  # [B, T]
-        argmax = torch.tensor([[self._token(row, int(d)) for d in depth[b]] for b, row in enumerate(rows)])
+        # (over Python lists: iterating a tensor makes a tensor of each element, and the device's window holds it)
+        argmax = torch.tensor([self._tokens(row, depths) for depths, row in zip(depth.tolist(), rows)])
         found = verify(step_ids, batch.visible, depth, argmax).tolist()
         self.steps += 1
         seconds = self.device.seconds(live, width)
@@ -134,11 +135,11 @@ class SimulatedStep:
             logits[i, self.oracle[row.request.key][0]] = 1.0
         return logits
 
-    def _token(self, row, depth: int) -> int:
-        """The target's argmax after the node `depth` tokens past the row's pending token."""
+    def _tokens(self, row, depths: list[int]) -> list[int]:
+        """The target's argmax after each node, `depth` tokens past the row's pending token."""
         tokens = self.oracle[row.request.key]
-        index = row.state.num_generated + depth
-        return tokens[index] if index < len(tokens) else tokens[-1]
+        last, generated = len(tokens) - 1, row.state.num_generated
+        return [tokens[min(generated + depth, last)] for depth in depths]
 
     def occupy(self, seconds: float, since: float) -> None:
         """The device busy for `seconds` from `since` (the host waits, as for a step's copy back)."""
