@@ -53,11 +53,25 @@ def python_step_inputs(lengths: list[int], pending: list[int], drafts: list[Draf
     return ids, positions, torch.from_numpy(visible), logit_index
 
 
+_LOWER = np.ones((0, 0), dtype=bool)  # a lower triangle, grown to the widest chunk so far up to CACHED_WIDTH
+CACHED_WIDTH = 4096  # (a wider one, a GPU's long prompt, is built for its call: kept, it would hold T x T bytes)
+
+
 def chain_visibility(counts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """counts [B]: real nodes per row -> inside [B, T] (node t is real) and visible [B, T, T] (real node t sees real
-    nodes 0..t: a chain; padding sees nothing), in numpy (see draft_tree.ancestor_array)."""
+    nodes 0..t: a chain; padding sees nothing), in numpy (see draft_tree.ancestor_array). The rows copy one cached
+    triangle and clear their padding's rows: a prefill chunk's is T x T, and building it anew took longer than
+    copying."""
+    global _LOWER
+    lower = _LOWER
+    if len(lower) < width:
+        lower = np.tri(width, dtype=bool)
+        if width <= CACHED_WIDTH:
+            _LOWER = lower
     inside = np.arange(width)[None, :] < counts[:, None]
-    visible = np.tril(np.ones((width, width), dtype=bool))[None] & inside[:, :, None] & inside[:, None, :]
+    visible = np.repeat(lower[None, :width, :width], len(counts), axis=0)
+    for row, count in enumerate(counts.tolist()):
+        visible[row, count:] = False  # (a padding column is seen only from the rows below it: padding too)
     return inside, visible
 
 

@@ -49,3 +49,24 @@ def test_the_compiled_pass_equals_the_numpy_build(monkeypatch):
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), trial
     assert inputs_module.inputs_kernel() is not None  # the compiled pass ran
+
+
+def test_chain_visibility_is_each_rows_lower_triangle_within_its_nodes(monkeypatch):
+    """Rows copy a cached triangle (grown as wider chunks come, built per call past CACHED_WIDTH) and clear their
+    padding: what the definition gives, for narrower widths after wider ones too, and writable per call."""
+    import numpy as np
+
+    from specdec_core.loop import step_inputs
+
+    monkeypatch.setattr(step_inputs, "CACHED_WIDTH", 12)
+    monkeypatch.setattr(step_inputs, "_LOWER", np.ones((0, 0), dtype=bool))
+    rng = np.random.default_rng(5)
+    for width in [3, 9, 1, 16, 5, 12, 20, 7]:
+        counts = rng.integers(0, width + 1, size=rng.integers(1, 5))
+        inside, visible = step_inputs.chain_visibility(counts, width)
+        t = np.arange(width)
+        expected_inside = t[None, :] < counts[:, None]
+        expected = (t[:, None] >= t[None, :])[None] & expected_inside[:, :, None] & expected_inside[:, None, :]
+        assert (inside == expected_inside).all() and (visible == expected).all() and visible.shape == expected.shape
+        visible[:] = False  # the caller's to write: the cached triangle stays as it was
+    assert len(step_inputs._LOWER) == 12 and (step_inputs._LOWER == np.tri(12, dtype=bool)).all()
