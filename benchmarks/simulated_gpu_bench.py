@@ -18,7 +18,8 @@ Per method it prints the decode steps' tok/s, the host ms a step (the step's wal
 time: the host work the device's time did not hide) and its share of the step, and the cycle collector's full
 passes, side by side in one run, rounds interleaved; with --profile, cProfile's top host functions of the last
 round. The ratios to `ar` predict what speculation gains on that GPU at that step time, with this CPU's host speed
-(a GPU machine's host is usually faster).
+(a GPU machine's host is usually faster). Admissions run between steps: their host work a row (prefill's inputs, the
+drafters' start, less the simulated prefill's device time) is printed apart, with the ratio to `ar` counting it.
 
   python benchmarks/simulated_gpu_bench.py --workload code_edit --requests 64 --batch-size 64 --methods ar pld suffix
   python benchmarks/simulated_gpu_bench.py --requests 256  # a queue at batch 64, as issue 50 asks
@@ -104,6 +105,7 @@ class SimulatedStep:
         self.device = device
         self.capture_s = 0.0
         self.device_s = 0.0
+        self.overrun_s = 0.0  # host work in the device's window that outlasted it (host time past the device's)
         self.steps = 0
 
     def launch(self, cache, batch, step_ids, verify, sampling=None) -> "SimulatedLaunch":
@@ -120,7 +122,7 @@ class SimulatedStep:
         self.steps += 1
         seconds = self.device.seconds(live, width)
         self.device_s += seconds
-        return SimulatedLaunch(found, started + seconds)
+        return SimulatedLaunch(found, started + seconds, self)
 
     def run(self, cache, batch, step_ids, verify, sampling=None):
         return self.launch(cache, batch, step_ids, verify, sampling).result()
@@ -151,10 +153,11 @@ class SimulatedLaunch:
     """A simulated step under way: `result()` waits until the device is done, then hands the verdicts over. What
     the host did meanwhile overlapped the step; the wait is what the step cost the host beyond that."""
 
-    def __init__(self, found: list, ready_at: float):
-        self.found, self.ready_at = found, ready_at
+    def __init__(self, found: list, ready_at: float, step: SimulatedStep):
+        self.found, self.ready_at, self.step = found, ready_at, step
 
     def result(self) -> list:
+        self.step.overrun_s += max(0.0, time.perf_counter() - self.ready_at)  # the window's work past the device's
         wait_until(self.ready_at)
         return self.found
 
@@ -215,12 +218,14 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
         phases = _time_phases(decoder)
         for item in items:
             decoder.submit(engine.request(item, method, None, decoder))
-        step_s, host_s, tokens, steps = 0.0, 0.0, 0, 0
+        step_s, host_s, tokens, steps, admit_s = 0.0, 0.0, 0, 0, 0.0
         full = FullCollections()
         decoder.waiting = type(decoder.waiting)(sorted(decoder.waiting, key=lambda r: len(r.prompt_ids)))
         started = time.perf_counter()
         while decoder.waiting or decoder.rows:
-            decoder.admit()
+            before_device, began = step.device_s, time.perf_counter()
+            decoder.admit()  # (prefill and the drafters' start: host work the decode steps leave out)
+            admit_s += time.perf_counter() - began - (step.device_s - before_device)
             if not decoder.rows:
                 continue
             before_tokens, before_device = decoder.stats.new_tokens, step.device_s
@@ -243,9 +248,11 @@ def simulate(engine, items, method: str, batch_size: int, oracle: dict, device: 
     if errors:
         raise SystemExit(f"{method}: {len(errors)} rows failed, e.g. {errors[0]}")
     wrong = sum(r.token_ids != oracle[q.key][:len(r.token_ids)] for q, r in decoder.finished)
+    phases["overrun"] = step.overrun_s
     return {"phases_ms": {k: v / steps * 1e3 for k, v in phases.items()}, "method": method, "steps": steps,
             "tokens": tokens, "decode_tok_s": tokens / step_s, "device_tok_s": tokens / (step_s - host_s),
             "host_ms": host_s / steps * 1e3, "host_share": host_s / step_s, "wall_s": wall,
+            "admit_ms_per_row": admit_s / len(items) * 1e3, "pass_tok_s": tokens / (step_s + admit_s),
             "mean_rows": decoder.stats.mean_occupancy, "accepted": decoder.stats.accepted_tokens,
             "verified": decoder.stats.verified_tokens, "wrong_rows": wrong, "full_gc": full.count,
             "full_gc_ms": full.seconds * 1e3}
@@ -332,18 +339,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"full gc {result['full_gc']} ({result['full_gc_ms']:.0f} ms)",
                   flush=True)
     base = [r["decode_tok_s"] for r in results[args.methods[0]]]
-    print(f"\nmedians of {args.rounds} rounds; x = decode tok/s over {args.methods[0]}'s in the same round")
+    print(f"\nmedians of {args.rounds} rounds; x = decode tok/s over {args.methods[0]}'s in the same round; with "
+          f"admissions: their host work (prefill's inputs, the drafters' start) counted too, prefill's device time "
+          f"{args.prefill_us_per_token:g} us a token")
     for method, rows in results.items():
         ratio = statistics.median(r["decode_tok_s"] / b for r, b in zip(rows, base))
         ceiling = statistics.median(r["device_tok_s"] / b["device_tok_s"]
                                     for r, b in zip(rows, results[args.methods[0]]))
         phases = ", ".join(f"{name} {statistics.median(r['phases_ms'][name] for r in rows):.2f}"
-                           for name in PHASES.values())
+                           for name in [*PHASES.values(), "overrun"])
         host = statistics.median(r["host_ms"] for r in rows)
+        with_admissions = statistics.median(r["pass_tok_s"] / b["pass_tok_s"]
+                                            for r, b in zip(rows, results[args.methods[0]]))
         print(f"{method:10s} decode {statistics.median(r['decode_tok_s'] for r in rows):8.0f} tok/s  "
               f"x {ratio:.2f} (x {ceiling:.2f} with no host work)  host {host:.3f} ms/step "
               f"({statistics.median(r['host_share'] for r in rows):.0%} of the step)  "
-              f"mean rows {statistics.median(r['mean_rows'] for r in rows):.1f}\n    host ms/step by phase: {phases}")
+              f"mean rows {statistics.median(r['mean_rows'] for r in rows):.1f}\n    host ms/step by phase: {phases}\n"
+              f"    admissions: host {statistics.median(r['admit_ms_per_row'] for r in rows):.2f} ms a row; "
+              f"x {with_admissions:.2f} with them")
     for method in args.methods if args.profile else []:  # a pass of its own: the profiler slows the host
         profile = cProfile.Profile()
         engine.forget()
