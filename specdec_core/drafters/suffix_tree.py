@@ -43,6 +43,12 @@ APPEND_CHUNK = 256  # tokens appended per compiled call
 
 
 @njit(cache=True)
+def _key(parent, token):  # pragma: no cover - compiled
+    """The hash table's key of `parent`'s child for `token`."""
+    return (np.int64(parent) << 24) | np.int64(token)
+
+
+@njit(cache=True)
 def _home(keys, key):  # pragma: no cover - compiled
     """The first slot of `key`'s probe path."""
     return np.int64((np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)) & (keys.shape[0] - 1)
@@ -55,7 +61,7 @@ def _touch(keys, meta, cursor_nodes, cursor_lengths, size, token, depth):  # pra
     loaded = 0
     for held in range(size):
         if cursor_lengths[held] < depth:
-            loaded += keys[_home(keys, (np.int64(cursor_nodes[held]) << 24) | np.int64(token))]
+            loaded += keys[_home(keys, _key(cursor_nodes[held], token))]
     meta[TOUCHED] = loaded
 
 
@@ -79,7 +85,7 @@ def _slot(keys, key):  # pragma: no cover - compiled
 @njit(cache=True)
 def _child(nodes, keys, values, meta, free, parent, token, create):  # pragma: no cover - compiled
     """The child of `parent` for `token`; a new one (count 0) when `create`, else -1 when there is none."""
-    key = (np.int64(parent) << 24) | np.int64(token)
+    key = _key(parent, token)
     slot = _slot(keys, key)
     if keys[slot] == key:
         return values[slot]
@@ -188,7 +194,7 @@ def _remove(nodes, keys, values, meta, free, tokens, depth):  # pragma: no cover
             while top > 0:
                 top -= 1
                 gone = stack[top]
-                key = (np.int64(nodes[gone, PARENT]) << 24) | np.int64(nodes[gone, TOKEN])
+                key = _key(nodes[gone, PARENT], nodes[gone, TOKEN])
                 keys[_slot(keys, key)] = TOMBSTONE
                 below = nodes[gone, FIRST]
                 while below >= 0:
@@ -288,7 +294,7 @@ def _walk(table, node, tokens):  # pragma: no cover - compiled
     tree does not hold the path."""
     keys = table[:, 0]
     for token in tokens:
-        key = (np.int64(node) << 24) | np.int64(token)
+        key = _key(node, token)
         slot = _slot(keys, key)
         if keys[slot] != key:
             return -1
@@ -306,6 +312,27 @@ def _lookup(table, cursor_nodes, start, pending, length):  # pragma: no cover - 
 
 
 @njit(cache=True)
+def _candidates(cursor, extra, depth):  # pragma: no cover - compiled
+    """The suffixes a draft may start from, once the cursor's sequence is followed by `extra` more tokens: what
+    `_advance` by them would hold if the tree held them all, longest first -> (lengths, starts), starts the held
+    suffix's index in the cursor that each extends, or -1 for a suffix of the extra tokens alone."""
+    cursor_lengths, cursor_size = _held(cursor)[1], cursor[0]
+    lengths = np.empty(cursor_size + min(extra, depth), np.int64)
+    starts = np.empty(lengths.shape[0], np.int64)
+    count = 0
+    for index in range(cursor_size):
+        if cursor_lengths[index] + extra <= depth:  # (`_advance` drops a suffix at the depth)
+            lengths[count] = cursor_lengths[index] + extra
+            starts[count] = index
+            count += 1
+    for length in range(min(extra, depth), 0, -1):
+        lengths[count] = length
+        starts[count] = -1
+        count += 1
+    return lengths[:count], starts[:count]
+
+
+@njit(cache=True)
 def _draft(tree, cursor, pending, limits, out):  # pragma: no cover - compiled
     """The best tree over the suffixes the tree holds of the cursor's sequence followed by `pending` (see the
     module's docstring) into out = (tokens, parents, probs): the highest score, the longest suffix of equal scores
@@ -315,23 +342,11 @@ def _draft(tree, cursor, pending, limits, out):  # pragma: no cover - compiled
     pending alone), which is what `_advance` by `pending` would hold, in the same order (longest first).
     tree: `SuffixTree.view`; cursor: `Cursor.state`; limits: (max_tokens, factor, min_prob)."""
     nodes, table, depth, bisects = tree
-    cursor_nodes, cursor_lengths, cursor_size = _held(cursor)
+    cursor_nodes = _held(cursor)[0]
     max_tokens, factor, min_prob = limits
     out_tokens, out_parents, out_probs = out
-    extra = pending.shape[0]
-    size = cursor_size[0] + min(extra, depth)
-    lengths = np.empty(size, np.int64)  # the candidates, longest first
-    starts = np.empty(size, np.int64)  # a held suffix's index in the cursor, or -1 for pending's own suffix
-    count = 0
-    for index in range(cursor_size[0]):
-        if cursor_lengths[index] + extra <= depth:  # (`_advance` drops a suffix at the depth)
-            lengths[count] = cursor_lengths[index] + extra
-            starts[count] = index
-            count += 1
-    for length in range(min(extra, depth), 0, -1):
-        lengths[count] = length
-        starts[count] = -1
-        count += 1
+    lengths, starts = _candidates(cursor, pending.shape[0], depth)
+    count = lengths.shape[0]
     best_taken, best_length, best_score = 0, 0, 0.0
     tokens = np.empty(max(max_tokens, 1), np.int64)
     parents = np.empty(max(max_tokens, 1), np.int64)
@@ -400,14 +415,9 @@ def _draft_pair(tree, cursor, other_tree, other_cursor, other, pending, limits, 
     taken, length, score = _draft(tree, cursor, pending, limits, (out_ids[0, 0], out_ids[0, 1], out_probs[0]))
     if not other:
         return taken, length, score, 0
-    other_lengths, other_size = _held(other_cursor)[1], other_cursor[0]
-    extra = pending.shape[0]
-    most = 0  # the most the other tree's draft can score (its candidates' bounds: see `_draft`)
-    for held in range(other_size):
-        if other_lengths[held] + extra <= other_depth:
-            most = max(most, _bound(other_lengths[held] + extra, max_tokens, factor, other_depth))
-    for alone in range(1, min(extra, other_depth) + 1):
-        most = max(most, _bound(alone, max_tokens, factor, other_depth))
+    most = 0  # the most the other tree's draft can score
+    for candidate in _candidates(other_cursor, pending.shape[0], other_depth)[0]:
+        most = max(most, _bound(candidate, max_tokens, factor, other_depth))
     if most <= score:
         return taken, length, score, 0
     got, got_length, got_score = _draft(other_tree, other_cursor, pending, limits,
