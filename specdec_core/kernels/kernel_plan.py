@@ -35,6 +35,7 @@ import torch
 from ..defaults import cache_root
 from . import linear_plan
 from .linear_plan import Timing
+from .coded_panels import CodedPanels
 from .numba_kernels import cache_key
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear
@@ -221,7 +222,8 @@ def _write(plan: KernelPlan) -> None:
 def primary_kernel(module) -> str:
     """The candidate name of the kernel a linear module runs (tune_for_cpu's choice)."""
     if type(module) is PanelLinear:
-        return "bf16_dot" if module.panels.dim() == 4 else "panel"
+        return ("bf16_dot" if module.panels.dim() == 4
+                else "panel_coded" if isinstance(module.panels, CodedPanels) else "panel")
     if type(module) is PackedLinear:
         return "onednn_fp32_packed"
     return "onednn"

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import bf16_dot, packed_linear, panel_linear
+from . import bf16_dot, coded_panels, packed_linear, panel_linear
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,19 @@ def _panel_fp32(weight: torch.Tensor):
     return lambda x: panel_linear.linear(x.float(), array, None, out_features).to(dtype)
 
 
+def _panel_coded(weight: torch.Tensor):
+    """fp32 weights that are exact 4- or 8-bit block codes, kept as the codes (coded_panels.py)."""
+    panels = coded_panels.encode(weight)
+    if panels is None:
+        raise ValueError("the weight is not exact block codes: it cannot be held as coded panels")
+    arrays, out_features = panels.arrays(), weight.shape[0]
+    return lambda x: panel_linear.linear(x, arrays, None, out_features)
+
+
+def _coded_usable() -> bool:
+    return all(kernel() is not None for kernel in panel_linear.coded_kernels.values())
+
+
 BF16, FP32 = torch.bfloat16, torch.float32
 CANDIDATES = (
     Candidate("onednn", False, (BF16, FP32), lambda: True, _onednn),
@@ -78,6 +91,8 @@ CANDIDATES = (
     Candidate("panel", True, (BF16, FP32), lambda: panel_linear.available(BF16) and panel_linear.available(FP32),
               _panel),
     Candidate("panel_fp32", True, (BF16,), lambda: panel_linear.available(FP32), _panel_fp32, widened=True),
+    # bit-identical to `panel` over the same weights; timed on random weights rounded to 4-bit codes
+    Candidate("panel_coded", True, (FP32,), _coded_usable, _panel_coded),
 )
 
 
@@ -118,8 +133,12 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dt
     with torch.inference_mode():
         for role, (out_features, in_features) in shapes.items():
             weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
+            if dtype == FP32 and in_features % coded_panels.BLOCK == 0:  # as a GGUF's dequantized weights are
+                weight = coded_panels.round_to_codes(weight)
             for candidate in (c for c in CANDIDATES if dtype in c.dtypes and c.usable()):
                 size = candidate.layout_bytes(dtype) * out_features * in_features
+                if candidate.name == "panel_coded":
+                    size = coded_panels.encode(weight).nbytes()
                 copies = max(1, min(256, -(-2 * last_level_cache_bytes() // size)))
                 runs = [candidate.build(weight.clone()) for _ in range(copies)]
                 for count in rows:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import bf16_dot
+from . import bf16_dot, coded_panels
 from .numba_kernels import LazyKernel, numba_cache_dir, use_torch_threads
 from .packed_linear import replace_linears
 
@@ -49,23 +49,55 @@ KERNELS = {torch.float32: ("panel_matmul", "float32", "panels[p, k, {j}]"),
            torch.bfloat16: ("panel_matmul_bf16", "uint16", "bf16_to_f32(panels[p, k, {j}])")}
 
 
+# Coded panels (coded_panels.py): each task first rebuilds its panel's fp32 weights in a tile, then sums over the
+# tile exactly as the fp32 kernel sums over its panel. code bits -> (function, the codes' type, code j's expression).
+# A byte's two 4-bit codes are split in fp32 (c = low + 16 high, all small integers, so exact): integer nibble
+# operations widen to int64 in numba, whose conversion to fp32 AVX2 cannot vectorize.
+CODED = {4: ("panel_matmul_coded4", "uint8", "l{c}", "h{c}"),
+         8: ("panel_matmul_coded8", "int8", "c{j}", None)}
+
+
 def kernel_source() -> str:
     """The numba module: out[M, P x PANEL] = x[M, K] @ panels[P, K, PANEL], parallel over (row block, panel), one
-    function per weight dtype (KERNELS)."""
+    function per weight dtype (KERNELS) and per code width of coded panels (CODED)."""
     lines = ["import numpy as np", "from numba import njit, prange", "", "from specdec_core.kernels.bf16_bits import bf16_to_f32"]
     for name, _, load in KERNELS.values():
         lines += _kernel_lines(name, load)
+    for bits in CODED:
+        lines += _kernel_lines(CODED[bits][0], "tile[k, {j}]", "codes, scales, lows", _tile_lines(bits))
     return "\n".join(lines) + "\n"
 
 
-def _kernel_lines(name: str, load: str) -> list[str]:
+def _tile_lines(bits: int) -> list[str]:
+    """The task's panel p rebuilt from its codes: tile[K, PANEL] = scales * codes + lows, block by block."""
+    _, _, first, second = CODED[bits]
+    lines = ["        tile = np.empty((depth, 16), dtype=np.float32)",
+             f"        for b in range(depth // {coded_panels.BLOCK}):",
+             "            " + ", ".join(f"d{j}" for j in range(PANEL)) + " = "
+             + ", ".join(f"scales[p, b, {j}]" for j in range(PANEL)),
+             "            " + ", ".join(f"o{j}" for j in range(PANEL)) + " = "
+             + ", ".join(f"lows[p, b, {j}]" for j in range(PANEL)),
+             f"            for k in range(b * {coded_panels.BLOCK}, (b + 1) * {coded_panels.BLOCK}):"]
+    stored = PANEL // 2 if bits == 4 else PANEL
+    lines.append("                " + ", ".join(f"c{c}" for c in range(stored)) + " = "
+                 + ", ".join(f"np.float32(codes[p, k, {c}])" for c in range(stored)))
+    if bits == 4:
+        lines += [f"                h{c} = np.floor(c{c} * np.float32(0.0625))" for c in range(stored)]
+        lines += [f"                l{c} = c{c} - np.float32(16.0) * h{c}" for c in range(stored)]
+    for j in range(PANEL):
+        code = (first.format(c=j) if j < 8 else second.format(c=j - 8)) if bits == 4 else first.format(j=j)
+        lines.append(f"                tile[k, {j}] = d{j} * {code} + o{j}")
+    return lines
+
+
+def _kernel_lines(name: str, load: str, weights: str = "panels", preamble: list[str] = ()) -> list[str]:
     lines = [
         "",
         "",
         "@njit(cache=True, parallel=True, fastmath={'contract'}, boundscheck=False, error_model='numpy')",
-        f"def {name}(x, panels, out):",
+        f"def {name}(x, {weights}, out):",
         "    rows, depth = x.shape",
-        "    count = panels.shape[0]",
+        f"    count = {weights.split(',')[0]}.shape[0]",
         f"    blocks = max(1, (rows + {ROW_BLOCK - 1}) // {ROW_BLOCK})",
         f"    size = ((rows + blocks - 1) // blocks + {ROWS - 1}) // {ROWS} * {ROWS}",  # equal blocks
         "    for task in prange(blocks * count):",
@@ -73,6 +105,7 @@ def _kernel_lines(name: str, load: str) -> list[str]:
         "        first = (task // count) * size",
         "        last = min(rows, first + size)",
         f"        held = first + (last - first) // {ROWS} * {ROWS}",
+        *preamble,
         f"        for m in range(first, held, {ROWS}):",
     ]
     zeros = ", ".join(["np.float32(0.0)"] * PANEL)
@@ -107,9 +140,9 @@ def _kernel_lines(name: str, load: str) -> list[str]:
     return lines
 
 
-def _compile(dtype: torch.dtype):
+def _compile(dtype: torch.dtype | int):
+    """The kernel for `dtype` panels, or for coded panels of that many bits."""
     from numba.core import config
-
 
     folder = Path(os.environ.get("NUMBA_CACHE_DIR", numba_cache_dir()))
     folder.mkdir(parents=True, exist_ok=True)
@@ -126,10 +159,15 @@ def _compile(dtype: torch.dtype):
     use_torch_threads()
     # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar.
     # The flag is read when a function is compiled, so it is on for this one only.
-    name, weight_type, _ = KERNELS[dtype]
+    if dtype in CODED:
+        name, code_type = CODED[dtype][:2]
+        weights = f"{code_type}[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1]"
+    else:
+        name, weight_type, _ = KERNELS[dtype]
+        weights = f"{weight_type}[:, :, ::1]"
     saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
     try:
-        getattr(module, name).compile(f"(float32[:, ::1], {weight_type}[:, :, ::1], float32[:, ::1])")
+        getattr(module, name).compile(f"(float32[:, ::1], {weights}, float32[:, ::1])")
     finally:
         config.SLP_VECTORIZE = saved
     return getattr(module, name)
@@ -137,6 +175,8 @@ def _compile(dtype: torch.dtype):
 
 kernels = {dtype: LazyKernel(lambda dtype=dtype: _compile(dtype), f"the {dtype} panel linear kernel",
                              "; linears stay on oneDNN") for dtype in KERNELS}
+coded_kernels = {bits: LazyKernel(lambda bits=bits: _compile(bits), f"the {bits}-bit coded panel kernel",
+                                  "; coded weights stay fp32 panels") for bits in CODED}
 DTYPES = tuple(KERNELS)
 
 
@@ -155,9 +195,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(count, PANEL, in_features).transpose(1, 2).contiguous()  # one copy
 
 
-def as_kernel_array(panels: torch.Tensor) -> np.ndarray:
+def as_kernel_array(panels: torch.Tensor | coded_panels.CodedPanels) -> np.ndarray | tuple:
     """The panels' memory as their kernel reads it (no copy): fp32 as is, bf16 as its uint16 bits, bf16 pair
-    panels [P, K2, 16, 2] as uint32 words (bf16_dot.py)."""
+    panels [P, K2, 16, 2] as uint32 words (bf16_dot.py), coded panels as (codes, scales, lows)."""
+    if isinstance(panels, coded_panels.CodedPanels):
+        return panels.arrays()
     if panels.dim() == 4:
         return bf16_dot.as_words(panels)
     if panels.dtype == torch.bfloat16:
@@ -165,11 +207,15 @@ def as_kernel_array(panels: torch.Tensor) -> np.ndarray:
     return panels.numpy()
 
 
-def linear(x: torch.Tensor, panels: np.ndarray, bias: torch.Tensor | None, out_features: int,
+def linear(x: torch.Tensor, panels: np.ndarray | tuple, bias: torch.Tensor | None, out_features: int,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[M, in] x panels of an [out, in] `dtype` weight (as_kernel_array) -> [M, out] in `dtype`, summed in fp32
     (a bf16 result is the fp32 sum plus bias rounded once, as oneDNN's bf16 linear rounds)."""
-    if panels.ndim == 3 and panels.dtype == np.uint32:  # bf16 pair panels: the CPU's bf16 dot product
+    if isinstance(panels, tuple):  # coded panels (codes, scales, lows): fp32 weights rebuilt on the core
+        codes = panels[0]
+        out = np.empty((x.shape[0], codes.shape[0] * PANEL), dtype=np.float32)  # [M, P x PANEL]
+        coded_kernels[8 if codes.dtype == np.int8 else 4]()(x.float().contiguous().numpy(), *panels, out)
+    elif panels.ndim == 3 and panels.dtype == np.uint32:  # bf16 pair panels: the CPU's bf16 dot product
         if bias is None and dtype == torch.bfloat16 and panels.shape[0] * PANEL == out_features:
             return torch.from_numpy(bf16_dot.matmul(x.to(torch.bfloat16), panels, rounded=True)).view(torch.bfloat16)
         out = bf16_dot.matmul(x.to(torch.bfloat16), panels)
@@ -196,11 +242,11 @@ class PanelLinear(torch.nn.Module):
             weight, bias = source.weight.detach(), source.bias
             out_features, in_features = source.out_features, source.in_features
             pairs = weight.dtype == torch.bfloat16 and bf16_dot.available()
-            panels = bf16_dot.to_pair_panels(weight) if pairs else to_panels(weight)
+            panels = bf16_dot.to_pair_panels(weight) if pairs else coded(weight) or to_panels(weight)
         if panels.dim() == 4 and not in_features:
             raise ValueError("bf16 pair panels hold half the input width: give in_features")
         self.in_features, self.out_features = in_features or panels.shape[1], out_features
-        self.panels = panels  # [P, in, PANEL], or bf16 pair panels [P, in / 2, PANEL, 2]
+        self.panels = panels  # [P, in, PANEL], bf16 pair panels [P, in / 2, PANEL, 2], or coded fp32 panels
         self.panels_array = as_kernel_array(panels)  # the same memory, as the kernel takes it
         self.bias = None if bias is None else bias.detach().float()  # added to the fp32 sums
 
@@ -209,6 +255,8 @@ class PanelLinear(torch.nn.Module):
         """[out, in], a dense copy (for the few readers of single rows: the attention probe, a subset head)."""
         if self.panels.dim() == 4:
             return bf16_dot.dense_weight(self.panels, self.out_features, self.in_features)
+        if isinstance(self.panels, coded_panels.CodedPanels):
+            return self.panels.dense()[: self.out_features]
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
@@ -229,9 +277,12 @@ def stack(*modules: PanelLinear) -> PanelLinear | None:
     columns = PANEL * (bf16_dot.WIDTH if first.panels.dim() == 4 else 1)  # each one's panels end where it does
     if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None)
            or m.panels.shape[1:] != first.panels.shape[1:] or m.panels.dtype != first.panels.dtype
-           for m in modules) or any(m.out_features % columns for m in modules[:-1]):
+           or _layout(m.panels) != _layout(first.panels) for m in modules) or any(
+            m.out_features % columns for m in modules[:-1]):
         return None
-    stacked = PanelLinear(panels=torch.cat([m.panels for m in modules]),  # [P1 + P2 + ..., ...]
+    coded = isinstance(first.panels, coded_panels.CodedPanels)
+    panels = coded_panels.concat([m.panels for m in modules]) if coded else torch.cat([m.panels for m in modules])
+    stacked = PanelLinear(panels=panels,  # [P1 + P2 + ..., ...]
                           bias=None if first.bias is None else torch.cat([m.bias for m in modules]),
                           out_features=sum(m.out_features for m in modules), in_features=first.in_features)
     start = 0
@@ -240,6 +291,23 @@ def stack(*modules: PanelLinear) -> PanelLinear | None:
         module.panels, module.panels_array = part, as_kernel_array(part)
         start += part.shape[0]
     return stacked
+
+
+def _layout(panels) -> object:
+    """What must agree for panels to share one kernel call: dense, or coded with that many bits."""
+    return panels.bits if isinstance(panels, coded_panels.CodedPanels) else "dense"
+
+
+CODED_ENV = "SPECBATCH_CODED_WEIGHTS"  # "0": fp32 weights stay fp32 panels even where they are exact codes
+
+
+def coded(weight: torch.Tensor) -> coded_panels.CodedPanels | None:
+    """An fp32 weight [out, in] as coded panels where it is exact block codes and their kernel compiles (unless
+    CODED_ENV=0), else None."""
+    if os.environ.get(CODED_ENV, "1") == "0" or weight.dtype != torch.float32:
+        return None
+    panels = coded_panels.encode(weight)
+    return panels if panels is not None and coded_kernels[panels.bits]() is not None else None
 
 
 def panel_linears(module: torch.nn.Module, dtypes=(torch.float32,)) -> int:
