@@ -479,7 +479,8 @@ def run_kernels(argv: list[str]) -> int:
         print(f"no kernel plan: {why}; every linear runs its module's kernel ({module})")
         return 0
     timed = f"timed now in {plan.seconds:.1f} s" if plan.seconds else "from the cache"
-    print(f"GFLOP/s at each row bucket's timed count, the best of repeated calls (* row-invariant); {timed}")
+    print(f"GFLOP/s at each row bucket's timed count, the best of repeated calls (* row-invariant), and in brackets "
+          f"the median speed over {plan.primary}'s in the same rounds, which the plan compares; {timed}")
     print("\n".join(linear_plan.table(list(plan.timings))))
     print(f"kernel {plan.describe()}")
     print("--deterministic: every linear on " + plan.primary + " (row-invariant, at every row count)")

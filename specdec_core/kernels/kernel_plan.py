@@ -48,7 +48,10 @@ BUCKETS = ((8, 8), (64, 64), (512, 512), (None, 1024))
 MARGIN = 1.10  # a layout the model does not hold must be this much faster than the ones it holds to be added
 MEMORY_SHARE = 0.5  # extra layouts may take at most this share of the memory available at load
 SECONDS_EACH = 0.03  # timing per candidate, shape and row count
-FORMAT = 1
+FORMAT = 2  # 2: paired timings
+# A plan is keyed by the kernels' own sources (with the CPU, numba and llvmlite): an edit elsewhere in specdec_core
+# does not time it again (each new timing on a noisy machine could route differently: decisions.md).
+KERNELS_ROOT = Path(__file__).resolve().parent
 ENV = "SPECBATCH_KERNEL_PLAN"  # "flags": time nothing; every linear stays on the kernel the CPU's flags pick
 
 
@@ -92,12 +95,16 @@ def _bucket_text(route, index: int) -> str:
 
 def choose(timings: list[Timing], primary: str, roles: list[str]) -> dict[str, tuple[tuple[int | None, str], ...]]:
     """Each role's kernel per bucket: the fastest, unless a layout the role already holds (the primary, or one an
-    earlier bucket added) is within MARGIN of it. Adjacent buckets with one kernel merge."""
+    earlier bucket added) is within MARGIN of it. Adjacent buckets with one kernel merge. Speeds are compared as
+    paired ratios to the primary where the timings have them (linear_plan.measure's rounds): a best call of each
+    candidate, taken at different moments, let a machine's drift pick a kernel at random (decisions.md)."""
     routes = {}
     for role in roles:
         held, route = {primary}, []
         for most, rows in BUCKETS:
-            cells = {t.candidate: t.gflops for t in timings if t.shape == role and t.rows == rows}
+            found = [t for t in timings if t.shape == role and t.rows == rows]
+            paired = bool(found) and all(t.paired is not None for t in found)
+            cells = {t.candidate: t.paired if paired else t.gflops for t in found}
             if not cells:
                 route.append((most, primary))
                 continue
@@ -126,7 +133,7 @@ def extra_bytes(routes: dict, primary: str, shapes: dict[str, tuple[int, int]], 
 
 
 def plan_key(shapes: dict, dtype: torch.dtype, primary: str) -> str:
-    text = json.dumps({"format": FORMAT, "kernels": cache_key(), "torch": torch.__version__,
+    text = json.dumps({"format": FORMAT, "kernels": cache_key(KERNELS_ROOT), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "dtype": str(dtype), "shapes": shapes,
                        "primary": primary, "buckets": BUCKETS}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -170,7 +177,7 @@ def _timing_lock(key: str):
 
 def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary: str) -> KernelPlan:
     started = time.perf_counter()
-    timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH)
+    timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH, reference=primary)
     routes = choose(timings, primary, list(shapes))
     extra, note = extra_bytes(routes, primary, shapes, layers, dtype), ""
     available = _available_memory()

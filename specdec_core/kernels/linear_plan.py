@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +29,7 @@ class Candidate:
     usable: Callable[[], bool]
     build: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight [out, in] -> x [M, in] -> y
     widened: bool = False  # its layout holds the weights in fp32 (4 bytes each, whatever the model's dtype)
+    coded: bool = False  # it takes only weights that are exact block codes (coded_panels.encode)
 
     def layout_bytes(self, dtype: torch.dtype) -> int:
         """Bytes per weight of its layout, in a model of `dtype`."""
@@ -92,7 +94,7 @@ CANDIDATES = (
               _panel),
     Candidate("panel_fp32", True, (BF16,), lambda: panel_linear.available(FP32), _panel_fp32, widened=True),
     # bit-identical to `panel` over the same weights; timed on random weights rounded to 4-bit codes
-    Candidate("panel_coded", True, (FP32,), _coded_usable, _panel_coded),
+    Candidate("panel_coded", True, (FP32,), _coded_usable, _panel_coded, coded=True),
 )
 
 
@@ -104,19 +106,11 @@ class Timing:
     rows: int  # M
     candidate: str
     row_invariant: bool
-    gflops: float
-
-
-def time_call(call: Callable[[], object], seconds: float) -> float:
-    """The best of repeated calls' wall times, after one untimed call, within about `seconds`."""
-    call()
-    best, spent = float("inf"), 0.0
-    while spent < seconds or best == float("inf"):
-        started = time.perf_counter()
-        call()
-        took = time.perf_counter() - started
-        best, spent = min(best, took), spent + took
-    return best
+    gflops: float  # at its best call
+    # the median, over rounds that time every candidate one after another, of the reference kernel's time over this
+    # one's in the same round (1.0 for the reference; None without one): a drift of the machine's speed during the
+    # timing moves both sides of each ratio alike
+    paired: float | None = None
 
 
 # Row counts up to this are timed with the weights streamed from memory, as a forward of every layer streams them:
@@ -124,10 +118,16 @@ def time_call(call: Callable[[], object], seconds: float) -> float:
 STREAMED_ROWS = 64
 
 
+ROUNDS = 5  # the fewest rounds of calls a (shape, rows) is timed in
+
+
 def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dtype,
-            seconds_each: float = 0.05) -> list[Timing]:
+            seconds_each: float = 0.05, reference: str | None = None) -> list[Timing]:
     """shapes {role: (out_features, in_features)} -> one Timing per (shape, rows, usable candidate). Up to
-    STREAMED_ROWS rows, each timed call runs over enough copies of the weight to overflow the last-level cache."""
+    STREAMED_ROWS rows, each timed call runs over enough copies of the weight to overflow the last-level cache.
+    The candidates are timed in rounds, each round one call of every candidate in a rotating order, for about
+    `seconds_each` a candidate: each one's best call gives its GFLOP/s, and its calls' ratios to `reference`'s
+    (a candidate's name: the kernel the model already holds) in the same rounds give `paired`."""
     timings = []
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -135,21 +135,50 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dt
             weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
             if dtype == FP32 and in_features % coded_panels.BLOCK == 0:  # as a GGUF's dequantized weights are
                 weight = coded_panels.round_to_codes(weight)
-            for candidate in (c for c in CANDIDATES if dtype in c.dtypes and c.usable()):
-                size = candidate.layout_bytes(dtype) * out_features * in_features
-                if candidate.name == "panel_coded":
-                    size = coded_panels.encode(weight).nbytes()
-                copies = max(1, min(256, -(-2 * last_level_cache_bytes() // size)))
-                runs = [candidate.build(weight.clone()) for _ in range(copies)]
-                for count in rows:
-                    x = torch.randn(count, in_features, generator=generator).to(dtype)
-                    calls = runs if count <= STREAMED_ROWS else runs[:1]
-                    seconds = time_call(lambda: [run(x) for run in calls], seconds_each) / len(calls)
-                    gflops = 2 * count * out_features * in_features / seconds / 1e9
+            codable = coded_panels.encode(weight) is not None
+            candidates = [c for c in CANDIDATES if dtype in c.dtypes and c.usable() and (codable or not c.coded)]
+            runs = {c.name: _copies(c, weight, dtype) for c in candidates}
+            for count in rows:
+                x = torch.randn(count, in_features, generator=generator).to(dtype)
+                calls = {name: (copies if count <= STREAMED_ROWS else copies[:1]) for name, copies in runs.items()}
+                seconds = _rounds(calls, x, seconds_each)  # {name: [seconds a call, per round]}
+                base = seconds.get(reference)
+                for candidate in candidates:
+                    own = seconds[candidate.name]
+                    paired = None if base is None else float(np.median([b / t for b, t in zip(base, own)]))
+                    gflops = 2 * count * out_features * in_features / min(own) / 1e9
                     timings.append(Timing(role, out_features, in_features, count, candidate.name,
-                                          candidate.row_invariant, gflops))
-                del runs
+                                          candidate.row_invariant, gflops, paired))
+            del runs
     return timings
+
+
+def _copies(candidate: Candidate, weight: torch.Tensor, dtype: torch.dtype) -> list:
+    """The candidate built over enough copies of the weight to fill twice the last-level cache."""
+    size = candidate.layout_bytes(dtype) * weight.numel()
+    if candidate.coded:
+        size = coded_panels.encode(weight).nbytes()
+    copies = max(1, min(256, -(-2 * last_level_cache_bytes() // size)))
+    return [candidate.build(weight.clone()) for _ in range(copies)]
+
+
+def _rounds(calls: dict[str, list], x: torch.Tensor, seconds_each: float) -> dict[str, list[float]]:
+    """Each candidate's seconds a call (over its copies), round by round, after one untimed call each."""
+    names = list(calls)
+    for name in names:
+        [run(x) for run in calls[name]]
+    seconds = {name: [] for name in names}
+    spent, budget, turn = 0.0, seconds_each * len(names), 0
+    while spent < budget or turn < ROUNDS:
+        order = names[turn % len(names):] + names[:turn % len(names)]  # no candidate always first after another
+        for name in order:
+            started = time.perf_counter()
+            [run(x) for run in calls[name]]
+            took = time.perf_counter() - started
+            seconds[name].append(took / len(calls[name]))
+            spent += took
+        turn += 1
+    return seconds
 
 
 def last_level_cache_bytes() -> int:
@@ -185,7 +214,8 @@ def table(timings: list[Timing]) -> list[str]:
              + " | fastest | fastest row-invariant |", "|---" * (len(names) + 5) + "|"]
     best, best_invariant = fastest(timings, False), fastest(timings, True)
     for (shape, rows), top in best.items():
-        cells = {t.candidate: f"{t.gflops:.0f}" for t in timings if (t.shape, t.rows) == (shape, rows)}
+        cells = {t.candidate: f"{t.gflops:.0f}" + ("" if t.paired is None else f" ({t.paired:.2f}x)")
+                 for t in timings if (t.shape, t.rows) == (shape, rows)}
         invariant = best_invariant.get((shape, rows))
         lines.append(f"| {shape} | {top.out_features} x {top.in_features} | {rows} | "
                      + " | ".join(cells.get(n, "") for n in names)

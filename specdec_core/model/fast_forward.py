@@ -89,10 +89,19 @@ def _routed(plan: KernelPlan | None, role: str, modules: list, stacked):
             continue
         if stacked is not None and hasattr(stacked, "project") and name == kernel_plan.primary_kernel(stacked):
             runs[name] = stacked.project  # the modules' own layout, bias included
+        elif name == plan.primary and all(type(m) is torch.nn.Linear for m in modules):
+            runs[name] = _dense_run(modules)  # oneDNN over the modules' own weights: no copy of them
         else:
             run = kernel_plan.build(name, weight)
             runs[name] = run if bias is None else (lambda x, run=run: run(x).add_(bias))
     return _Routed([(most, runs[name]) for most, name in plan.routes[role]])
+
+
+def _dense_run(modules: list[torch.nn.Linear]):
+    """x [M, in] -> the modules' outputs side by side [M, sum of out], each through its own weight and bias."""
+    if len(modules) == 1:
+        return lambda x, m=modules[0]: F.linear(x, m.weight, m.bias)
+    return lambda x: torch.cat([F.linear(x, m.weight, m.bias) for m in modules], dim=-1)
 
 
 class _Layer:

@@ -37,6 +37,21 @@ def test_a_layout_is_added_only_where_it_beats_the_held_ones_by_the_margin():
     assert held["o"] == ((8, "bf16_dot"), (None, "onednn"))
 
 
+def test_paired_ratios_decide_where_the_timings_have_them():
+    """A challenger whose best call looked 15 % faster (a moment the machine ran fast) but which ran at 1.02x the
+    primary over paired rounds does not take the bucket; one that won 1.3x in the rounds does, whatever its best
+    call said."""
+    def paired(role, rows, name, gflops, ratio):
+        return Timing(role, 8, 8, rows, name, True, gflops, ratio)
+
+    found = []
+    for _, rows in BUCKETS:
+        found += [paired("o", rows, "bf16_dot", 170, 1.0), paired("o", rows, "onednn", 196, 1.02)]
+        found += [paired("down", rows, "bf16_dot", 170, 1.0), paired("down", rows, "onednn", 160, 1.3)]
+    plan = kernel_plan.choose(found, "bf16_dot", ["o", "down"])
+    assert plan == {"o": ((None, "bf16_dot"),), "down": ((None, "onednn"),)}
+
+
 def test_a_plans_memory_is_counted_and_its_description_names_each_route():
     routes = {"o": ((64, "bf16_dot"), (None, "onednn_fp32")), "down": ((None, "bf16_dot"),)}
     extra = kernel_plan.extra_bytes(routes, "bf16_dot", {"o": (576, 576), "down": (576, 1536)}, layers=30)
@@ -55,7 +70,7 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.delenv(kernel_plan.ENV, raising=False)
     calls = []
 
-    def measure(shapes, rows, dtype, seconds_each):
+    def measure(shapes, rows, dtype, seconds_each, reference=None):
         calls.append((dict(shapes), list(rows)))
         return timings({"bf16_dot": [163, 170, 171, 170], "onednn_fp32": [81, 150, 290, 315]}, list(shapes))
 

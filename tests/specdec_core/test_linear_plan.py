@@ -6,22 +6,30 @@ import torch
 import torch.nn.functional as F
 
 from specdec_core import cli
-from specdec_core.kernels import linear_plan
+from specdec_core.kernels import coded_panels, linear_plan
 
 
 def _usable(dtype):
     return [c for c in linear_plan.CANDIDATES if dtype in c.dtypes and c.usable()]
 
 
+def _weight(candidate, out_features: int, in_features: int, dtype, generator) -> torch.Tensor:
+    """A random weight the candidate takes: block codes 32 inputs wide for the coded one, any other width else."""
+    if candidate.coded:
+        in_features = -(-in_features // coded_panels.BLOCK) * coded_panels.BLOCK
+        return coded_panels.round_to_codes(torch.randn(out_features, in_features, generator=generator) * 0.05)
+    return (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_usable_candidate_computes_the_linear(dtype):
     generator = torch.Generator().manual_seed(3)
-    weight = (torch.randn(40, 70, generator=generator) * 0.05).to(dtype)  # widths that fill no panel exactly
-    x = torch.randn(9, 70, generator=generator).to(dtype)
-    expected = F.linear(x.float(), weight.float())
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     assert _usable(dtype), "no candidate runs here"
     for candidate in _usable(dtype):
+        weight = _weight(candidate, 40, 70, dtype, generator)  # widths that fill no panel exactly
+        x = torch.randn(9, weight.shape[1], generator=generator).to(dtype)
+        expected = F.linear(x.float(), weight.float())
         got = candidate.build(weight)(x)
         assert got.dtype == dtype and got.shape == (9, 40), candidate.name
         assert torch.allclose(got.float(), expected, atol=tolerance, rtol=tolerance), candidate.name
@@ -30,10 +38,9 @@ def test_every_usable_candidate_computes_the_linear(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_candidates_marked_row_invariant_give_a_row_the_same_bits_in_any_batch(dtype):
     generator = torch.Generator().manual_seed(4)
-    weight = (torch.randn(48, 96, generator=generator) * 0.05).to(dtype)
     x = torch.randn(33, 96, generator=generator).to(dtype)
     for candidate in (c for c in _usable(dtype) if c.row_invariant):
-        run = candidate.build(weight)
+        run = candidate.build(_weight(candidate, 48, 96, dtype, generator))
         together = run(x)
         for row in (0, 5, 32):
             assert torch.equal(run(x[row:row + 1])[0], together[row]), (candidate.name, row)
@@ -80,3 +87,24 @@ def test_decode_sized_row_counts_are_timed_over_weights_that_overflow_the_cache(
     assert {ptr for rows, ptr in ran if rows == 4} == set(built)
     assert {ptr for rows, ptr in ran if rows > linear_plan.STREAMED_ROWS} == {built[0]}
     assert fake.layout_bytes(torch.bfloat16) == 2 and linear_plan.CANDIDATES[0].layout_bytes(torch.float32) == 4
+
+
+def test_candidates_are_timed_in_rounds_against_the_reference(monkeypatch):
+    """Every candidate runs once per round, in an order that rotates, at least ROUNDS rounds; `paired` is the median
+    of the reference's time over the candidate's in the same round: exactly 1 for the reference itself, and for a
+    kernel doing twice the reference's work, about 0.5."""
+    order = []
+
+    def build(repeats, name):
+        return lambda weight: lambda x: order.append(name) or [x @ weight.T for _ in range(repeats)][-1]
+
+    fakes = tuple(linear_plan.Candidate(name, True, (torch.float32,), lambda: True, build(repeats, name))
+                  for name, repeats in (("one", 20), ("two", 40)))
+    monkeypatch.setattr(linear_plan, "CANDIDATES", fakes)
+    monkeypatch.setattr(linear_plan, "last_level_cache_bytes", lambda: 1)  # one copy each
+    timings = linear_plan.measure({"o": (64, 64)}, [128], torch.float32, 0.0, reference="one")
+    by_name = {t.candidate: t for t in timings}
+    assert by_name["one"].paired == 1.0 and 0.3 < by_name["two"].paired < 0.8
+    timed = order[2:]  # after one untimed call each
+    assert len(timed) >= 2 * linear_plan.ROUNDS and timed[:4] == ["one", "two", "two", "one"]
+    assert linear_plan.measure({"o": (64, 64)}, [128], torch.float32, 0.0)[0].paired is None  # no reference
