@@ -118,7 +118,10 @@ class Timing:
 STREAMED_ROWS = 64
 
 
-ROUNDS = 5  # the fewest rounds of calls a (shape, rows) is timed in
+ROUNDS = 3  # the fewest rounds of calls a (shape, rows) is timed in
+# A candidate whose first timed call took this many times the fastest one's (and not the reference) is timed no
+# further: it cannot win, and the slowest (bf16 oneDNN on an AVX2 CPU) made the rounds most of a plan's time.
+HOPELESS = 3.0
 
 
 def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dtype,
@@ -141,7 +144,7 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dt
             for count in rows:
                 x = torch.randn(count, in_features, generator=generator).to(dtype)
                 calls = {name: (copies if count <= STREAMED_ROWS else copies[:1]) for name, copies in runs.items()}
-                seconds = _rounds(calls, x, seconds_each)  # {name: [seconds a call, per round]}
+                seconds = _rounds(calls, x, seconds_each, reference)  # {name: [seconds a call, per round]}
                 base = seconds.get(reference)
                 for candidate in candidates:
                     own = seconds[candidate.name]
@@ -162,8 +165,10 @@ def _copies(candidate: Candidate, weight: torch.Tensor, dtype: torch.dtype) -> l
     return [candidate.build(weight.clone()) for _ in range(copies)]
 
 
-def _rounds(calls: dict[str, list], x: torch.Tensor, seconds_each: float) -> dict[str, list[float]]:
-    """Each candidate's seconds a call (over its copies), round by round, after one untimed call each."""
+def _rounds(calls: dict[str, list], x: torch.Tensor, seconds_each: float, reference: str | None
+            ) -> dict[str, list[float]]:
+    """Each candidate's seconds a call (over its copies), round by round, after one untimed call each; after the
+    first round only the candidates that may still win (within HOPELESS of the fastest, and the reference)."""
     names = list(calls)
     for name in names:
         [run(x) for run in calls[name]]
@@ -177,6 +182,10 @@ def _rounds(calls: dict[str, list], x: torch.Tensor, seconds_each: float) -> dic
             took = time.perf_counter() - started
             seconds[name].append(took / len(calls[name]))
             spent += took
+        if turn == 0:
+            fastest = min(times[0] for times in seconds.values())
+            names = [name for name in names if name == reference or seconds[name][0] <= HOPELESS * fastest]
+            budget = seconds_each * len(names)
         turn += 1
     return seconds
 

@@ -78,7 +78,7 @@ def _routed(plan: KernelPlan | None, role: str, modules: list, stacked):
     modules already stacked into one (or None); other layouts are built from their dense weights."""
     if plan is None or all(name == plan.primary for _, name in plan.routes.get(role, ())):
         return None
-    weight = stacked.weight if stacked is not None else torch.cat([m.weight.detach() for m in modules])  # [out, in]
+    weight = (stacked.weight if stacked is not None else torch.cat([m.weight for m in modules])).detach()  # [out, in]
     bias = None
     if any(m.bias is not None for m in modules):  # Qwen2's q, k and v: added to the kernels' rounded outputs
         bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.out_features)
