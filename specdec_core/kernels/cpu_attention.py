@@ -28,13 +28,14 @@ def _compile():
     from numba import njit, prange
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def attend(q, k, v, keys, mask, scale, out):  # pragma: no cover - compiled
-        """q [b, KV, G, T, d]; k, v [b, KV, >= max(keys), d]; keys [b]; mask [b, T, >= max(keys)] (added to the
+    def attend(q, k, v, keys, queries, mask, scale, out):  # pragma: no cover - compiled
+        """q [b, KV, G, T, d]; k, v [b, KV, >= max(keys), d]; keys [b]; queries [b] <= T: the queries of row r
+        computed (the rest are padding: their outputs are left as they are); mask [b, T, >= max(keys)] (added to the
         scaled scores: 0 or a large negative); out [b, KV, G, T, d]."""
-        rows, kv_heads, group, num_new, dim = q.shape
+        rows, kv_heads, group, _, dim = q.shape
         for task in prange(rows * kv_heads):
             r, h = task // kv_heads, task % kv_heads
-            n = keys[r]
+            n, num_new = keys[r], queries[r]
             scores = np.empty((group * num_new, n), dtype=np.float32)
             for key in range(n):
                 k_row = k[r, h, key]
@@ -88,17 +89,22 @@ def _whole(view: torch.Tensor) -> torch.Tensor:
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> torch.Tensor | None:
+           scale: float, queries: torch.Tensor | None = None) -> torch.Tensor | None:
     """query [b, H, T, d], key/value [b, KV, L, d], keys [b] (row r attends keys 0..keys[r]-1), mask [b, 1, T, L]
-    float -> [b, T, H, d] float32, or None when the kernel is unavailable. fp32 CPU tensors only."""
+    float, queries [b] (row r's first queries[r] queries are computed, the others are padding and come out zero;
+    None: all T) -> [b, T, H, d] float32, or None when the kernel is unavailable. fp32 CPU tensors only.
+
+    Why the queries: a verify step is as wide as its longest draft, and computing every row's padding made its
+    attention cost the padded width (decisions.md, session 33); now it costs what the rows verify."""
     run = kernel()
     if run is None:
         return None
     b, heads, num_new, dim = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(b, kv_heads, heads // kv_heads, num_new, dim).contiguous()  # [b, KV, G, T, d]
-    out = torch.empty_like(q)
+    counts = np.full(b, num_new, dtype=np.int64) if queries is None else queries.numpy().astype(np.int64)
+    out = torch.empty_like(q) if queries is None else torch.zeros_like(q)  # padding queries: zeros
     use_torch_threads()
-    run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), keys.numpy().astype(np.int64),
+    run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), keys.numpy().astype(np.int64), counts,
         mask[:, 0].float().contiguous().numpy(), np.float32(scale), out.numpy())
     return out.view(b, heads, num_new, dim).transpose(1, 2)  # [b, T, H, d]

@@ -36,21 +36,24 @@ MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, w
 KERNEL_MIN_KEY_VALUES = 8192 * 3 * 64
 _row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
 _most_keys = 0  # their maximum, read once per forward rather than once per layer
+_row_queries: torch.Tensor | None = None  # [b] each row's new tokens up to its last real one (None: all T)
 
 
 @contextmanager
-def real_keys(counts: torch.Tensor, values_per_key: int):
+def real_keys(counts: torch.Tensor, values_per_key: int, queries: torch.Tensor | None = None):
     """Within this block, row r of a forward attends its first counts[r] keys only (its cached tokens and the
     step's new ones; the rest of the padded view is other rows' length): the compiled kernel (cpu_attention.py)
-    reads just those, when there are enough of them (values_per_key = kv_heads x head_dim)."""
-    global _row_keys, _most_keys
-    before = _row_keys, _most_keys
+    reads just those, when there are enough of them (values_per_key = kv_heads x head_dim). queries [b]: row r's
+    queries past queries[r] are padding, which the kernel does not compute (None: every query is computed)."""
+    global _row_keys, _most_keys, _row_queries
+    before = _row_keys, _most_keys, _row_queries
     _row_keys = counts if int(counts.sum()) * values_per_key >= KERNEL_MIN_KEY_VALUES else None
     _most_keys = int(counts.max()) if _row_keys is not None else 0
+    _row_queries = queries if _row_keys is not None else None
     try:
         yield
     finally:
-        _row_keys, _most_keys = before
+        _row_keys, _most_keys, _row_queries = before
 
 
 def grouped_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -78,7 +81,8 @@ def grouped_attention_forward(module, query, key, value, attention_mask, dropout
                                       **kwargs)
     scale = scaling if scaling is not None else dim ** -0.5
     if _row_keys is not None and _row_keys.shape[0] == b and _most_keys <= kv_len:
-        out = cpu_attention.attend(query, key, value, _row_keys, attention_mask, scale)
+        queries = _row_queries if _row_queries is not None and _row_queries.shape[0] == b else None
+        out = cpu_attention.attend(query, key, value, _row_keys, attention_mask, scale, queries)
         if out is not None:
             return out.contiguous(), None
     group = heads // kv_heads

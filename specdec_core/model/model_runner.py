@@ -296,7 +296,9 @@ class ModelRunner:
              head: SubsetHead | None) -> torch.Tensor:
         """forward_slots's forward once its attention is planned -> [N, vocab] float32 logits."""
         real = batch.real  # [b, T]
-        with grouped_attention.real_keys(lengths + batch.input_ids.shape[1], cache.kv_heads * cache.head_dim):
+        # each row's new tokens up to its last real one: its padding past that neither attends nor is attended
+        extent = (real * torch.arange(1, real.shape[1] + 1)).amax(dim=1) if real.numel() else lengths * 0  # [b]
+        with grouped_attention.real_keys(lengths + extent, cache.kv_heads * cache.head_dim, extent):
             if self.fast is not None:
                 mask = plan.mask["full_attention"] if isinstance(plan.mask, dict) else plan.mask
                 plan.mask = None if mask is None else mask.to(self.device)

@@ -35,6 +35,19 @@ def test_equals_grouped_matmuls_over_the_padded_keys(num_new):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_rows_padding_queries_are_not_computed():
+    """A verify step as wide as its longest draft: row r's queries past its own extent are padding. Given each
+    row's extent (and its keys up to it), the real queries get the attention of the whole padded step within fp32
+    rounding, and the padding comes out zero."""
+    query, key, value, counts, mask = case(rows=5, num_new=4, seed=3)
+    extent = torch.tensor([4, 1, 2, 0, 3])
+    whole = cpu_attention.attend(query, key, value, counts, mask, 0.25)
+    got = cpu_attention.attend(query, key, value, counts - 4 + extent, mask, 0.25, extent)
+    for row, real in enumerate(extent.tolist()):
+        torch.testing.assert_close(got[row, :real], whole[row, :real], rtol=1e-5, atol=1e-6)
+        assert not got[row, real:].any()
+
+
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
     query, key, value, counts, mask = case(rows=6)
     batched = cpu_attention.attend(query, key, value, counts, mask, 0.25)
