@@ -106,17 +106,19 @@ def encode(weight: torch.Tensor) -> CodedPanels | None:
     return None
 
 
-def _codes(blocks: torch.Tensor, bits: int):
-    """(codes int32, scales, lows) of `bits`-bit codes that rebuild every block exactly, or None. A block's scale is
-    its range over the codes' range rounded to fp16 (GGUF's scales are fp16); 4-bit blocks start at their minimum."""
-    low_code, high_code = KINDS[bits]
+def _scales(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks [..., BLOCK] -> (scales, lows) [...]: a block's range over the codes' range rounded to fp16 (GGUF's
+    scales are fp16); 4-bit blocks start at their minimum, 8-bit ones are symmetric (lows 0)."""
     if bits == 4:
-        lows = blocks.amin(-1)  # [P, PANEL, in / BLOCK]
-        spread = blocks.amax(-1) - lows
-        scales = (spread / high_code).half().float()
-    else:
-        lows = torch.zeros(blocks.shape[:-1])
-        scales = (blocks.abs().amax(-1) / 127).half().float()
+        lows = blocks.amin(-1)
+        return ((blocks.amax(-1) - lows) / KINDS[4][1]).half().float(), lows
+    return (blocks.abs().amax(-1) / 127).half().float(), torch.zeros(blocks.shape[:-1])
+
+
+def _codes(blocks: torch.Tensor, bits: int):
+    """(codes int32, scales, lows) of `bits`-bit codes that rebuild every block exactly, or None."""
+    low_code, high_code = KINDS[bits]
+    scales, lows = _scales(blocks, bits)
     if not torch.isfinite(scales).all() or not torch.isfinite(lows).all():
         return None
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
@@ -133,12 +135,6 @@ def round_to_codes(weight: torch.Tensor, bits: int = 4) -> torch.Tensor:
     tests and for timing the coded kernel on random weights."""
     out_features, in_features = weight.shape
     blocks = weight.float().view(out_features, in_features // BLOCK, BLOCK)
-    low_code, high_code = KINDS[bits]
-    if bits == 4:
-        lows = blocks.amin(-1, keepdim=True)
-        scales = ((blocks.amax(-1, keepdim=True) - lows) / high_code).half().float()
-    else:
-        lows = torch.zeros_like(blocks[..., :1])
-        scales = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
-    codes = torch.round((blocks - lows) / scales.clamp(min=1e-30)).clamp(low_code, high_code)
+    scales, lows = (t.unsqueeze(-1) for t in _scales(blocks, bits))
+    codes = torch.round((blocks - lows) / scales.clamp(min=1e-30)).clamp(*KINDS[bits])
     return (scales * codes + lows).view(out_features, in_features)

@@ -138,9 +138,11 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dt
             weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
             if dtype == FP32 and in_features % coded_panels.BLOCK == 0:  # as a GGUF's dequantized weights are
                 weight = coded_panels.round_to_codes(weight)
-            codable = coded_panels.encode(weight) is not None
-            candidates = [c for c in CANDIDATES if dtype in c.dtypes and c.usable() and (codable or not c.coded)]
-            runs = {c.name: _copies(c, weight, dtype) for c in candidates}
+            coded = coded_panels.encode(weight)
+            candidates = [c for c in CANDIDATES
+                          if dtype in c.dtypes and c.usable() and (coded is not None or not c.coded)]
+            runs = {c.name: _copies(c, weight, coded.nbytes() if c.coded else c.layout_bytes(dtype) * weight.numel())
+                    for c in candidates}
             for count in rows:
                 x = torch.randn(count, in_features, generator=generator).to(dtype)
                 calls = {name: (copies if count <= STREAMED_ROWS else copies[:1]) for name, copies in runs.items()}
@@ -156,11 +158,9 @@ def measure(shapes: dict[str, tuple[int, int]], rows: list[int], dtype: torch.dt
     return timings
 
 
-def _copies(candidate: Candidate, weight: torch.Tensor, dtype: torch.dtype) -> list:
-    """The candidate built over enough copies of the weight to fill twice the last-level cache."""
-    size = candidate.layout_bytes(dtype) * weight.numel()
-    if candidate.coded:
-        size = coded_panels.encode(weight).nbytes()
+def _copies(candidate: Candidate, weight: torch.Tensor, size: int) -> list:
+    """The candidate built over enough copies of the weight (its layout: `size` bytes) to fill twice the last-level
+    cache."""
     copies = max(1, min(256, -(-2 * last_level_cache_bytes() // size)))
     return [candidate.build(weight.clone()) for _ in range(copies)]
 
