@@ -9,6 +9,11 @@ for all the query heads that share it (the group) and all T queries, then each v
 On this project's AVX2 CPU it is faster than grouped matmuls over the padded keys (grouped_attention.py), whose
 results it equals within float rounding (decisions.md: specdec_core/kernels/cpu_attention.py).
 
+Two loops: a decode step (one query a row) reads each key once for the group's queries, one dot product each. A
+verify step's queries are many (group x T), and one dot product at a time is bound by each one's reduction: there
+the wide loop computes two queries against four keys at once (eight sums in registers) over chunks of keys held in
+the L1 cache, and its weighted sum adds four values a pass (decisions.md, session 34).
+
 What each output depends on: its own query, its row's first `keys[r]` keys and values, its mask row, and how many
 keys the row attends (the vectorised sums split by that count). Not on the other rows or the batch size: a (row,
 head) task runs the same loops alone as in any batch.
@@ -68,9 +73,94 @@ def _compile():
                 for t in range(num_new):
                     out[r, h, g, t] = acc[g * num_new + t]
 
-    return attend
+    from .fast_exp import exp_nonpositive
+
+    @njit(parallel=True, fastmath=True, cache=True)
+    def attend_wide(q, k, v, keys, queries, mask, scale, out):  # pragma: no cover - compiled
+        """`attend`'s contract, for steps of several queries a row: queries in pairs (an odd count gets a zero
+        query, computed and dropped), keys in fours, over CHUNK keys at a time."""
+        rows, kv_heads, group, _, dim = q.shape
+        for task in prange(rows * kv_heads):
+            r, h = task // kv_heads, task % kv_heads
+            n, num_new = keys[r], queries[r]
+            real = group * num_new
+            paired = real + (real & 1)
+            qm = np.zeros((paired, dim), dtype=np.float32)  # [group x T (+1), d]: query m = g x T + t
+            for g in range(group):
+                for t in range(num_new):
+                    for x in range(dim):
+                        qm[g * num_new + t, x] = q[r, h, g, t, x]
+            scores = np.zeros((paired, n), dtype=np.float32)
+            for c0 in range(0, n, CHUNK):
+                c1 = min(n, c0 + CHUNK)
+                fours = c0 + (c1 - c0) // 4 * 4
+                for m in range(0, paired, 2):
+                    for key in range(c0, fours, 4):
+                        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+                        for x in range(dim):
+                            qa, qb = qm[m, x], qm[m + 1, x]
+                            k0, k1, k2, k3 = k[r, h, key, x], k[r, h, key + 1, x], k[r, h, key + 2, x], k[r, h, key + 3, x]
+                            a0 += qa * k0
+                            a1 += qa * k1
+                            a2 += qa * k2
+                            a3 += qa * k3
+                            b0 += qb * k0
+                            b1 += qb * k1
+                            b2 += qb * k2
+                            b3 += qb * k3
+                        scores[m, key], scores[m, key + 1], scores[m, key + 2], scores[m, key + 3] = a0, a1, a2, a3
+                        scores[m + 1, key], scores[m + 1, key + 1] = b0, b1
+                        scores[m + 1, key + 2], scores[m + 1, key + 3] = b2, b3
+                    for key in range(fours, c1):
+                        a0 = b0 = np.float32(0.0)
+                        for x in range(dim):
+                            a0 += qm[m, x] * k[r, h, key, x]
+                            b0 += qm[m + 1, x] * k[r, h, key, x]
+                        scores[m, key], scores[m + 1, key] = a0, b0
+            for m in range(real):  # scale, mask and softmax in place
+                t = m % num_new
+                for key in range(n):
+                    scores[m, key] = scores[m, key] * scale + mask[r, t, key]
+                peak = scores[m, 0]
+                for key in range(1, n):
+                    peak = max(peak, scores[m, key])
+                total = np.float32(0.0)
+                for key in range(n):
+                    weight = exp_nonpositive(scores[m, key] - peak)
+                    scores[m, key] = weight
+                    total += weight
+                inverse = np.float32(1.0) / total
+                for key in range(n):
+                    scores[m, key] *= inverse
+            for key in range(paired - real):  # the zero query's weights: zero, so its sums stay zero
+                scores[real, key] = np.float32(0.0)
+            acc = np.zeros((paired, dim), dtype=np.float32)
+            for c0 in range(0, n, CHUNK):
+                c1 = min(n, c0 + CHUNK)
+                fours = c0 + (c1 - c0) // 4 * 4
+                for m in range(0, paired, 2):
+                    for key in range(c0, fours, 4):
+                        w0, w1, w2, w3 = scores[m, key], scores[m, key + 1], scores[m, key + 2], scores[m, key + 3]
+                        u0, u1 = scores[m + 1, key], scores[m + 1, key + 1]
+                        u2, u3 = scores[m + 1, key + 2], scores[m + 1, key + 3]
+                        for x in range(dim):
+                            v0, v1, v2, v3 = v[r, h, key, x], v[r, h, key + 1, x], v[r, h, key + 2, x], v[r, h, key + 3, x]
+                            acc[m, x] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+                            acc[m + 1, x] += (u0 * v0 + u1 * v1) + (u2 * v2 + u3 * v3)
+                    for key in range(fours, c1):
+                        w0, u0 = scores[m, key], scores[m + 1, key]
+                        for x in range(dim):
+                            acc[m, x] += w0 * v[r, h, key, x]
+                            acc[m + 1, x] += u0 * v[r, h, key, x]
+            for g in range(group):
+                for t in range(num_new):
+                    for x in range(dim):
+                        out[r, h, g, t, x] = acc[g * num_new + t, x]
+
+    return attend, attend_wide
 
 
+CHUNK = 64  # keys a chunk of the wide loop: 16 KB of fp32 keys (d = 64), reread from L1 by every query pair
 kernel = LazyKernel(_compile, "compiled CPU attention", "; using batched matmuls")  # the compiled kernel, or None
 
 
@@ -96,8 +186,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: to
 
     Why the queries: a verify step is as wide as its longest draft, and computing every row's padding made its
     attention cost the padded width (decisions.md, session 33); now it costs what the rows verify."""
-    run = kernel()
-    if run is None:
+    kernels = kernel()
+    if kernels is None:
         return None
     b, heads, num_new, dim = query.shape
     kv_heads = key.shape[1]
@@ -105,6 +195,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: to
     counts = np.full(b, num_new, dtype=np.int64) if queries is None else queries.numpy().astype(np.int64)
     out = torch.empty_like(q) if queries is None else torch.zeros_like(q)  # padding queries: zeros
     use_torch_threads()
+    run = kernels[0] if num_new == 1 else kernels[1]  # one query a row, or several (a verify step)
     run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), keys.numpy().astype(np.int64), counts,
         mask[:, 0].float().contiguous().numpy(), np.float32(scale), out.numpy())
     return out.view(b, heads, num_new, dim).transpose(1, 2)  # [b, T, H, d]

@@ -33,7 +33,7 @@ MAX_SCORE_BYTES = 256 << 20  # scores [b, heads, T, L] beyond this go to SDPA, w
 # Below it, the kernel's fixed cost per layer (its parallel region, the copies into numpy views) is more than it
 # saves. Counted in values, not keys, so a model with small heads crosses it as late as its work warrants
 # (decisions.md: specdec_core/model/grouped_attention.py).
-KERNEL_MIN_KEY_VALUES = 8192 * 3 * 64
+KERNEL_MIN_KEY_VALUES = 64 * 3 * 64
 _row_keys: torch.Tensor | None = None  # [b] keys each row attends in the running forward (real_keys)
 _most_keys = 0  # their maximum, read once per forward rather than once per layer
 _row_queries: torch.Tensor | None = None  # [b] each row's new tokens up to its last real one (None: all T)

@@ -26,9 +26,11 @@ def case(rows=5, num_new=3, capacity=96, seed=0):
     return query, keys[:, :, :kv_len], values[:, :, :kv_len], lengths + num_new, mask
 
 
-@pytest.mark.parametrize("num_new", [1, 4])
-def test_equals_grouped_matmuls_over_the_padded_keys(num_new):
-    query, key, value, counts, mask = case(num_new=num_new)
+@pytest.mark.parametrize("num_new, capacity", [(1, 96), (4, 96), (3, 300), (8, 300)])
+def test_equals_grouped_matmuls_over_the_padded_keys(num_new, capacity):
+    """T = 1 runs the one-query loop, wider steps the wide one: 3 tokens x 3 heads is an odd count of queries (a
+    zero query pads the pair), 300 keys span several chunks and end off a multiple of four."""
+    query, key, value, counts, mask = case(num_new=num_new, capacity=capacity)
     got = cpu_attention.attend(query, key, value, counts, mask, 0.25)
     assert got is not None, cpu_attention.kernel.unavailable
     expected, _ = grouped_attention.grouped_attention_forward(None, query, key, value, mask, scaling=0.25)
@@ -92,8 +94,8 @@ def test_where_the_kernel_cannot_compile_the_matmuls_run(monkeypatch, caplog):
 
 def test_the_kernel_threshold_counts_key_values_not_keys():
     """The thread handoff costs the same per layer whatever the model: the kernel pays only when the keys it reads
-    are many values. 64 rows of 140 keys engage it for SmolLM2 (3 x 64 values a key), not for a 2 x 16 model."""
-    counts = torch.full((64,), 140)
+    are many values. 4 rows of 16 keys engage it for SmolLM2 (3 x 64 values a key), not for a 2 x 16 model."""
+    counts = torch.full((4,), 16)
     with grouped_attention.real_keys(counts, 3 * 64):
         assert grouped_attention._row_keys is counts
     with grouped_attention.real_keys(counts, 2 * 16):
