@@ -12,7 +12,7 @@ results it equals within float rounding (decisions.md: specdec_core/kernels/cpu_
 Two loops: a decode step (one query a row) reads each key once for the group's queries, one dot product each. A
 verify step's queries are many (group x T), and one dot product at a time is bound by each one's reduction: there
 the wide loop computes two queries against four keys at once (eight sums in registers) over chunks of keys held in
-the L1 cache, and its weighted sum adds four values a pass (decisions.md, session 34).
+the L1 cache, and its weighted sum adds four values a pass (decisions.md: "The fp32 verify attention", session 34).
 
 What each output depends on: its own query, its row's first `keys[r]` keys and values, its mask row, and how many
 keys the row attends (the vectorised sums split by that count). Not on the other rows or the batch size: a (row,
@@ -22,6 +22,8 @@ Compiled by numba once per machine and cached under $SPECBATCH_CACHE/numba.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -192,10 +194,44 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: to
     b, heads, num_new, dim = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(b, kv_heads, heads // kv_heads, num_new, dim).contiguous()  # [b, KV, G, T, d]
-    counts = np.full(b, num_new, dtype=np.int64) if queries is None else queries.numpy().astype(np.int64)
-    out = torch.empty_like(q) if queries is None else torch.zeros_like(q)  # padding queries: zeros
+    key_counts, counts, flat_mask, padded = _step_arrays(keys, queries, mask, num_new)
+    out = torch.zeros_like(q) if padded else torch.empty_like(q)  # padding queries: zeros
     use_torch_threads()
     run = kernels[0] if num_new == 1 else kernels[1]  # one query a row, or several (a verify step)
-    run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), keys.numpy().astype(np.int64), counts,
-        mask[:, 0].float().contiguous().numpy(), np.float32(scale), out.numpy())
+    run(q.numpy(), _whole(key).numpy(), _whole(value).numpy(), key_counts, counts, flat_mask, np.float32(scale),
+        out.numpy())
     return out.view(b, heads, num_new, dim).transpose(1, 2)  # [b, T, H, d]
+
+
+_holding = False  # inside one forward (`one_forward`): a step's arrays are converted once, for every layer
+_held: tuple | None = None  # (keys, queries, mask, num_new, their arrays) of the forward's last call
+
+
+@contextmanager
+def one_forward():
+    """Within this block every call passing the same keys, queries and mask tensors reuses their arrays: a
+    forward's layers all pass the same ones, and converting them each layer was a visible share of a small batch's
+    attention. Outside it, every call converts its own."""
+    global _holding, _held
+    _holding, _held = True, None
+    try:
+        yield
+    finally:
+        _holding, _held = False, None
+
+
+def _step_arrays(keys: torch.Tensor, queries: torch.Tensor | None, mask: torch.Tensor,
+                 num_new: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """The kernel's arrays of a step: keys [b] and queries [b] as int64, the mask [b, T, L] as fp32, and whether
+    some row has padding queries (its output must start at zero)."""
+    global _held
+    held = _held
+    if _holding and held is not None and held[0] is keys and held[1] is queries and held[2] is mask \
+            and held[3] == num_new:
+        return held[4]
+    counts = np.full(keys.shape[0], num_new, dtype=np.int64) if queries is None else queries.numpy().astype(np.int64)
+    arrays = (keys.numpy().astype(np.int64), counts, mask[:, 0].float().contiguous().numpy(),
+              bool((counts < num_new).any()))
+    if _holding:
+        _held = (keys, queries, mask, num_new, arrays)
+    return arrays

@@ -51,7 +51,8 @@ def real_keys(counts: torch.Tensor, values_per_key: int, queries: torch.Tensor |
     _most_keys = int(counts.max()) if _row_keys is not None else 0
     _row_queries = queries if _row_keys is not None else None
     try:
-        yield
+        with cpu_attention.one_forward():
+            yield
     finally:
         _row_keys, _most_keys, _row_queries = before
 

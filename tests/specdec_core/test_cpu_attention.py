@@ -101,3 +101,19 @@ def test_the_kernel_threshold_counts_key_values_not_keys():
     with grouped_attention.real_keys(counts, 2 * 16):
         assert grouped_attention._row_keys is None
     assert grouped_attention._row_keys is None  # restored after the block
+
+
+def test_a_forwards_layers_share_one_conversion_and_a_new_mask_is_read_afresh():
+    """Within one forward the step's arrays are converted once; a call with other tensors (another mask) still
+    gets its own attention, and outside the block nothing is held."""
+    query, key, value, counts, mask = case(num_new=4, seed=5)
+    other = mask.clone()
+    other[:, :, :, 0] = torch.finfo(torch.float32).min  # no row sees its first key
+    expected = [cpu_attention.attend(query, key, value, counts, m, 0.25) for m in (mask, other, mask)]
+    with cpu_attention.one_forward():
+        got = [cpu_attention.attend(query, key, value, counts, m, 0.25) for m in (mask, mask, other, mask)]
+        assert cpu_attention._held is not None
+    assert cpu_attention._held is None
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[0])
+    assert torch.equal(got[2], expected[1]) and not torch.equal(got[2], expected[0])
+    assert torch.equal(got[3], expected[2])
