@@ -101,7 +101,8 @@ def _compile():
                         a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
                         for x in range(dim):
                             qa, qb = qm[m, x], qm[m + 1, x]
-                            k0, k1, k2, k3 = k[r, h, key, x], k[r, h, key + 1, x], k[r, h, key + 2, x], k[r, h, key + 3, x]
+                            k0, k1 = k[r, h, key, x], k[r, h, key + 1, x]
+                            k2, k3 = k[r, h, key + 2, x], k[r, h, key + 3, x]
                             a0 += qa * k0
                             a1 += qa * k1
                             a2 += qa * k2
@@ -119,7 +120,7 @@ def _compile():
                             a0 += qm[m, x] * k[r, h, key, x]
                             b0 += qm[m + 1, x] * k[r, h, key, x]
                         scores[m, key], scores[m + 1, key] = a0, b0
-            for m in range(real):  # scale, mask and softmax in place
+            for m in range(real):  # scale, mask and softmax in place (a zero query's row is never written out)
                 t = m % num_new
                 for key in range(n):
                     scores[m, key] = scores[m, key] * scale + mask[r, t, key]
@@ -134,8 +135,6 @@ def _compile():
                 inverse = np.float32(1.0) / total
                 for key in range(n):
                     scores[m, key] *= inverse
-            for key in range(paired - real):  # the zero query's weights: zero, so its sums stay zero
-                scores[real, key] = np.float32(0.0)
             acc = np.zeros((paired, dim), dtype=np.float32)
             for c0 in range(0, n, CHUNK):
                 c1 = min(n, c0 + CHUNK)
@@ -146,7 +145,8 @@ def _compile():
                         u0, u1 = scores[m + 1, key], scores[m + 1, key + 1]
                         u2, u3 = scores[m + 1, key + 2], scores[m + 1, key + 3]
                         for x in range(dim):
-                            v0, v1, v2, v3 = v[r, h, key, x], v[r, h, key + 1, x], v[r, h, key + 2, x], v[r, h, key + 3, x]
+                            v0, v1 = v[r, h, key, x], v[r, h, key + 1, x]
+                            v2, v3 = v[r, h, key + 2, x], v[r, h, key + 3, x]
                             acc[m, x] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
                             acc[m + 1, x] += (u0 * v0 + u1 * v1) + (u2 * v2 + u3 * v3)
                     for key in range(fours, c1):

@@ -21,16 +21,20 @@ from .numba_kernels import LazyKernel, use_torch_threads
 PARALLEL_MIN_TOKENS = 256  # below this a parallel region costs more than the loop (a decode step feeds 16-80 tokens)
 
 
-def _compile():
-    from . import rope_store_kernel  # imports numba: only here, when the kernel is first used
+def _kernel_module():
+    from . import rope_store_kernel  # imports numba: only here, when a kernel is first used
 
-    return rope_store_kernel.rotate_store, rope_store_kernel.rotate_store_parallel
+    return rope_store_kernel
+
+
+def _compile():
+    module = _kernel_module()
+    return module.rotate_store, module.rotate_store_parallel
 
 
 def _compile_bf16():
-    from . import rope_store_kernel  # imports numba: only here, when the kernel is first used
-
-    return rope_store_kernel.rotate_store_bf16, rope_store_kernel.rotate_store_bf16_parallel
+    module = _kernel_module()
+    return module.rotate_store_bf16, module.rotate_store_bf16_parallel
 
 
 kernels = LazyKernel(_compile, "compiled RoPE and cache write", "; using eager ops")  # (serial, parallel), or None
