@@ -45,27 +45,23 @@ def _compile():
             for j in range(hidden):
                 normed_out[m, j] = weight[j] * (total_out[m, j] * scale)
 
-    @njit(cache=True, parallel=True)
-    def silu_mul(gate_up, out):  # pragma: no cover - compiled
-        """gate_up [M, 2I] (gate, then up) -> out [M, I] = silu(gate) * up."""
-        rows, width = out.shape
-        for m in prange(rows):
-            for j in range(width):
-                gate = gate_up[m, j]
-                out[m, j] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[m, width + j]
-
     use_torch_threads()
-    return add_norm, silu_mul
+    return add_norm, _kernel_module().silu_mul
 
 
 kernel = LazyKernel(_compile, "the compiled residual add, RMSNorm and SiLU gate", "; using eager ops")  # or None
 
 
-def _compile_bf16():
+def _kernel_module():
     from . import residual_norm_kernel  # imports numba and llvmlite: only here, when first used
 
+    return residual_norm_kernel
+
+
+def _compile_bf16():
+    module = _kernel_module()
     use_torch_threads()
-    return residual_norm_kernel.add_norm_bf16, residual_norm_kernel.silu_mul_bf16
+    return module.add_norm_bf16, module.silu_mul_bf16
 
 
 bf16_kernel = LazyKernel(_compile_bf16, "the compiled bf16 residual add, RMSNorm and SiLU gate", "; using eager ops")

@@ -1,5 +1,6 @@
-"""The bf16 kernels of residual_norm.py, at module level so numba's disk cache finds them in the next process (they
-call the bf16 intrinsics). Imported only when first used: it imports numba and llvmlite.
+"""The bf16 kernels of residual_norm.py and its fp32 SiLU gate, at module level so numba's disk cache finds them in
+the next process (they call the bf16 intrinsics and the vectorised exp). Imported only when first used: it imports
+numba and llvmlite.
 
 Each rounds to bf16 where the eager bf16 ops round (the residual sum, the normalised row before the weight, the
 product with the weight; silu(gate), then its product with up), so the numbers are those of the eager ops up to the
@@ -41,3 +42,16 @@ def silu_mul_bf16(gate_up, out):  # pragma: no cover - compiled
             sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if gate >= 0 else e / (np.float32(1.0) + e)
             silu = bf16_to_f32(f32_to_bf16(gate * sigmoid))
             out[m, j] = f32_to_bf16(silu * bf16_to_f32(gate_up[m, width + j]))
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def silu_mul(gate_up, out):  # pragma: no cover - compiled
+    """gate_up [M, 2I] fp32 (gate, then up) -> out [M, I] = silu(gate) x up. The sigmoid through the vectorised exp
+    (libm's exp, a call a value, was most of the gate's time: decisions.md, session 35); within 2 ulp as before."""
+    rows, width = out.shape
+    for m in prange(rows):
+        for j in range(width):
+            gate = gate_up[m, j]
+            e = exp_nonpositive(-abs(gate))
+            sigmoid = np.float32(1.0) / (np.float32(1.0) + e) if gate >= 0 else e / (np.float32(1.0) + e)
+            out[m, j] = gate * sigmoid * gate_up[m, width + j]
