@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -40,6 +42,25 @@ def cache_key(root: Path | None = None) -> str:
 def use_numba_cache() -> None:
     """Point numba's disk cache at numba_cache_dir() (unless NUMBA_CACHE_DIR is set): before numba compiles."""
     os.environ.setdefault("NUMBA_CACHE_DIR", numba_cache_dir())
+
+
+def load_generated(name: str, source: str):
+    """The module `name` of generated kernel `source`, written under the numba cache folder and imported from there
+    (numba's disk cache finds a function through its file and its module's name, so the compiled code is kept across
+    processes). Rewritten only when the source changed, atomically: actors starting together never import half a
+    file."""
+    folder = Path(os.environ.get("NUMBA_CACHE_DIR", numba_cache_dir()))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    if not path.exists() or path.read_text() != source:
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(source)
+        os.replace(temporary, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class KernelUnavailableError(RuntimeError):

@@ -24,16 +24,13 @@ it cannot compile, the linears stay on oneDNN (packed_linear.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import bf16_dot, coded_panels
-from .numba_kernels import LazyKernel, numba_cache_dir, use_torch_threads
+from .numba_kernels import LazyKernel, load_generated, use_torch_threads
 from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
@@ -144,18 +141,7 @@ def _compile(dtype: torch.dtype | int):
     """The kernel for `dtype` panels, or for coded panels of that many bits."""
     from numba.core import config
 
-    folder = Path(os.environ.get("NUMBA_CACHE_DIR", numba_cache_dir()))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{MODULE_NAME}.py"
-    source = kernel_source()
-    if not path.exists() or path.read_text() != source:  # rewritten only when the generator changed
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(source)
-        os.replace(temporary, path)  # atomic: actors starting together never import half a file
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # numba's disk cache finds a function's globals through its module's name
-    spec.loader.exec_module(module)
+    module = load_generated(MODULE_NAME, kernel_source())
     use_torch_threads()
     # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar.
     # The flag is read when a function is compiled, so it is on for this one only.

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import block_attention, grouped_attention
-from ..kernels import bf16_attention, invariant_attention, kernel_plan, panel_linear, residual_norm, rope_store
+from ..kernels import (bf16_attention, fp32_chain_attention, invariant_attention, kernel_plan, panel_linear,
+                       residual_norm, rope_store)
 from ..kernels.kernel_plan import KernelPlan
 from ..kernels.packed_linear import PackedLinear
 from ..kernels.panel_linear import PanelLinear
@@ -310,8 +311,9 @@ class FastForward:
                                              layer.scaling)  # [b, T, H, d]
         elif attention.chain is not None:
             lengths, news = attention.chain
-            attended = bf16_attention.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(),
-                                             lengths, news, layer.scaling)  # [b, T, H, d]
+            chain = bf16_attention if query.dtype == torch.bfloat16 else fp32_chain_attention
+            attended = chain.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(), lengths, news,
+                                    layer.scaling)  # [b, T, H, d]
         elif attention.blocks is not None:
             attended = block_attention.attend(query, *cache.bound_view(index), attention.blocks,
                                               layer.scaling)  # [b, T, H, d]

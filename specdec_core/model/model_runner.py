@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SpecbatchError
-from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, invariant_attention, kernel_plan, linear_plan,
-                       packed_linear, panel_linear)
+from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, fp32_chain_attention, invariant_attention,
+                       kernel_plan, linear_plan, packed_linear, panel_linear)
 from ..kernels.kernel_plan import KernelPlan
 from . import block_attention, fast_forward, grouped_attention
 from .attention_masks import attention_masks
@@ -180,18 +180,24 @@ class ModelRunner:
     def unmasked_prefill(self) -> bool:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py), so a prefix-cache
         hit never brings one back (prefill_plan.worth_reusing)."""
-        return self._bf16_chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
+        return self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
 
-    def _bf16_chain_attention(self, num_new: int, prefill: bool) -> bool:
-        """Whether a bf16 CPU forward attends through bf16_attention.py (if its rows are chains): SDPA was the largest
-        part of a bf16 summarisation prefill on an avx512_bf16 CPU, several times the kernel's time (decisions.md:
-        specdec_core/model/model_runner.py). Without the switch, forwards of more than
+    def _chain_attention(self, num_new: int, prefill: bool) -> bool:
+        """Whether a CPU forward attends through a chain kernel (if its rows are chains): bf16_attention.py in bf16,
+        fp32_chain_attention.py in fp32. SDPA was the largest part of a bf16 summarisation prefill on an avx512_bf16
+        CPU, several times the kernel's time, and slower than ours in fp32 (decisions.md:
+        specdec_core/model/model_runner.py). fp32: forwards of more than MAX_QUERIES tokens a row, without the
+        switch only. bf16: without the switch, forwards of more than
         MAX_QUERIES tokens a row; with it, every prefill forward and nothing else: a token's result there depends on
         its own keys only, and a prompt's tokens are then always computed by it, generated ones always by
         bf16_step_attention.py's exact kernel (invariant_attention.py where that does not run), whatever the widths
         (a prompt's last chunk may be short; a verify block may be long)."""
-        usable = (self.fast is not None and self.dtype == torch.bfloat16 and self.device == "cpu"
-                  and bf16_attention.usable(self.fast.head_dim))
+        if self.fast is None or self.device != "cpu":
+            return False
+        if self.dtype == torch.float32:  # fp32_chain_attention.py; --deterministic keeps invariant_attention.py
+            return (not self.deterministic and num_new > grouped_attention.MAX_QUERIES
+                    and fp32_chain_attention.usable(self.fast.head_dim))
+        usable = self.dtype == torch.bfloat16 and bf16_attention.usable(self.fast.head_dim)
         return usable and (prefill if self.deterministic else num_new > grouped_attention.MAX_QUERIES)
 
     @classmethod
@@ -365,7 +371,7 @@ class ModelRunner:
         position 0."""
         positions, visible, prefill = batch.positions, batch.visible, batch.prefill
         num_new = visible.shape[1]
-        news = bf16_attention.chain_news(visible) if self._bf16_chain_attention(num_new, prefill) else None
+        news = bf16_attention.chain_news(visible) if self._chain_attention(num_new, prefill) else None
         chain = (lengths, news) if news is not None else None
         short = chain is None and self._compiled_short_attention(num_new)
         if chain is None and not prefill and self.deterministic and self._bf16_step_kernel():

@@ -32,7 +32,7 @@ class AttentionPlan:
     """How a forward attends, chosen once for all of its layers (ModelRunner._attention_for): at most one of
     chain, step, invariant and blocks is set; with none, SDPA with `mask` (None: one plain prompt from position 0)."""
 
-    chain: tuple | None = None  # (lengths [b], news [b]): bf16 prompt chains through bf16_attention.py
+    chain: tuple | None = None  # (lengths [b], news [b]): prompt chains (bf16_attention.py, fp32_chain_attention.py)
     step: object = None  # a bf16_step_attention.Step: bf16 decode and verify steps
     invariant: tuple | None = None  # (visible [b, T, T], lengths [b]): through invariant_attention.py
     mask: object = None  # [b, 1, T, L] float (0 / dtype-min), a {layer type: mask} dict, or None
