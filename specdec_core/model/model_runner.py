@@ -194,9 +194,10 @@ class ModelRunner:
         (a prompt's last chunk may be short; a verify block may be long)."""
         if self.fast is None or self.device != "cpu":
             return False
-        if self.dtype == torch.float32:  # fp32_chain_attention.py; --deterministic keeps invariant_attention.py
-            return (not self.deterministic and num_new > grouped_attention.MAX_QUERIES
-                    and fp32_chain_attention.usable(self.fast.head_dim))
+        if self.dtype == torch.float32:  # not with --deterministic (invariant_attention.py), a forced attention or
+            # captured steps (a GPU's ways, as its tests simulate them on a CPU)
+            return (not self.deterministic and num_new > grouped_attention.MAX_QUERIES and self.gpu_attention == "auto"
+                    and not self.captures_steps and fp32_chain_attention.usable(self.fast.head_dim))
         usable = self.dtype == torch.bfloat16 and bf16_attention.usable(self.fast.head_dim)
         return usable and (prefill if self.deterministic else num_new > grouped_attention.MAX_QUERIES)
 
