@@ -89,7 +89,7 @@ def test_with_the_switch_a_bf16_prompts_tokens_are_bit_identical_however_its_pre
     from specdec_core.kernels import bf16_attention
 
     runner = runner_in(torch.bfloat16)
-    if not runner._bf16_chain_attention(1, prefill=True):
+    if not runner._chain_attention(1, prefill=True):
         pytest.skip("no bf16 dot-product attention on this CPU")
     calls = []
     real_attend = bf16_attention.attend

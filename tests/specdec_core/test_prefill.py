@@ -5,6 +5,7 @@ fails alone."""
 import pytest
 import torch
 
+from specdec_core.kernels import fp32_chain_attention
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.pld_plus import HiddenStateLookupDrafter
@@ -240,9 +241,11 @@ def test_the_store_keeps_each_block_as_the_cache_holds_it_and_copies_it_back_exa
 
 
 def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(llama, monkeypatch):
-    """A prompt that fills its own forward prefills from position 0 without a mask (SDPA's causal kernel); a hit
-    under MIN_HIT_SHARE of it would cost the mask more than it saves, so it is not used. Rows that share their
-    forward are masked anyway and use any hit."""
+    """Where prefills attend through SDPA (here: the fp32 prompt attention off), a prompt that fills its own forward
+    prefills from position 0 without a mask (SDPA's causal kernel); a hit under MIN_HIT_SHARE of it would cost the
+    mask more than it saves, so it is not used. Rows that share their forward are masked anyway and use any hit.
+    With the fp32 prompt attention (no mask anywhere) the prompt fed alone uses the hit."""
+    monkeypatch.setattr(fp32_chain_attention, "usable", lambda head_dim: False)
     assert not worth_reusing(16, 400, budget=512) and worth_reusing(16, 100, budget=512)
     assert worth_reusing(int(MIN_HIT_SHARE * 400), 400, budget=512) and not worth_reusing(0, 100, budget=512)
     template = repetitive_prompt(11, 16)  # one block
@@ -259,6 +262,12 @@ def test_a_small_hit_on_a_prompt_fed_alone_is_skipped_for_the_unmasked_prefill(l
         results, decoder = decode(llama, [long_prompt], prefill_tokens=budget, prefix_cache=store)
         assert decoder.stats.prefix_hit_tokens == hit and results[0].token_ids == expected
         assert sum(plain) == unmasked_forwards  # the prompt's one forward ran without a mask only without the hit
+    monkeypatch.undo()
+    if fp32_chain_attention.usable(llama.fast.head_dim):
+        store = PrefixCache()
+        decode(llama, [template + [5, 6, 7]], prefix_cache=store)
+        results, decoder = decode(llama, [long_prompt], prefill_tokens=256, prefix_cache=store)
+        assert decoder.stats.prefix_hit_tokens == 16 and results[0].token_ids == expected
 
 
 def test_a_small_hit_pays_where_no_prefill_is_masked():
