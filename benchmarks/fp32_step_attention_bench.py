@@ -1,6 +1,7 @@
 """The fp32 decode and verify attention (cpu_attention.py) alone: one layer's attention for a batch of rows, each
-over its own cached keys, at T = 1, 2, 4 and 8 tokens a row (wider steps attend through SDPA), through each of its two loops (`one`: a dot
-product at a time, what decode steps run; `wide`: two queries against four keys, what verify steps run) and through
+over its own cached keys, at T = 1, 2, 4 and 8 tokens a row (wider steps attend through fp32_chain_attention.py), through each of its two loops
+(`decode`: the group's queries in threes against four keys, what decode steps run, T = 1 only; `wide`: two queries
+against four keys, what verify steps run) and through
 grouped matmuls over the padded keys (grouped_attention.py, what rows below the kernel's threshold run), and
 through `cpu_attention.attend` (the loop a step picks, with the wrapper's copies: what a forward pays). Random
 keys in distinct buffers per layer, so the cache is read from memory as in a real step; the candidates alternate
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     group, scale = args.heads // args.kv_heads, args.head_dim ** -0.5
     print(f"{hardware('cpu')}; fp32; {args.rows} rows of {args.keys[0]}-{args.keys[1]} keys, head_dim "
           f"{args.head_dim}, {args.heads} heads over {args.kv_heads} kv heads; ms per layer, median of {args.rounds}")
-    print("| T | one | wide | attend | grouped | one / wide | grouped / attend |\n|---|---|---|---|---|---|---|")
+    print("| T | decode | wide | attend | grouped | wide / decode | grouped / attend |\n|---|---|---|---|---|---|---|")
     for num_new in (1, 2, 4, widest):
         counts = lengths + num_new
         kv_len = int(counts.max())
@@ -81,19 +82,24 @@ def main(argv: list[str] | None = None) -> int:
         def attend(layer):
             cpu_attention.attend(query, keys[layer][:, :, :kv_len], values[layer][:, :, :kv_len], counts, mask, scale)
 
-        candidates = {"one": loop(0), "wide": loop(1), "attend": attend, "grouped": grouped}
+        candidates = {"decode": loop(0), "wide": loop(1), "attend": attend, "grouped": grouped}
+        if num_new > 1:  # the decode loop computes one query a row
+            del candidates["decode"]
         times = {name: [] for name in candidates}
         for run in candidates.values():
             run(0)  # compiles on first use
         for round_ in range(args.rounds):
-            for name in list(candidates)[round_ % 4:] + list(candidates)[:round_ % 4]:
+            turn = round_ % len(candidates)
+            for name in list(candidates)[turn:] + list(candidates)[:turn]:
                 start = time.perf_counter()
                 for layer in range(args.layers):
                     candidates[name](layer)
                 times[name].append((time.perf_counter() - start) / args.layers * 1e3)
         ms = {name: statistics.median(values) for name, values in times.items()}
-        print(f"| {num_new} | {ms['one']:.2f} | {ms['wide']:.2f} | {ms['attend']:.2f} | {ms['grouped']:.2f} | "
-              f"{ms['one'] / ms['wide']:.2f} | {ms['grouped'] / ms['attend']:.2f} |", flush=True)
+        decode = f"{ms['decode']:.2f}" if "decode" in ms else "-"
+        ratio = f"{ms['wide'] / ms['decode']:.2f}" if "decode" in ms else "-"
+        print(f"| {num_new} | {decode} | {ms['wide']:.2f} | {ms['attend']:.2f} | {ms['grouped']:.2f} | {ratio} | "
+              f"{ms['grouped'] / ms['attend']:.2f} |", flush=True)
     return 0
 
 

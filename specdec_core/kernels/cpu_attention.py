@@ -9,10 +9,12 @@ for all the query heads that share it (the group) and all T queries, then each v
 On this project's AVX2 CPU it is faster than grouped matmuls over the padded keys (grouped_attention.py), whose
 results it equals within float rounding (decisions.md: specdec_core/kernels/cpu_attention.py).
 
-Two loops: a decode step (one query a row) reads each key once for the group's queries, one dot product each. A
-verify step's queries are many (group x T), and one dot product at a time is bound by each one's reduction: there
-the wide loop computes two queries against four keys at once (eight sums in registers) over chunks of keys held in
-the L1 cache, and its weighted sum adds four values a pass (decisions.md: "The fp32 verify attention", session 34).
+Two loops, both blocked so that several independent sums run at once (one dot product at a time is bound by each
+one's reduction). A decode step (one query a row) computes the group's queries in threes against four keys at once
+(twelve sums in registers), reading each key once from memory. A verify step's queries are many (group x T): the
+wide loop computes two queries against four keys over chunks of keys held in the L1 cache. Both weighted sums add
+four values a pass, and both softmaxes use the vectorised exp (decisions.md: "The fp32 verify attention", session
+34, and "The decode attention in threes", session 35).
 
 What each output depends on: its own query, its row's first `keys[r]` keys and values, its mask row, and how many
 keys the row attends (the vectorised sums split by that count). Not on the other rows or the batch size: a (row,
@@ -34,52 +36,107 @@ from .numba_kernels import LazyKernel, use_torch_threads
 def _compile():
     from numba import njit, prange
 
-    @njit(parallel=True, fastmath=True, cache=True)
-    def attend(q, k, v, keys, queries, mask, scale, out):  # pragma: no cover - compiled
-        """q [b, KV, G, T, d]; k, v [b, KV, >= max(keys), d]; keys [b]; queries [b] <= T: the queries of row r
-        computed (the rest are padding: their outputs are left as they are); mask [b, T, >= max(keys)] (added to the
-        scaled scores: 0 or a large negative); out [b, KV, G, T, d]."""
-        rows, kv_heads, group, _, dim = q.shape
-        for task in prange(rows * kv_heads):
-            r, h = task // kv_heads, task % kv_heads
-            n, num_new = keys[r], queries[r]
-            scores = np.empty((group * num_new, n), dtype=np.float32)
-            for key in range(n):
-                k_row = k[r, h, key]
-                for g in range(group):
-                    for t in range(num_new):
-                        q_row = q[r, h, g, t]
-                        dot = np.float32(0.0)
-                        for x in range(dim):
-                            dot += q_row[x] * k_row[x]
-                        scores[g * num_new + t, key] = dot * scale + mask[r, t, key]
-            for query in range(group * num_new):  # softmax in place
-                peak = scores[query, 0]
-                for key in range(1, n):
-                    peak = max(peak, scores[query, key])
-                total = np.float32(0.0)
-                for key in range(n):
-                    weight = np.exp(scores[query, key] - peak)
-                    scores[query, key] = weight
-                    total += weight
-                for key in range(n):
-                    scores[query, key] /= total
-            acc = np.zeros((group * num_new, dim), dtype=np.float32)
-            for key in range(n):
-                v_row = v[r, h, key]
-                for query in range(group * num_new):
-                    weight = scores[query, key]
-                    for x in range(dim):
-                        acc[query, x] += weight * v_row[x]
-            for g in range(group):
-                for t in range(num_new):
-                    out[r, h, g, t] = acc[g * num_new + t]
-
     from .fast_exp import exp_nonpositive
 
     @njit(parallel=True, fastmath=True, cache=True)
+    def attend(q, k, v, keys, queries, mask, scale, out):  # pragma: no cover - compiled
+        """q [b, KV, G, 1, d]; k, v [b, KV, >= max(keys), d]; keys [b]; queries [b] (0: a padding row, its output left
+        as it is; else 1); mask [b, 1, >= max(keys)]; out [b, KV, G, 1, d]. The group's queries in threes (the rest one
+        at a time) against four keys at once."""
+        rows, kv_heads, group, _, dim = q.shape
+        threes = group // 3 * 3
+        for task in prange(rows * kv_heads):
+            r, h = task // kv_heads, task % kv_heads
+            n = keys[r]
+            if queries[r] == 0:
+                continue
+            fours = n // 4 * 4
+            scores = np.empty((group, n), dtype=np.float32)
+            for m in range(0, threes, 3):
+                for key in range(0, fours, 4):
+                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = np.float32(0.0)
+                    for x in range(dim):
+                        k0, k1 = k[r, h, key, x], k[r, h, key + 1, x]
+                        k2, k3 = k[r, h, key + 2, x], k[r, h, key + 3, x]
+                        qa, qb, qc = q[r, h, m, 0, x], q[r, h, m + 1, 0, x], q[r, h, m + 2, 0, x]
+                        a0 += qa * k0
+                        a1 += qa * k1
+                        a2 += qa * k2
+                        a3 += qa * k3
+                        b0 += qb * k0
+                        b1 += qb * k1
+                        b2 += qb * k2
+                        b3 += qb * k3
+                        c0 += qc * k0
+                        c1 += qc * k1
+                        c2 += qc * k2
+                        c3 += qc * k3
+                    scores[m, key], scores[m, key + 1], scores[m, key + 2], scores[m, key + 3] = a0, a1, a2, a3
+                    scores[m + 1, key], scores[m + 1, key + 1] = b0, b1
+                    scores[m + 1, key + 2], scores[m + 1, key + 3] = b2, b3
+                    scores[m + 2, key], scores[m + 2, key + 1] = c0, c1
+                    scores[m + 2, key + 2], scores[m + 2, key + 3] = c2, c3
+                for key in range(fours, n):
+                    a0 = b0 = c0 = np.float32(0.0)
+                    for x in range(dim):
+                        a0 += q[r, h, m, 0, x] * k[r, h, key, x]
+                        b0 += q[r, h, m + 1, 0, x] * k[r, h, key, x]
+                        c0 += q[r, h, m + 2, 0, x] * k[r, h, key, x]
+                    scores[m, key], scores[m + 1, key], scores[m + 2, key] = a0, b0, c0
+            for m in range(threes, group):
+                for key in range(n):
+                    a0 = np.float32(0.0)
+                    for x in range(dim):
+                        a0 += q[r, h, m, 0, x] * k[r, h, key, x]
+                    scores[m, key] = a0
+            for m in range(group):  # scale, mask and softmax in place
+                for key in range(n):
+                    scores[m, key] = scores[m, key] * scale + mask[r, 0, key]
+                peak = scores[m, 0]
+                for key in range(1, n):
+                    peak = max(peak, scores[m, key])
+                total = np.float32(0.0)
+                for key in range(n):
+                    weight = exp_nonpositive(scores[m, key] - peak)
+                    scores[m, key] = weight
+                    total += weight
+                inverse = np.float32(1.0) / total
+                for key in range(n):
+                    scores[m, key] *= inverse
+            acc = np.zeros((group, dim), dtype=np.float32)
+            for m in range(0, threes, 3):
+                for key in range(0, fours, 4):
+                    w0, w1, w2, w3 = scores[m, key], scores[m, key + 1], scores[m, key + 2], scores[m, key + 3]
+                    u0, u1 = scores[m + 1, key], scores[m + 1, key + 1]
+                    u2, u3 = scores[m + 1, key + 2], scores[m + 1, key + 3]
+                    s0, s1 = scores[m + 2, key], scores[m + 2, key + 1]
+                    s2, s3 = scores[m + 2, key + 2], scores[m + 2, key + 3]
+                    for x in range(dim):
+                        v0, v1 = v[r, h, key, x], v[r, h, key + 1, x]
+                        v2, v3 = v[r, h, key + 2, x], v[r, h, key + 3, x]
+                        acc[m, x] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+                        acc[m + 1, x] += (u0 * v0 + u1 * v1) + (u2 * v2 + u3 * v3)
+                        acc[m + 2, x] += (s0 * v0 + s1 * v1) + (s2 * v2 + s3 * v3)
+            for m in range(threes, group):
+                for key in range(0, fours, 4):
+                    w0, w1, w2, w3 = scores[m, key], scores[m, key + 1], scores[m, key + 2], scores[m, key + 3]
+                    for x in range(dim):
+                        v0, v1 = v[r, h, key, x], v[r, h, key + 1, x]
+                        v2, v3 = v[r, h, key + 2, x], v[r, h, key + 3, x]
+                        acc[m, x] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+            for m in range(group):
+                for key in range(fours, n):
+                    w0 = scores[m, key]
+                    for x in range(dim):
+                        acc[m, x] += w0 * v[r, h, key, x]
+                for x in range(dim):
+                    out[r, h, m, 0, x] = acc[m, x]
+
+    @njit(parallel=True, fastmath=True, cache=True)
     def attend_wide(q, k, v, keys, queries, mask, scale, out):  # pragma: no cover - compiled
-        """`attend`'s contract, for steps of several queries a row: queries in pairs (an odd count gets a zero
+        """q [b, KV, G, T, d]; k, v [b, KV, >= max(keys), d]; keys [b]; queries [b] <= T: the queries of row r
+        computed (the rest are padding: their outputs are left as they are); mask [b, T, >= max(keys)] (added to the
+        scaled scores: 0 or a large negative); out [b, KV, G, T, d]. Queries in pairs (an odd count gets a zero
         query, computed and dropped), keys in fours, over CHUNK keys at a time."""
         rows, kv_heads, group, _, dim = q.shape
         for task in prange(rows * kv_heads):
