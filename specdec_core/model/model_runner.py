@@ -178,8 +178,8 @@ class ModelRunner:
 
     @property
     def unmasked_prefill(self) -> bool:
-        """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py), so a prefix-cache
-        hit never brings one back (prefill_plan.worth_reusing)."""
+        """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py,
+        fp32_chain_attention.py), so a prefix-cache hit never brings one back (prefill_plan.worth_reusing)."""
         return self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
 
     def _chain_attention(self, num_new: int, prefill: bool) -> bool:
