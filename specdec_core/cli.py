@@ -456,7 +456,7 @@ def run_kernels(argv: list[str]) -> int:
     except (SpecbatchError, OSError, ValueError) as exc:
         print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    from .kernels import kernel_plan, linear_plan  # lazy: torch, only for the command that needs it
+    from .kernels import chain_plan, kernel_plan, linear_plan  # lazy: torch, only for the command that needs it
     from .model import hardware, model_runner  # lazy: torch, only for the command that needs it
 
     dtype = hardware.resolve_dtype(args.dtype, "cpu")
@@ -483,7 +483,12 @@ def run_kernels(argv: list[str]) -> int:
           f"the median speed over {plan.primary}'s in the same rounds, which the plan compares; {timed}")
     print("\n".join(linear_plan.table(list(plan.timings))))
     print(f"kernel {plan.describe()}")
-    print("--deterministic: every linear on " + plan.primary + " (row-invariant, at every row count)")
+    if plan.attention_ms:
+        print(f"prompt attention, ms of one layer over {len(chain_plan.STARTS)} rows of {chain_plan.NEW} new tokens "
+              "(the best of rounds): " + ", ".join(f"{name} {ms:.2f}" for name, ms in plan.attention_ms.items()))
+    held = plan.primary if plan.primary in ("bf16_dot", "panel", "panel_coded") \
+        else "the panel kernels (the bf16 dot kernel where the CPU has it)"
+    print(f"--deterministic: every linear on {held} (row-invariant, at every row count); prompts on bf16_attention")
     return 0
 
 

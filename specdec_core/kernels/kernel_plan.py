@@ -27,13 +27,13 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..defaults import cache_root
-from . import linear_plan
+from . import chain_plan, linear_plan
 from .linear_plan import Timing
 from .coded_panels import CodedPanels
 from .numba_kernels import cache_key
@@ -48,10 +48,13 @@ BUCKETS = ((8, 8), (64, 64), (512, 512), (None, 1024))
 MARGIN = 1.10  # a layout the model does not hold must be this much faster than the ones it holds to be added
 MEMORY_SHARE = 0.5  # extra layouts may take at most this share of the memory available at load
 SECONDS_EACH = 0.03  # timing per candidate, shape and row count
-FORMAT = 2  # 2: paired timings
+FORMAT = 3  # 2: paired timings; 3: the prompt attention (chain_plan.py)
 # A plan is keyed by the kernels' own sources (with the CPU, numba and llvmlite): an edit elsewhere in specdec_core
 # does not time it again (each new timing on a noisy machine could route differently: decisions.md).
 KERNELS_ROOT = Path(__file__).resolve().parent
+# Roles of several modules, and primaries whose modules the fast forward cannot stack (an opaque oneDNN layout):
+# a routed role then holds a stacked copy of the primary too (fast_forward._routed).
+STACKED_ROLES, UNSTACKED = ("qkv", "gate_up"), ("onednn_packed",)
 ENV = "SPECBATCH_KERNEL_PLAN"  # "flags": time nothing; every linear stays on the kernel the CPU's flags pick
 
 
@@ -64,6 +67,8 @@ class KernelPlan:
     seconds: float  # spent timing at this load: 0 when the plan came from the cache
     extra_bytes: int  # the layouts beyond the primary's, for the whole model
     note: str = ""  # why a faster plan was not taken (memory)
+    prompt_attention: str = chain_plan.DEFAULT  # the kernel of bf16 prompt chains (chain_plan.py)
+    attention_ms: dict = field(default_factory=dict)  # what each prompt-attention candidate took (chain_plan.measure)
 
     def candidate(self, role: str, rows: int) -> str:
         for most, name in self.routes.get(role, ()):
@@ -84,7 +89,8 @@ class KernelPlan:
             text = "; ".join(f"{role}: " + ", ".join(_bucket_text(route, i) for i in range(len(route)))
                              for role, route in self.routes.items())
             text += f" (+{self.extra_bytes / 2**20:.0f} MiB)"
-        return f"plan {self.key[:8]}: {text}" + (f"; {self.note}" if self.note else "")
+        return (f"plan {self.key[:8]}: {text}; prompt attention: {self.prompt_attention}"
+                + (f"; {self.note}" if self.note else ""))
 
 
 def _bucket_text(route, index: int) -> str:
@@ -127,15 +133,19 @@ def extra_bytes(routes: dict, primary: str, shapes: dict[str, tuple[int, int]], 
     total = 0
     for role, route in routes.items():
         out_features, in_features = shapes[role]
-        for name in {name for _, name in route} - {primary}:
-            total += candidates[name].layout_bytes(dtype) * out_features * in_features * layers
+        names = {name for _, name in route}
+        if primary in UNSTACKED and role in STACKED_ROLES and names != {primary}:
+            names.add(f"stacked {primary}")  # a routed q/k/v or gate/up runs the primary on a stacked copy
+        for name in names - {primary}:
+            layout = candidates[name.removeprefix("stacked ")]
+            total += layout.layout_bytes(dtype) * out_features * in_features * layers
     return total
 
 
-def plan_key(shapes: dict, dtype: torch.dtype, primary: str) -> str:
+def plan_key(shapes: dict, dtype: torch.dtype, primary: str, heads: tuple | None = None) -> str:
     text = json.dumps({"format": FORMAT, "kernels": cache_key(KERNELS_ROOT), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "dtype": str(dtype), "shapes": shapes,
-                       "primary": primary, "buckets": BUCKETS}, sort_keys=True)
+                       "primary": primary, "buckets": BUCKETS, "heads": heads}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -143,17 +153,19 @@ def plan_path(key: str) -> Path:
     return cache_root() / "kernel_plans" / f"{key}.json"
 
 
-def plan_for(shapes: dict[str, tuple[int, int]], layers: int, dtype: torch.dtype, primary: str) -> KernelPlan | None:
-    """This machine's plan for a model's linears (shapes: linear_plan.model_shapes), read from the cache or timed now
-    and cached; None where plans are off (ENV=flags) or the dtype is not routed (fp32)."""
+def plan_for(shapes: dict[str, tuple[int, int]], layers: int, dtype: torch.dtype, primary: str,
+             heads: tuple[int, int, int] | None = None) -> KernelPlan | None:
+    """This machine's plan for a model's linears (shapes: linear_plan.model_shapes) and, given its heads (query
+    heads, key/value heads, head_dim), its prompt attention; read from the cache or timed now and cached; None where
+    plans are off (ENV=flags) or the dtype is not routed (fp32)."""
     if os.environ.get(ENV, "measure") == "flags" or dtype != torch.bfloat16:
         return None
-    key = plan_key(shapes, dtype, primary)
+    key = plan_key(shapes, dtype, primary, heads)
     cached = _read(key)
     if cached is not None:
         return cached
     with _timing_lock(key):  # processes loading the model together: one times it, the others then read its plan
-        return _read(key) or _time_plan(key, shapes, layers, dtype, primary)
+        return _read(key) or _time_plan(key, shapes, layers, dtype, primary, heads)
 
 
 @contextmanager
@@ -175,8 +187,10 @@ def _timing_lock(key: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary: str) -> KernelPlan:
+def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary: str,
+               heads: tuple | None = None) -> KernelPlan:
     started = time.perf_counter()
+    attention_ms = chain_plan.measure(*heads) if heads is not None else {}
     timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH, reference=primary)
     routes = choose(timings, primary, list(shapes))
     extra, note = extra_bytes(routes, primary, shapes, layers, dtype), ""
@@ -185,7 +199,8 @@ def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary:
         note = (f"the routed plan's layouts (+{extra / 2**20:.0f} MiB) would exceed {MEMORY_SHARE:.0%} of the "
                 f"{available / 2**20:.0f} MiB available: {primary} everywhere")
         routes, extra = {role: ((None, primary),) for role in shapes}, 0
-    plan = KernelPlan(key, primary, routes, tuple(timings), time.perf_counter() - started, extra, note)
+    plan = KernelPlan(key, primary, routes, tuple(timings), time.perf_counter() - started, extra, note,
+                      chain_plan.choose(attention_ms), attention_ms)
     _write(plan)
     log.info("kernel %s, timed in %.1f s", plan.describe(), plan.seconds)
     return plan
@@ -206,7 +221,8 @@ def _read(key: str) -> KernelPlan | None:
         data = json.loads(plan_path(key).read_text())
         routes = {role: tuple((most, name) for most, name in route) for role, route in data["routes"].items()}
         return KernelPlan(key, data["primary"], routes, tuple(Timing(**t) for t in data["timings"]), 0.0,
-                          int(data["extra_bytes"]), data.get("note", ""))
+                          int(data["extra_bytes"]), data.get("note", ""), data["prompt_attention"],
+                          dict(data["attention_ms"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none yet, or unreadable: timed again
 
@@ -216,6 +232,7 @@ def _write(plan: KernelPlan) -> None:
     data = {"format": FORMAT, "cpu": linear_plan.cpu_description(), "primary": plan.primary,
             "routes": {role: [list(step) for step in route] for role, route in plan.routes.items()},
             "extra_bytes": plan.extra_bytes, "note": plan.note, "timed_s": round(plan.seconds, 3),
+            "prompt_attention": plan.prompt_attention, "attention_ms": plan.attention_ms,
             "timings": [asdict(t) for t in plan.timings]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +249,7 @@ def primary_kernel(module) -> str:
         return ("bf16_dot" if module.panels.dim() == 4
                 else "panel_coded" if isinstance(module.panels, CodedPanels) else "panel")
     if type(module) is PackedLinear:
-        return "onednn_fp32_packed"
+        return "onednn_packed" if module.dtype == torch.bfloat16 else "onednn_fp32_packed"
     return "onednn"
 
 

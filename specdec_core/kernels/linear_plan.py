@@ -53,6 +53,13 @@ def _onednn_fp32_packed(weight: torch.Tensor):
     return lambda x: packed.project(x.float()).to(dtype)
 
 
+def _onednn_packed(weight: torch.Tensor):
+    """oneDNN over the weight reordered once into its blocked layout, in the weight's own dtype: F.linear reorders
+    a plain weight at every call (on an AMX CPU that copy bounded decode-sized linears: docs/decisions.md)."""
+    packed = packed_linear.reorder(weight)
+    return lambda x: packed_linear.linear(x, packed, None)
+
+
 def _bf16_dot(weight: torch.Tensor):
     array, out_features = bf16_dot.as_words(bf16_dot.to_pair_panels(weight)), weight.shape[0]
     return lambda x: panel_linear.linear(x, array, None, out_features, torch.bfloat16)
@@ -87,6 +94,7 @@ def _coded_usable() -> bool:
 BF16, FP32 = torch.bfloat16, torch.float32
 CANDIDATES = (
     Candidate("onednn", False, (BF16, FP32), lambda: True, _onednn),
+    Candidate("onednn_packed", False, (BF16,), packed_linear.bf16_available, _onednn_packed),
     Candidate("onednn_fp32", False, (BF16,), lambda: True, _onednn_fp32, widened=True),
     Candidate("onednn_fp32_packed", False, (BF16, FP32), packed_linear.available, _onednn_fp32_packed, widened=True),
     Candidate("bf16_dot", True, (BF16,), bf16_dot.available, _bf16_dot),
@@ -241,6 +249,13 @@ def cpu_description() -> str:
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in info)
     return f"{name}, CPU flags: {flags}, threads {torch.get_num_threads()}"
+
+
+def model_heads(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of a decoder layer's attention."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
 def model_shapes(config) -> dict[str, tuple[int, int]]:

@@ -28,6 +28,16 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def bf16_available() -> bool:
+    """Whether oneDNN reorders and multiplies bf16 weights on this CPU."""
+    return available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """A dense [out, in] weight -> oneDNN's opaque blocked copy of it (the weight's dtype), for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """[M, in] x (a reordered or dense [out, in] weight) -> [M, out] through oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -39,12 +49,16 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, source: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(source.weight.detach(), ROWS_HINT)  # opaque [out, in]
+        self.packed = reorder(source.weight)  # opaque [out, in]
         self.bias = source.bias
 
     @property
     def weight(self) -> torch.Tensor:
         return self.packed.to_dense()  # [out, in], a copy
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         return linear(x, self.packed, self.bias)
@@ -58,7 +72,10 @@ def replace_linears(module: torch.nn.Module, make, dtypes=(torch.float32,)) -> i
     """Replace every nn.Linear of one of `dtypes` under `module` with make(linear), in place; returns how many."""
     count = 0
     for name, child in module.named_children():
-        if type(child) is torch.nn.Linear and child.weight.dtype in dtypes:
+        plain = type(child) is torch.nn.Linear and child.weight.dtype in dtypes
+        # a packed layer goes to another kernel (--deterministic's panels); never packed again
+        repacked = type(child) is PackedLinear and child.dtype in dtypes and make is not PackedLinear
+        if plain or repacked:
             setattr(module, name, make(child))
             count += 1
         else:

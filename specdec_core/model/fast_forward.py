@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import block_attention, grouped_attention
-from ..kernels import (bf16_attention, fp32_chain_attention, invariant_attention, kernel_plan, panel_linear,
-                       residual_norm, rope_store)
+from ..kernels import (bf16_attention, fp32_chain_attention, invariant_attention, kernel_plan, packed_linear,
+                       panel_linear, residual_norm, rope_store)
 from ..kernels.kernel_plan import KernelPlan
 from ..kernels.packed_linear import PackedLinear
 from ..kernels.panel_linear import PanelLinear
@@ -92,6 +92,9 @@ def _routed(plan: KernelPlan | None, role: str, modules: list, stacked):
             runs[name] = stacked.project  # the modules' own layout, bias included
         elif name == plan.primary and all(type(m) is torch.nn.Linear for m in modules):
             runs[name] = _dense_run(modules)  # oneDNN over the modules' own weights: no copy of them
+        elif name == "onednn_packed":  # the bias added inside oneDNN's call, as the modules' own layout adds it
+            packed = packed_linear.reorder(weight)
+            runs[name] = lambda x, packed=packed: packed_linear.linear(x, packed, bias)
         else:
             run = kernel_plan.build(name, weight)
             runs[name] = run if bias is None else (lambda x, run=run: run(x).add_(bias))
@@ -311,7 +314,8 @@ class FastForward:
                                              layer.scaling)  # [b, T, H, d]
         elif attention.chain is not None:
             lengths, news = attention.chain
-            chain = bf16_attention if query.dtype == torch.bfloat16 else fp32_chain_attention
+            chain = attention.chain_kernel or (bf16_attention if query.dtype == torch.bfloat16
+                                               else fp32_chain_attention)
             attended = chain.attend(query, cache.keys[index], cache.values[index], cache.bound_rows(), lengths, news,
                                     layer.scaling)  # [b, T, H, d]
         elif attention.blocks is not None:

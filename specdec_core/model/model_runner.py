@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SpecbatchError
-from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, fp32_chain_attention, invariant_attention,
-                       kernel_plan, linear_plan, packed_linear, panel_linear)
+from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, chain_plan, fp32_chain_attention,
+                       invariant_attention, kernel_plan, linear_plan, packed_linear, panel_linear)
 from ..kernels.kernel_plan import KernelPlan
 from . import block_attention, fast_forward, grouped_attention
 from .attention_masks import attention_masks
@@ -181,6 +181,16 @@ class ModelRunner:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py,
         fp32_chain_attention.py), so a prefix-cache hit never brings one back (prefill_plan.worth_reusing)."""
         return self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
+
+    def _prompt_chain_kernel(self):
+        """The module attending bf16 prompt chains where the kernel plan timed another faster than
+        bf16_attention.py (chain_plan.py: SDPA on an AMX CPU), else None; never with --deterministic, whose prompts
+        stay on bf16_attention.py's row-invariant kernel."""
+        plan = self.kernel_plan
+        if (plan is None or self._deterministic or self.dtype != torch.bfloat16
+                or plan.prompt_attention == chain_plan.DEFAULT):
+            return None
+        return chain_plan.kernel(plan.prompt_attention)
 
     def _chain_attention(self, num_new: int, prefill: bool) -> bool:
         """Whether a CPU forward attends through a chain kernel (if its rows are chains): bf16_attention.py in bf16,
@@ -374,6 +384,7 @@ class ModelRunner:
         num_new = visible.shape[1]
         news = bf16_attention.chain_news(visible) if self._chain_attention(num_new, prefill) else None
         chain = (lengths, news) if news is not None else None
+        chain_kernel = self._prompt_chain_kernel() if chain is not None else None
         short = chain is None and self._compiled_short_attention(num_new)
         if chain is None and not prefill and self.deterministic and self._bf16_step_kernel():
             # every generated token, in a step of any width, through the exact kernel (prompts: bf16_attention.py)
@@ -391,10 +402,10 @@ class ModelRunner:
             news = visible.diagonal(dim1=1, dim2=2).sum(1)  # [b]: real nodes, the first of each row's T
             blocks = block_attention.block_mask(lengths.to(device), visible.to(device), cache.kv_length(),
                                                 news.to(device))
-            return AttentionPlan(chain, step, invariant, None, blocks)
+            return AttentionPlan(chain, chain_kernel, step, invariant, None, blocks)
         mask = attention_masks(self.model.config, lengths.to(device), positions.to(device), visible.to(device),
                                cache.kv_length(), self.dtype) if masked else None
-        return AttentionPlan(chain, step, invariant, mask)
+        return AttentionPlan(chain, chain_kernel, step, invariant, mask)
 
     def _hf_hidden(self, cache: SlotKVCache, batch: StepBatch, mask, real: torch.Tensor) -> torch.Tensor:
         """forward_slots through the model's own modules (architectures the fast forward does not cover): the
@@ -493,25 +504,36 @@ class ModelRunner:
 
 def bf16_linears_on_panels() -> bool:
     """Whether tune_for_cpu puts bf16 linears on the panel kernel by default: where the CPU's bf16 dot product runs
-    them (bf16_dot.py), unless it has AMX, whose tiles were not compared with it."""
+    them (bf16_dot.py), unless it has AMX, where oneDNN's tiles run them (bf16_linears_packed)."""
     return not torch.cpu._is_amx_tile_supported() and bf16_dot.available()
+
+
+def bf16_linears_packed() -> bool:
+    """Whether tune_for_cpu reorders bf16 linears once into oneDNN's blocked layout by default: on an AMX CPU, where
+    oneDNN's tiles run them far ahead of our bf16 kernels and F.linear would reorder a plain weight at every call
+    (docs/decisions.md: "AMX")."""
+    return torch.cpu._is_amx_tile_supported() and packed_linear.bf16_available()
 
 
 def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
     """CPU-only speed-ups that leave the numbers identical in every decoder (AR included), so losslessness holds.
     The linear layers of `dtypes` go to the panel kernel (oneDNN's packed layout for fp32 without it); returns how
-    many were replaced. By default fp32, and bf16 where the CPU's bf16 dot product runs them (bf16_dot.py: faster
-    than oneDNN at every row count on an AMD avx512_bf16 CPU) unless it has AMX, where oneDNN's tiles were not
-    compared with it."""
+    many were replaced (a packed bf16 layer too: --deterministic's call puts it on panels). By default fp32, and bf16
+    where the CPU's bf16 dot product runs them (bf16_dot.py: faster than oneDNN at every row count on an AMD
+    avx512_bf16 CPU), or on an AMX CPU bf16 in oneDNN's packed layout (bf16_linears_packed)."""
+    packed_bf16 = dtypes is None and bf16_linears_packed()
     if dtypes is None:
-        dtypes = (torch.float32, torch.bfloat16) if bf16_linears_on_panels() else (torch.float32,)
+        dtypes = ((torch.float32, torch.bfloat16) if bf16_linears_on_panels() or packed_bf16
+                  else (torch.float32,))
     # Let SDPA handle grouped-query attention itself even with a mask (multi-token verify forwards): otherwise
     # transformers copies every cached K/V head n_rep times per layer per forward (~20% of an 11-token forward).
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     layers = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
     count = 0
     for dtype in dtypes:
-        if panel_linear.available(dtype):
+        if dtype == torch.bfloat16 and packed_bf16:
+            make = packed_linear.PackedLinear
+        elif panel_linear.available(dtype):
             make = panel_linear.PanelLinear
         elif dtype == torch.float32 and packed_linear.available():
             make = packed_linear.PackedLinear
@@ -520,7 +542,8 @@ def tune_for_cpu(model, dtypes: tuple | None = None) -> int:
         # decoder linears of this dtype only (int8 drafters keep theirs)
         count += 0 if layers is None else packed_linear.replace_linears(layers, make, (dtype,))
         head = model.get_output_embeddings()
-        if type(head) is torch.nn.Linear and head.weight.dtype == dtype:
+        plain = type(head) is torch.nn.Linear and head.weight.dtype == dtype
+        if plain or (type(head) is packed_linear.PackedLinear and head.dtype == dtype and make is not type(head)):
             # A tied head keeps pointing at the embedding's dense weight until replaced: it gets a copy of its own.
             model.config.tie_word_embeddings = False  # no later re-tie may put a dense weight back
             model.set_output_embeddings(make(head))
@@ -536,7 +559,8 @@ def cpu_kernel_plan(model, dtype: torch.dtype) -> KernelPlan | None:
     try:
         config = model.config
         primary = kernel_plan.primary_kernel(model.get_decoder().layers[0].mlp.down_proj)
-        return kernel_plan.plan_for(linear_plan.model_shapes(config), config.num_hidden_layers, dtype, primary)
+        return kernel_plan.plan_for(linear_plan.model_shapes(config), config.num_hidden_layers, dtype, primary,
+                                    linear_plan.model_heads(config))
     except Exception as exc:  # never a reason to fail a load: the flags' kernels still run
         log.warning("no kernel plan (%s: %s); the linears keep the kernels the CPU's flags pick",
                     type(exc).__name__, exc)

@@ -33,6 +33,7 @@ class AttentionPlan:
     chain, step, invariant and blocks is set; with none, SDPA with `mask` (None: one plain prompt from position 0)."""
 
     chain: tuple | None = None  # (lengths [b], news [b]): prompt chains (bf16_attention.py, fp32_chain_attention.py)
+    chain_kernel: object = None  # the module whose attend() runs them, where the kernel plan picked another
     step: object = None  # a bf16_step_attention.Step: bf16 decode and verify steps
     invariant: tuple | None = None  # (visible [b, T, T], lengths [b]): through invariant_attention.py
     mask: object = None  # [b, 1, T, L] float (0 / dtype-min), a {layer type: mask} dict, or None

@@ -193,7 +193,9 @@ def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
     assert [determinism_mode(v) for v in (True, False, "auto", "off")] == ["on", "off", "auto", "off"]
     with pytest.raises(ValueError, match="auto, on, off"):
         determinism_mode("yes")
-    kernels = bf16_attention.usable(64) and bf16_step_attention.usable(64)
+    from specdec_core.model.model_runner import bf16_linears_on_panels
+
+    kernels = bf16_attention.usable(64) and bf16_step_attention.usable(64) and bf16_linears_on_panels()  # not AMX
     bf16 = runner_in(torch.bfloat16, tiny_llama_64)
     bf16.deterministic = False
     assert Engine.from_runners(bf16).target.deterministic == kernels

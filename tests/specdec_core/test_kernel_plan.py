@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec_core.engine import Engine
-from specdec_core.kernels import kernel_plan, linear_plan
+from specdec_core.kernels import bf16_attention, chain_plan, kernel_plan, linear_plan
 from specdec_core.kernels.kernel_plan import BUCKETS, KernelPlan
 from specdec_core.kernels.linear_plan import Timing
 from specdec_core.loop.kv_cache import new_slot_cache
@@ -60,7 +60,8 @@ def test_a_plans_memory_is_counted_and_its_description_names_each_route():
     assert plan.routed and plan.candidate("o", 64) == "bf16_dot" and plan.candidate("o", 65) == "onednn_fp32"
     assert "o: bf16_dot 1-64, onednn_fp32 65+" in plan.describe() and "MiB" in plan.describe()
     still = KernelPlan("abcdef0123456789", "bf16_dot", {"o": ((None, "bf16_dot"),)}, (), 0.0, 0)
-    assert not still.routed and still.describe() == "plan abcdef01: bf16_dot everywhere"
+    assert not still.routed
+    assert still.describe() == "plan abcdef01: bf16_dot everywhere; prompt attention: bf16_attention"
 
 
 @pytest.fixture
@@ -75,7 +76,32 @@ def timed(monkeypatch, tmp_path):
         return timings({"bf16_dot": [163, 170, 171, 170], "onednn_fp32": [81, 150, 290, 315]}, list(shapes))
 
     monkeypatch.setattr(linear_plan, "measure", measure)
+    monkeypatch.setattr(chain_plan, "measure", lambda heads, kv_heads, head_dim: calls.append(
+        ("attention", (heads, kv_heads, head_dim))) or {"bf16_attention": 5.0, "sdpa": 2.0})
     return calls
+
+
+def test_the_prompt_attention_is_timed_with_the_linears_and_the_faster_kept(timed):
+    """Given the model's heads, a plan also times the prompt-attention candidates once (an AMX CPU's answer: SDPA
+    at 2.5x ours) and keeps the faster, read back from the cache with the routes; without heads nothing is timed
+    and bf16_attention stays."""
+    shapes = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}
+    plan = kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot", (4, 2, 16))
+    assert ("attention", (4, 2, 16)) in timed and plan.prompt_attention == "sdpa"
+    assert plan.attention_ms == {"bf16_attention": 5.0, "sdpa": 2.0} and "prompt attention: sdpa" in plan.describe()
+    again = kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot", (4, 2, 16))
+    assert again.seconds == 0.0 and (again.prompt_attention, again.attention_ms) == ("sdpa", plan.attention_ms)
+    timed.clear()
+    without = kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot")
+    assert without.key != plan.key and without.prompt_attention == chain_plan.DEFAULT
+    assert not [call for call in timed if call[0] == "attention"]
+    assert chain_plan.choose({}) == chain_plan.DEFAULT and chain_plan.choose({"a": 2.0, "b": 1.0}) == "b"
+
+
+def test_the_real_prompt_attention_timing_covers_every_candidate_that_runs_here():
+    timings = chain_plan.measure(3, 1, 16)
+    assert "sdpa" in timings and all(ms > 0 for ms in timings.values())
+    assert ("bf16_attention" in timings) == bf16_attention.usable(16)
 
 
 def test_a_plan_is_timed_once_per_machine_and_model_then_read_from_the_cache(timed, tmp_path):
@@ -133,6 +159,8 @@ def test_the_fast_forward_runs_each_linear_on_the_kernel_its_row_count_is_planne
     routed = ModelRunner(model, base.tokenizer, base.name, "cpu", torch.bfloat16, plan=plan)
     layers = len(model.get_decoder().layers)
     assert torch.allclose(_last_logits(routed, 6), _last_logits(plain, 6), atol=1e-6)  # 6 rows: the modules' kernel
+    # (on a stacked copy of q/k/v and gate/up where the modules hold an opaque oneDNN layout: an AMX CPU's, not built
+    # through kernel_plan.build, so that its bias is added inside oneDNN's call as the modules add theirs)
     assert ran == []
     long, reference = _last_logits(routed, 24), _last_logits(plain, 24)
     assert ran and {name for name, _ in ran} == {"onednn_fp32"} and {rows for _, rows in ran} == {24}
