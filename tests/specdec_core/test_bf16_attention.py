@@ -21,6 +21,18 @@ def reference(query, keys, values, slot, length, new):
     return out[0].transpose(0, 1)  # [new, H, d]
 
 
+def nan_padded_chains(heads: int, kv_heads: int, dim: int, capacity: int, slots, lengths, news):
+    """Random bf16 chains: query [b, H, max news, d] and the whole key/value buffers [5, KV, capacity, d], each row's
+    cached and new keys at its slot, NaN everywhere else (a kernel that reads past a row's keys returns NaN)."""
+    keys = torch.full((5, kv_heads, capacity, dim), float("nan")).to(torch.bfloat16)
+    values = keys.clone()
+    for slot, length, new in zip(slots.tolist(), lengths.tolist(), news.tolist()):
+        keys[slot, :, :length + new] = (torch.randn(kv_heads, length + new, dim) * 2).to(torch.bfloat16)
+        values[slot, :, :length + new] = torch.randn(kv_heads, length + new, dim).to(torch.bfloat16)
+    query = (torch.randn(len(slots), heads, int(news.max()), dim) * 2).to(torch.bfloat16)
+    return query, keys, values
+
+
 @pytest.mark.parametrize("dim", [16, 64])
 def test_each_rows_chain_attends_its_own_keys_within_bf16_rounding(dim):
     """Rows at other cache slots, with cached prefixes of other lengths, chains of other lengths (the padding after
@@ -81,12 +93,7 @@ def test_head_dim_128_rows_attend_their_own_keys_within_bf16_rounding():
     heads, kv_heads, dim, capacity = 8, 2, 128, 180
     num_new = 2 * bf16_attention.QUERY_BLOCK + 5
     slots, lengths, news = torch.tensor([4, 0, 2]), torch.tensor([0, 57, 100]), torch.tensor([num_new, 30, 1])
-    keys = torch.full((5, kv_heads, capacity, dim), float("nan")).to(torch.bfloat16)  # [slots, KV, capacity, d]
-    values = keys.clone()
-    for slot, length, new in zip(slots.tolist(), lengths.tolist(), news.tolist()):
-        keys[slot, :, :length + new] = (torch.randn(kv_heads, length + new, dim) * 2).to(torch.bfloat16)
-        values[slot, :, :length + new] = torch.randn(kv_heads, length + new, dim).to(torch.bfloat16)
-    query = (torch.randn(3, heads, num_new, dim) * 2).to(torch.bfloat16)  # [b, H, T, d]
+    query, keys, values = nan_padded_chains(heads, kv_heads, dim, capacity, slots, lengths, news)
     out = bf16_attention.attend(query, keys, values, slots, lengths, news, dim ** -0.5)  # [b, T, H, d]
     assert out.shape == (3, num_new, heads, dim) and out.dtype == torch.bfloat16
     for r in range(3):

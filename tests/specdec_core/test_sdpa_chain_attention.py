@@ -8,7 +8,7 @@ import torch
 from specdec_core.kernels import bf16_attention, chain_plan, sdpa_chain_attention
 from specdec_core.kernels.kernel_plan import KernelPlan
 from specdec_core.model import grouped_attention
-from tests.specdec_core.test_bf16_attention import reference
+from tests.specdec_core.test_bf16_attention import nan_padded_chains, reference
 from tests.specdec_core.test_deterministic import feed, runner_in
 
 
@@ -19,12 +19,7 @@ def test_each_rows_chain_attends_its_own_keys_within_bf16_rounding():
     heads, kv_heads, dim, capacity = 6, 2, 32, 160
     num_new = 40
     slots, lengths, news = torch.tensor([4, 0, 2, 1]), torch.tensor([0, 57, 100, 3]), torch.tensor([num_new, 30, 1, 0])
-    keys = torch.full((5, kv_heads, capacity, dim), float("nan")).to(torch.bfloat16)  # [slots, KV, capacity, d]
-    values = keys.clone()
-    for slot, length, new in zip(slots.tolist(), lengths.tolist(), news.tolist()):
-        keys[slot, :, :length + new] = (torch.randn(kv_heads, length + new, dim) * 2).to(torch.bfloat16)
-        values[slot, :, :length + new] = torch.randn(kv_heads, length + new, dim).to(torch.bfloat16)
-    query = (torch.randn(4, heads, num_new, dim) * 2).to(torch.bfloat16)  # [b, H, T, d]
+    query, keys, values = nan_padded_chains(heads, kv_heads, dim, capacity, slots, lengths, news)  # [b, H, T, d]
     out = sdpa_chain_attention.attend(query, keys, values, slots, lengths, news, dim ** -0.5)  # [b, T, H, d]
     assert out.shape == (4, num_new, heads, dim) and out.dtype == torch.bfloat16
     for r in range(3):
