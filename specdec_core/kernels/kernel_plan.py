@@ -134,11 +134,10 @@ def extra_bytes(routes: dict, primary: str, shapes: dict[str, tuple[int, int]], 
     for role, route in routes.items():
         out_features, in_features = shapes[role]
         names = {name for _, name in route}
-        if primary in UNSTACKED and role in STACKED_ROLES and names != {primary}:
-            names.add(f"stacked {primary}")  # a routed q/k/v or gate/up runs the primary on a stacked copy
-        for name in names - {primary}:
-            layout = candidates[name.removeprefix("stacked ")]
-            total += layout.layout_bytes(dtype) * out_features * in_features * layers
+        copies = names - {primary}
+        if copies and primary in names and primary in UNSTACKED and role in STACKED_ROLES:
+            copies.add(primary)  # a routed q/k/v or gate/up runs the primary on a stacked copy
+        total += sum(candidates[name].layout_bytes(dtype) for name in copies) * out_features * in_features * layers
     return total
 
 

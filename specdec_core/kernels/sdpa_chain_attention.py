@@ -13,6 +13,8 @@ numbers depend on how its prompt was chunked), so --deterministic keeps bf16_att
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -27,11 +29,15 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots:
         if new == 0:
             continue
         end = start + new
-        mask = None
-        if start:  # new token i sees keys 0 .. start + i
-            mask = torch.arange(end)[None, :] <= start + torch.arange(new)[:, None]  # [new, end]
+        mask = _chunk_mask(start, new) if start else None
         attended = F.scaled_dot_product_attention(
             query[row:row + 1, :, :new], keys[slot:slot + 1, :, :end], values[slot:slot + 1, :, :end],
             attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)  # [1, H, new, d]
         out[row, :new] = attended[0].transpose(0, 1)
     return out
+
+
+@lru_cache(maxsize=64)
+def _chunk_mask(start: int, new: int) -> torch.Tensor:
+    """[new, start + new] bool: new token i sees keys 0 .. start + i. Built once for a forward's every layer."""
+    return torch.arange(start + new)[None, :] <= start + torch.arange(new)[:, None]
