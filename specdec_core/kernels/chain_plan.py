@@ -2,8 +2,8 @@
 sdpa_chain_attention.py (PyTorch's flash kernel, row by row), timed on the model's heads as kernel_plan.py times
 the linears, at the model's first load on the machine, and kept in its plan.
 
-Why: the faster one depends on the CPU class, not on its flags: on an AMX CPU SDPA ran a prompt's attention at
-2-2.7x ours; on an avx512_bf16 CPU without AMX ours was several times SDPA's (docs/decisions.md: "AMX").
+Why: the faster one depends on the CPU class, not on its flags: on an AMX CPU SDPA ran a prompt's attention
+faster than ours; on an avx512_bf16 CPU without AMX ours was the faster (measurements: docs/decisions.md, "AMX").
 """
 
 from __future__ import annotations
