@@ -456,7 +456,7 @@ def run_kernels(argv: list[str]) -> int:
     except (SpecbatchError, OSError, ValueError) as exc:
         print(f"specbatch: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    from .kernels import chain_plan, kernel_plan, linear_plan  # lazy: torch, only for the command that needs it
+    from .kernels import chain_plan, kernel_plan, linear_plan, step_plan  # lazy: torch, only for the command that needs it
     from .model import hardware, model_runner  # lazy: torch, only for the command that needs it
 
     dtype = hardware.resolve_dtype(args.dtype, "cpu")
@@ -486,9 +486,15 @@ def run_kernels(argv: list[str]) -> int:
     if plan.attention_ms:
         print(f"prompt attention, ms of one layer over {len(chain_plan.STARTS)} rows of {chain_plan.NEW} new tokens "
               "(the best of rounds): " + ", ".join(f"{name} {ms:.2f}" for name, ms in plan.attention_ms.items()))
+    if plan.step_ms:
+        widths = " and ".join(f"T = {width}" for width in step_plan.WIDTHS)
+        print(f"step attention, ms of one layer over {step_plan.ROWS} rows of {step_plan.KEYS} cached keys at {widths} "
+              "(the best of rounds): " + ", ".join(f"{name} " + " / ".join(f"{ms:.3f}" for ms in times)
+                                                   for name, times in plan.step_ms.items()))
     held = plan.primary if plan.primary in ("bf16_dot", "panel", "panel_coded") \
         else "the panel kernels (the bf16 dot kernel where the CPU has it)"
-    print(f"--deterministic: every linear on {held} (row-invariant, at every row count); prompts on bf16_attention")
+    print(f"--deterministic: every linear on {held} (row-invariant, at every row count); prompts on bf16_attention, "
+          "steps on bf16_step_attention's exact kernel")
     return 0
 
 

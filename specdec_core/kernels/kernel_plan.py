@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..defaults import cache_root
-from . import chain_plan, linear_plan
+from . import chain_plan, linear_plan, step_plan
 from .linear_plan import Timing
 from .coded_panels import CodedPanels
 from .numba_kernels import cache_key
@@ -48,7 +48,7 @@ BUCKETS = ((8, 8), (64, 64), (512, 512), (None, 1024))
 MARGIN = 1.10  # a layout the model does not hold must be this much faster than the ones it holds to be added
 MEMORY_SHARE = 0.5  # extra layouts may take at most this share of the memory available at load
 SECONDS_EACH = 0.03  # timing per candidate, shape and row count
-FORMAT = 3  # 2: paired timings; 3: the prompt attention (chain_plan.py)
+FORMAT = 4  # 2: paired timings; 3: the prompt attention (chain_plan.py); 4: the step attention (step_plan.py)
 # A plan is keyed by the kernels' own sources (with the CPU, numba and llvmlite): an edit elsewhere in specdec_core
 # does not time it again (each new timing on a noisy machine could route differently: decisions.md).
 KERNELS_ROOT = Path(__file__).resolve().parent
@@ -69,6 +69,8 @@ class KernelPlan:
     note: str = ""  # why a faster plan was not taken (memory)
     prompt_attention: str = chain_plan.DEFAULT  # the kernel of bf16 prompt chains (chain_plan.py)
     attention_ms: dict = field(default_factory=dict)  # what each prompt-attention candidate took (chain_plan.measure)
+    step_attention: str = step_plan.DEFAULT  # the kernel of bf16 decode and verify steps (step_plan.py)
+    step_ms: dict = field(default_factory=dict)  # what each step-attention candidate took (step_plan.measure)
 
     def candidate(self, role: str, rows: int) -> str:
         for most, name in self.routes.get(role, ()):
@@ -89,7 +91,8 @@ class KernelPlan:
             text = "; ".join(f"{role}: " + ", ".join(_bucket_text(route, i) for i in range(len(route)))
                              for role, route in self.routes.items())
             text += f" (+{self.extra_bytes / 2**20:.0f} MiB)"
-        return (f"plan {self.key[:8]}: {text}; prompt attention: {self.prompt_attention}"
+        return (f"plan {self.key[:8]}: {text}; prompt attention: {self.prompt_attention}; step attention: "
+                f"{self.step_attention}"
                 + (f"; {self.note}" if self.note else ""))
 
 
@@ -190,6 +193,7 @@ def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary:
                heads: tuple | None = None) -> KernelPlan:
     started = time.perf_counter()
     attention_ms = chain_plan.measure(*heads) if heads is not None else {}
+    step_ms = step_plan.measure(*heads) if heads is not None else {}
     timings = linear_plan.measure(shapes, [rows for _, rows in BUCKETS], dtype, SECONDS_EACH, reference=primary)
     routes = choose(timings, primary, list(shapes))
     extra, note = extra_bytes(routes, primary, shapes, layers, dtype), ""
@@ -199,7 +203,7 @@ def _time_plan(key: str, shapes: dict, layers: int, dtype: torch.dtype, primary:
                 f"{available / 2**20:.0f} MiB available: {primary} everywhere")
         routes, extra = {role: ((None, primary),) for role in shapes}, 0
     plan = KernelPlan(key, primary, routes, tuple(timings), time.perf_counter() - started, extra, note,
-                      chain_plan.choose(attention_ms), attention_ms)
+                      chain_plan.choose(attention_ms), attention_ms, step_plan.choose(step_ms), step_ms)
     _write(plan)
     log.info("kernel %s, timed in %.1f s", plan.describe(), plan.seconds)
     return plan
@@ -221,7 +225,7 @@ def _read(key: str) -> KernelPlan | None:
         routes = {role: tuple((most, name) for most, name in route) for role, route in data["routes"].items()}
         return KernelPlan(key, data["primary"], routes, tuple(Timing(**t) for t in data["timings"]), 0.0,
                           int(data["extra_bytes"]), data.get("note", ""), data["prompt_attention"],
-                          dict(data["attention_ms"]))
+                          dict(data["attention_ms"]), data["step_attention"], dict(data["step_ms"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none yet, or unreadable: timed again
 
@@ -232,6 +236,7 @@ def _write(plan: KernelPlan) -> None:
             "routes": {role: [list(step) for step in route] for role, route in plan.routes.items()},
             "extra_bytes": plan.extra_bytes, "note": plan.note, "timed_s": round(plan.seconds, 3),
             "prompt_attention": plan.prompt_attention, "attention_ms": plan.attention_ms,
+            "step_attention": plan.step_attention, "step_ms": plan.step_ms,
             "timings": [asdict(t) for t in plan.timings]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

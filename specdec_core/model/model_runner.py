@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SpecbatchError
-from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, chain_plan, fp32_chain_attention,
+from ..kernels import (bf16_attention, bf16_dot, bf16_step_attention, chain_plan, fp32_chain_attention, step_plan,
                        invariant_attention, kernel_plan, linear_plan, packed_linear, panel_linear)
 from ..kernels.kernel_plan import KernelPlan
 from . import block_attention, fast_forward, grouped_attention
@@ -181,6 +181,15 @@ class ModelRunner:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py,
         fp32_chain_attention.py), so a prefix-cache hit never brings one back (prefill_plan.worth_reusing)."""
         return self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
+
+    def _step_kernel(self):
+        """The module attending bf16 decode and verify steps without --deterministic: the kernel plan's choice
+        (step_plan.py: the AMX tiles where they were faster), else bf16_step_attention.py."""
+        plan = self.kernel_plan
+        if plan is None or plan.step_attention == step_plan.DEFAULT:
+            return bf16_step_attention
+        module = step_plan.kernel(plan.step_attention)
+        return module if module.usable(self.fast.head_dim) else bf16_step_attention
 
     def _prompt_chain_kernel(self):
         """The module attending bf16 prompt chains where the kernel plan timed another faster than
@@ -390,7 +399,7 @@ class ModelRunner:
             # every generated token, in a step of any width, through the exact kernel (prompts: bf16_attention.py)
             step = bf16_step_attention.Step(visible, lengths, cache.bound_rows(), exact=True)
         elif short and not self.deterministic and self._bf16_steps(visible):
-            step = bf16_step_attention.Step(visible, lengths, cache.bound_rows())
+            step = self._step_kernel().Step(visible, lengths, cache.bound_rows())
         else:
             step = None
         compiled = chain is not None or step is not None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specdec_core.engine import Engine
-from specdec_core.kernels import bf16_attention, chain_plan, kernel_plan, linear_plan
+from specdec_core.kernels import bf16_attention, chain_plan, kernel_plan, linear_plan, step_plan
 from specdec_core.kernels.kernel_plan import BUCKETS, KernelPlan
 from specdec_core.kernels.linear_plan import Timing
 from specdec_core.loop.kv_cache import new_slot_cache
@@ -61,13 +61,14 @@ def test_a_plans_memory_is_counted_and_its_description_names_each_route():
     assert "o: bf16_dot 1-64, onednn_fp32 65+" in plan.describe() and "MiB" in plan.describe()
     still = KernelPlan("abcdef0123456789", "bf16_dot", {"o": ((None, "bf16_dot"),)}, (), 0.0, 0)
     assert not still.routed
-    assert still.describe() == "plan abcdef01: bf16_dot everywhere; prompt attention: bf16_attention"
+    assert still.describe() == ("plan abcdef01: bf16_dot everywhere; prompt attention: bf16_attention; "
+                                "step attention: bf16_dot")
 
 
 @pytest.fixture
 def timed(monkeypatch, tmp_path):
     """A fresh $SPECBATCH_CACHE and measure() answering the Intel class's timings; returns its calls (and in
-    `calls.attention`, chain_plan.measure's: an AMX CPU's answer)."""
+    `calls.attention` and `calls.steps`, chain_plan.measure's and step_plan.measure's: an AMX CPU's answers)."""
     monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path))
     monkeypatch.delenv(kernel_plan.ENV, raising=False)
     calls = _Calls()
@@ -79,6 +80,8 @@ def timed(monkeypatch, tmp_path):
     monkeypatch.setattr(linear_plan, "measure", measure)
     monkeypatch.setattr(chain_plan, "measure", lambda heads, kv_heads, head_dim: calls.attention.append(
         (heads, kv_heads, head_dim)) or {"bf16_attention": 5.0, "sdpa": 2.0})
+    monkeypatch.setattr(step_plan, "measure", lambda heads, kv_heads, head_dim: calls.steps.append(
+        (heads, kv_heads, head_dim)) or {"bf16_dot": [0.50, 0.90], "amx": [0.46, 0.52]})
     return calls
 
 
@@ -86,6 +89,7 @@ class _Calls(list):
     def __init__(self):
         super().__init__()
         self.attention = []
+        self.steps = []
 
 
 def test_the_prompt_attention_is_timed_with_the_linears_and_the_faster_kept(timed):
@@ -102,6 +106,30 @@ def test_the_prompt_attention_is_timed_with_the_linears_and_the_faster_kept(time
     assert without.key != plan.key and without.prompt_attention == chain_plan.DEFAULT
     assert timed.attention == [(4, 2, 16)]  # nothing more timed
     assert chain_plan.choose({}) == chain_plan.DEFAULT and chain_plan.choose({"a": 2.0, "b": 1.0}) == "b"
+
+
+def test_the_step_attention_is_timed_with_the_prompts_and_the_faster_kept(timed):
+    """Given the model's heads, a plan also times the step-attention candidates once at a decode and a verify width
+    (an AMX CPU's answer: the tiles faster at both) and keeps the one faster over both, read back from the cache;
+    without heads nothing is timed and the dot-product kernel stays."""
+    shapes = {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}
+    plan = kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot", (4, 2, 16))
+    assert timed.steps == [(4, 2, 16)] and plan.step_attention == "amx" and "step attention: amx" in plan.describe()
+    again = kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot", (4, 2, 16))
+    assert again.seconds == 0.0 and (again.step_attention, again.step_ms) == ("amx", plan.step_ms)
+    assert kernel_plan.plan_for(shapes, 2, torch.bfloat16, "bf16_dot").step_attention == step_plan.DEFAULT
+    assert timed.steps == [(4, 2, 16)]
+    assert step_plan.choose({}) == step_plan.DEFAULT
+    assert step_plan.choose({"a": [0.2, 0.9], "b": [0.3, 0.5]}) == "b"  # a decode and a verify step together
+
+
+def test_the_real_step_attention_timing_covers_every_candidate_that_runs_here():
+    from specdec_core.kernels import amx_step_attention, bf16_step_attention
+
+    timings = step_plan.measure(9, 3, 64)
+    assert set(timings) == {name for name, usable in (("bf16_dot", bf16_step_attention.usable(64)),
+                                                       ("amx", amx_step_attention.usable(64))) if usable}
+    assert all(len(ms) == len(step_plan.WIDTHS) and min(ms) > 0 for ms in timings.values())
 
 
 def test_the_real_prompt_attention_timing_covers_every_candidate_that_runs_here():
