@@ -67,8 +67,8 @@ def _scores(keys, n, qt, scores, values):  # pragma: no cover - compiled
 
 @njit(cache=True, fastmath=True, inline="always")
 def _softmax(scores, n, length, visible, r, group, first, count, scale, weights):  # pragma: no cover - compiled
-    """scores [16, >= n] -> weights uint32 [16, >= ceil(n / 2)] (query c's bf16 weights of keys 2i, 2i + 1 in word
-    (c, i), rounded to nearest even; an odd n's last pair's second weight 0) and each query's fp32 total. A query
+    """scores [16, >= n] -> weights uint32 [16, ceil(n / 32) x 16] (query c < count's bf16 weights of keys 2i, 2i + 1
+    in word (c, i), rounded to nearest even; zero past key n) and each query's fp32 total. A query
     sees every cached key and the new tokens visible [b, T, T] allows it."""
     totals = np.ones(QUERIES, dtype=np.float32)
     halves = weights.view(np.uint16)
@@ -91,8 +91,8 @@ def _softmax(scores, n, length, visible, r, group, first, count, scale, weights)
         totals[c] = total
         for j in range(n):
             halves[c, j] = f32_to_bf16(row[j])  # nearest even
-        if n % 2:
-            halves[c, n] = 0
+        for j in range(n, halves.shape[1]):  # through the last value tile's 32 keys
+            halves[c, j] = 0
     return totals
 
 
@@ -144,7 +144,8 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, config, out):  
         keys, values = k[slots[r], h], v[slots[r], h]
         tiles.configure(_address(config))
         scores = np.empty((QUERIES, (n + SCORE_KEYS - 1) // SCORE_KEYS * SCORE_KEYS), dtype=np.float32)
-        weights = np.zeros((QUERIES, (n + VALUE_KEYS - 1) // VALUE_KEYS * (VALUE_KEYS // 2)), dtype=np.uint32)
+        # rows past a pass's query count are never written: they only reach sums rows that are not read
+        weights = np.empty((QUERIES, (n + VALUE_KEYS - 1) // VALUE_KEYS * (VALUE_KEYS // 2)), dtype=np.uint32)
         sums = np.empty((QUERIES, 64), dtype=np.float32)
         rows = real * group
         for first in range(0, rows, QUERIES):
