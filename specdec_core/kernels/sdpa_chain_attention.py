@@ -29,7 +29,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots:
         if new == 0:
             continue
         end = start + new
-        mask = _chunk_mask(start, new) if start else None
+        mask = _chunk_mask(start, new, query.dtype) if start else None
         attended = F.scaled_dot_product_attention(
             query[row:row + 1, :, :new], keys[slot:slot + 1, :, :end], values[slot:slot + 1, :, :end],
             attn_mask=mask, is_causal=not start, scale=scale, enable_gqa=True)  # [1, H, new, d]
@@ -38,6 +38,8 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots:
 
 
 @lru_cache(maxsize=64)
-def _chunk_mask(start: int, new: int) -> torch.Tensor:
-    """[new, start + new] bool: new token i sees keys 0 .. start + i. Built once for a forward's every layer."""
-    return torch.arange(start + new)[None, :] <= start + torch.arange(new)[:, None]
+def _chunk_mask(start: int, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """[new, start + new] additive, in the query's dtype: new token i sees keys 0 .. start + i (0), not the others
+    (-inf). Built once for a forward's every layer; a bool mask SDPA converts at every call."""
+    allowed = torch.arange(start + new)[None, :] <= start + torch.arange(new)[:, None]
+    return torch.zeros(new, start + new, dtype=dtype).masked_fill(~allowed, float("-inf"))

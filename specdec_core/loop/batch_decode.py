@@ -289,7 +289,7 @@ class BatchDecoder:
         layer = request.drafter.hidden_layer if HIDDEN_STATES in request.drafter.reads else None
         blocks = self.prefix_cache.lookup(request.prompt_ids, hidden_layer=layer)
         if not worth_reusing(len(blocks) * self.prefix_cache.block, len(request.prompt_ids), self.prefill_tokens,
-                             masked=not self.target.unmasked_prefill):
+                             masked=not self.target.unmasked_prefill, rows_apart=self.target.prefill_rows_apart):
             blocks = []
         reused = self.prefix_cache.copy_into(self.cache, index, blocks)
         if layer is not None and blocks:

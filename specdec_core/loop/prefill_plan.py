@@ -28,11 +28,13 @@ def default_budget(device: str) -> int:
 MIN_HIT_SHARE = 1 / 8
 
 
-def worth_reusing(hit: int, prompt: int, budget: int, masked: bool = True) -> bool:
+def worth_reusing(hit: int, prompt: int, budget: int, masked: bool = True, rows_apart: bool = False) -> bool:
     """Whether a prefix hit of `hit` positions pays for a `prompt`-token prompt under a prefill budget of `budget`
     padded tokens: always where the prompt shares its forwards (they are masked anyway) or where no prefill is
-    masked (`masked` False: bf16_attention.py attends any chain without one), else from MIN_HIT_SHARE."""
-    alone = 2 * prompt > budget
+    masked (`masked` False: bf16_attention.py attends any chain without one), else from MIN_HIT_SHARE. rows_apart:
+    each row of a forward attends on its own (sdpa_chain_attention.py), so only a row with a hit is masked, as if
+    it were fed alone."""
+    alone = rows_apart or 2 * prompt > budget
     return hit > 0 and (not alone or not masked or hit >= MIN_HIT_SHARE * prompt)
 
 

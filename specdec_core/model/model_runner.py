@@ -179,7 +179,15 @@ class ModelRunner:
     @property
     def unmasked_prefill(self) -> bool:
         """Whether a prefill chunk attends without a mask wherever it starts (bf16_attention.py,
-        fp32_chain_attention.py), so a prefix-cache hit never brings one back (prefill_plan.worth_reusing)."""
+        fp32_chain_attention.py), so a prefix-cache hit never brings one back (prefill_plan.worth_reusing); not
+        where the plan picked SDPA for prompt chains, which masks a row with cached keys."""
+        chains = self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
+        return chains and self._prompt_chain_kernel() is None
+
+    @property
+    def prefill_rows_apart(self) -> bool:
+        """Whether each row of a prefill forward attends on its own (a chain kernel), so that a prefix hit masks
+        only its own row (prefill_plan.worth_reusing)."""
         return self._chain_attention(grouped_attention.MAX_QUERIES + 1, prefill=True)
 
     def _step_kernel(self):

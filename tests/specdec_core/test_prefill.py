@@ -275,6 +275,15 @@ def test_a_small_hit_pays_where_no_prefill_is_masked():
     assert not worth_reusing(0, 400, budget=512, masked=False)
 
 
+def test_where_rows_attend_apart_a_small_hit_masks_its_row_even_in_a_shared_forward():
+    """SDPA prompt chains (an AMX CPU's plan) attend row by row: a 200-token prompt's 16-token hit would mask its own
+    row however many rows share the forward, so it is skipped there as for a prompt fed alone; a large one is
+    used."""
+    assert worth_reusing(16, 200, budget=1024) and not worth_reusing(16, 200, budget=1024, rows_apart=True)
+    assert worth_reusing(int(MIN_HIT_SHARE * 200), 200, budget=1024, rows_apart=True)
+    assert worth_reusing(16, 200, budget=1024, masked=False, rows_apart=True)
+
+
 def test_a_scope_reads_only_its_own_blocks_within_one_budget(llama, prompts):
     """Two scopes of one store (a job's methods): a prompt one scope prefilled is a miss for the other, a hit for
     itself; both scopes' blocks count against the one budget."""

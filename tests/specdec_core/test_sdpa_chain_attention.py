@@ -36,8 +36,10 @@ def test_a_runner_whose_plan_picked_sdpa_prefills_through_it_but_not_with_determ
     prefill = grouped_attention.MAX_QUERIES + 24
     pieces = [prefill, 3, 1]
     ours = feed(runner, pieces)
+    assert runner.unmasked_prefill and runner.prefill_rows_apart  # bf16_attention: no mask anywhere
     runner.kernel_plan = KernelPlan("test", "panel", {}, (), 0.0, 0, prompt_attention="sdpa",
                                     attention_ms={"bf16_attention": 5.0, "sdpa": 2.0})
+    assert not runner.unmasked_prefill and runner.prefill_rows_apart  # SDPA masks a row with cached keys
     calls = []
     real_attend = sdpa_chain_attention.attend
     monkeypatch.setattr(sdpa_chain_attention, "attend", lambda *args: calls.append(args[0].shape[2]) or real_attend(*args))
