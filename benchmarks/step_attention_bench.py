@@ -1,7 +1,8 @@
-"""The bf16 step attention (bf16_step_attention.py) alone: one layer's decode and verify attention for a batch of
-rows, each over its own cached keys, at 1, 3, 5 and 9 tokens a row and a ragged step (9 tokens on a quarter of
-the rows, 1 on the others), both kernels (`attend`, and `attend_exact` of
---deterministic). Random keys in distinct buffers per layer, so the cache is read from memory as in a real step.
+"""The bf16 step attention alone: one layer's decode and verify attention for a batch of rows, each over its own
+cached keys, at 1, 3, 5 and 9 tokens a row and a ragged step (9 tokens on a quarter of the rows, 1 on the others),
+through bf16_step_attention.py's two kernels (`attend`, and `attend_exact` of --deterministic) and, on an AMX CPU at
+head_dim 64, amx_step_attention.py. Random keys in distinct buffers per layer, so the cache is read from memory as
+in a real step.
 
   python benchmarks/step_attention_bench.py                        # 16 rows of 1,100-1,700 keys, head_dim 64
   python benchmarks/step_attention_bench.py --keys 100 300 --head-dim 128 --heads 4 --kv-heads 2
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core.kernels import bf16_step_attention  # noqa: E402
+from specdec_core.kernels import amx_step_attention, bf16_step_attention  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             visible[[r for r in range(args.rows) if r % 4], 1:] = False
         query = torch.randn(args.rows, args.heads, num_new, args.head_dim).bfloat16()
         line = [f"{name}:"]
-        for exact in (False, True):
-            step = bf16_step_attention.Step(visible, lengths, slots, exact=exact)
+        kernels = {"attend": bf16_step_attention.Step(visible, lengths, slots),
+                   "exact": bf16_step_attention.Step(visible, lengths, slots, exact=True)}
+        if amx_step_attention.usable(args.head_dim):
+            kernels["amx"] = amx_step_attention.Step(visible, lengths, slots)
+        for label, step in kernels.items():
             step.attend(query, keys[0], values[0], args.head_dim ** -0.5)  # compiles on first use
             best = float("inf")
             for _ in range(args.rounds):
@@ -67,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 for layer in range(args.layers):
                     step.attend(query, keys[layer], values[layer], args.head_dim ** -0.5)
                 best = min(best, (time.perf_counter() - start) / args.layers * 1e3)
-            base.setdefault(exact, best)
-            line.append(f"{'exact' if exact else 'attend'} {best:.3f} ms ({best / base[exact]:.2f}x T = 1)")
+            base.setdefault(label, best)
+            line.append(f"{label} {best:.3f} ms ({best / base[label]:.2f}x T = 1)")
         print("  ".join(line), flush=True)
     return 0
 

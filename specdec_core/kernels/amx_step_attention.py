@@ -40,6 +40,8 @@ def tiles_permitted() -> bool:
 
 
 def _compile():
+    if not tiles_permitted():  # a tile instruction without Linux's permission is SIGILL
+        raise RuntimeError("this CPU has no AMX tiles, or Linux did not let this process use them")
     from . import amx_step_attention_kernel  # imports numba and llvmlite: only here, when the kernel is first used
 
     return amx_step_attention_kernel.attend

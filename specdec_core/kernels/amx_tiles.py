@@ -11,6 +11,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .bf16_dot_kernel import TO_BF16, _bfloat
+
 binding.initialize_native_asmparser()  # numba's JIT parses no inline assembly without it
 
 I64 = ir.IntType(64)
@@ -154,3 +156,32 @@ def prefetch(typingctx, address, lines):
         return context.get_dummy_value()
 
     return types.void(address, lines), codegen
+
+
+def _rounding(vectors: int):
+    """An intrinsic: 16 x `vectors` fp32 at `source` -> their bf16 bits at `target`, rounded to nearest even
+    (vcvtneps2bf16, as torch rounds; AMX CPUs all have AVX512_BF16)."""
+    floats, halves = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(16), 16)
+
+    def typer(typingctx, source, target):
+        if not all(isinstance(t, types.Integer) for t in (source, target)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            source_at, target_at = (context.cast(builder, a, t, types.int64) for a, t in zip(args, signature.args))
+            convert = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(_bfloat(), 16),
+                                                                                      [floats]), TO_BF16)
+            for v in range(vectors):
+                value = builder.load(builder.inttoptr(builder.add(source_at, ir.Constant(I64, 64 * v)),
+                                                      floats.as_pointer()), align=4)
+                rounded = builder.bitcast(builder.call(convert, [value]), halves)
+                builder.store(rounded, builder.inttoptr(builder.add(target_at, ir.Constant(I64, 32 * v)),
+                                                        halves.as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return types.void(source, target), codegen
+
+    return intrinsic(typer)
+
+
+round_64, round_32 = _rounding(4), _rounding(2)  # (source, target): 64 or 32 fp32 -> bf16 bits

@@ -43,8 +43,9 @@ from .panel_linear import PanelLinear
 log = logging.getLogger(__name__)
 
 # (the most rows a bucket holds, None: no bound; the row count it is timed at). Decode steps, verify steps, verify
-# trees and short prefill chunks, prefill chunks (loop/prefill_plan.PREFILL_TOKENS).
-BUCKETS = ((8, 8), (64, 64), (512, 512), (None, 1024))
+# trees and short prefill chunks, prefill chunks (loop/prefill_plan.PREFILL_TOKENS). 9-64 is timed at 32: a batch-16
+# decode step and its verify steps of 2-4 tokens, where kernels that trade places with rows are compared.
+BUCKETS = ((8, 8), (64, 32), (512, 512), (None, 1024))
 MARGIN = 1.10  # a layout the model does not hold must be this much faster than the ones it holds to be added
 MEMORY_SHARE = 0.5  # extra layouts may take at most this share of the memory available at load
 SECONDS_EACH = 0.03  # timing per candidate, shape and row count

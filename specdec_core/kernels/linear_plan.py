@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import bf16_dot, coded_panels, packed_linear, panel_linear
+from . import amx_linear, bf16_dot, coded_panels, packed_linear, panel_linear
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,11 @@ def _onednn_packed(weight: torch.Tensor):
     return lambda x: packed_linear.linear(x, packed, None)
 
 
+def _amx_tiles(weight: torch.Tensor):
+    packed, out_features = amx_linear.pack(weight), weight.shape[0]
+    return lambda x: amx_linear.linear(x, packed, out_features)
+
+
 def _bf16_dot(weight: torch.Tensor):
     array, out_features = bf16_dot.as_words(bf16_dot.to_pair_panels(weight)), weight.shape[0]
     return lambda x: panel_linear.linear(x, array, None, out_features, torch.bfloat16)
@@ -97,6 +102,7 @@ CANDIDATES = (
     Candidate("onednn_packed", False, (BF16,), packed_linear.bf16_available, _onednn_packed),
     Candidate("onednn_fp32", False, (BF16,), lambda: True, _onednn_fp32, widened=True),
     Candidate("onednn_fp32_packed", False, (BF16, FP32), packed_linear.available, _onednn_fp32_packed, widened=True),
+    Candidate("amx_tiles", True, (BF16,), amx_linear.usable, _amx_tiles),
     Candidate("bf16_dot", True, (BF16,), bf16_dot.available, _bf16_dot),
     Candidate("panel", True, (BF16, FP32), lambda: panel_linear.available(BF16) and panel_linear.available(FP32),
               _panel),
