@@ -55,7 +55,9 @@ def _scores(keys, n, qt, scores, values):  # pragma: no cover - compiled
             for j in range(n - first):
                 pad[j, :] = keys[first + j]
             address = _address(pad)
-        tiles.prefetch(_address(values) + first * 128, min(SCORE_KEYS, n - first) * 2)
+        ahead = first + 8 * SCORE_KEYS  # the keys 8 tiles on
+        if ahead < n:
+            tiles.prefetch(base + ahead * 128, min(SCORE_KEYS, n - ahead) * 2)
         tiles.load4(address, 128)
         tiles.load5(address + 64, 128)
         tiles.zero0()
@@ -109,6 +111,9 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
     p_address, p_row = _address(weights), weights.shape[1] * 4
     v_address, base, zero = _address(paired), _address(values), _address(nothing)
     for first in range(0, n, VALUE_KEYS):
+        ahead = first + 4 * VALUE_KEYS
+        if ahead < n:
+            tiles.prefetch(base + ahead * 128, min(VALUE_KEYS, n - ahead) * 2)
         for i in range(VALUE_KEYS // 2):
             j = first + 2 * i
             low = base + j * 128 if j < n else zero
