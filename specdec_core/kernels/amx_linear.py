@@ -1,10 +1,10 @@
 """bf16 linears on the AMX tiles for decode- and verify-sized row counts: the weights packed once into tiles of
 pairs, each tile read from memory once a call for every block of 16 rows.
 
-Why: a decode step's linears are reads of the weights. On an AMX CPU oneDNN's packed bf16 linears streamed them at
-~17-19 GB/s at 16 rows (a few hundred kB to a few MB a call), where one tile product of 16 x 16 x 32 per 1 kB tile
-leaves the call bound by memory alone (decisions.md: specdec_core/kernels/amx_linear.py). A candidate of the kernel
-plan (linear_plan.py): it runs where it timed faster.
+Why: a decode step's linears are reads of the weights. On an AMX CPU oneDNN's packed bf16 linears streamed them
+well below the memory's rate at decode-sized row counts, where one tile product per 1 kB weight tile leaves the call
+bound by memory alone (decisions.md: specdec_core/kernels/amx_linear.py). A candidate of the kernel plan
+(linear_plan.py): it runs where it timed faster.
 
 How: W [N, K] is held as [ceil(N / 64) x 4 strips, ceil(K / 32) chunks] tiles, strip s's chunk c holding columns
 16 s .. 16 s + 15 and inputs 32 c .. 32 c + 31 in pairs (the tile product's layout); zero past N and K. x is padded

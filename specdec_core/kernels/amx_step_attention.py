@@ -2,9 +2,9 @@
 bf16, for all of a step's queries (its tokens x its group's heads, up to 16 at a time).
 
 Why: on an AMX CPU `vdpbf16ps` runs at half the fp32 rate, and bf16_step_attention.py's cost grew with the step's
-width (a verify of 4 tokens cost twice a decode step), while the memory it reads does not grow. A tile product of
-16 x 16 x 32 is one instruction, so the step's arithmetic all but vanishes next to reading the cache, and a verify
-step costs about a decode step's attention (decisions.md: specdec_core/kernels/amx_step_attention.py).
+width, while the memory it reads does not grow. A tile product of 16 x 16 x 32 is one instruction, so the step's
+arithmetic all but vanishes next to reading the cache, and a verify step costs little more than a decode step's
+attention (decisions.md: specdec_core/kernels/amx_step_attention.py).
 
 How: a task is one row and key/value head. Scores are [16 keys x 16 queries] tiles of keys (read straight from the
 cache rows) times the queries transposed into pairs of dims; the softmax runs across each key's 16 query lanes, in
