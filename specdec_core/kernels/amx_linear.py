@@ -13,8 +13,6 @@ to whole blocks of 16 rows and 32 inputs only where it is not already.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -40,13 +38,6 @@ def usable() -> bool:
     return amx_step_attention.tiles_permitted() and kernel() is not None
 
 
-@functools.cache
-def _config() -> np.ndarray:
-    from .amx_tiles import config
-
-    return config()
-
-
 def pack(weight: torch.Tensor) -> np.ndarray:
     """[N, K] bf16 -> uint32 [ceil(N / 64) x 4, ceil(K / 32), 16, 16]: tile (s, c) row i, word j = the bf16 pair
     (W[16 s + j, 32 c + 2 i], W[16 s + j, 32 c + 2 i + 1]); zero past N and K."""
@@ -69,8 +60,7 @@ def linear(x: torch.Tensor, packed: np.ndarray, out_features: int) -> torch.Tens
         x = padded
     out = torch.empty(blocks, packed.shape[0] * STRIP_COLUMNS, dtype=torch.bfloat16)
     use_torch_threads()
-    kernel()(x.view(torch.int16).numpy().view(np.uint16), packed, _config(),
-             out.view(torch.int16).numpy().view(np.uint16))
+    kernel()(x.view(torch.int16).numpy().view(np.uint16), packed, out.view(torch.int16).numpy().view(np.uint16))
     if out.shape != (rows, out_features):
         out = out[:rows, :out_features].contiguous()
     return out

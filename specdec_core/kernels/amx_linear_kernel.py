@@ -31,12 +31,13 @@ def _round_out(sums, out, first_row, first_column, columns):  # pragma: no cover
 
 
 @njit(parallel=True, cache=True)
-def linear(x, w, config, out):  # pragma: no cover - compiled
+def linear(x, w, out):  # pragma: no cover - compiled
     """x uint16 [16 B, 32 C] bf16 bits; w uint32 [S, C, 16, 16] (amx_linear.pack: strip s's chunk c as a tile of
     pairs), S a multiple of STRIPS; out uint16 [16 B, 16 S] bf16 bits = x . W^T, each sum rounded to nearest even.
     One block of 16 rows: a task is STRIPS strips, each weight tile read once. More blocks: a task is two strips,
     and two blocks at a time share each weight tile read (the four accumulators as 2 x 2)."""
     strips, chunks = w.shape[0], w.shape[1]
+    config = tiles.config()
     blocks = x.shape[0] // tiles.ROWS
     row_bytes = x.shape[1] * 2
     if blocks == 1:

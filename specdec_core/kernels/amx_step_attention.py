@@ -55,13 +55,6 @@ def usable(head_dim: int) -> bool:
     return head_dim in HEAD_DIMS and tiles_permitted() and kernel() is not None
 
 
-@functools.cache
-def _config() -> np.ndarray:
-    from .amx_tiles import config
-
-    return config()
-
-
 class Step(bf16_step_attention.Step):
     """One forward's rows as the kernel reads them, converted once for all of its layers."""
 
@@ -76,8 +69,7 @@ class Step(bf16_step_attention.Step):
         q = query.transpose(1, 2).contiguous()  # [b, T, H, d]: the fast forward's own layout
         out = torch.empty(b, num_new, heads, dim, dtype=torch.bfloat16)
         use_torch_threads()
-        kernel()(_words(q), _words(keys), _halves(values), *self.rows, group, np.float32(scale), _config(),
-                 _halves(out))
+        kernel()(_words(q), _words(keys), _halves(values), *self.rows, group, np.float32(scale), _halves(out))
         return out
 
 

@@ -136,12 +136,13 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attend(q, k, v, slots, lengths, news, visible, group, scale, config, out):  # pragma: no cover - compiled
+def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma: no cover - compiled
     """q uint32 [b, T, H, 32]: the bf16 pairs of each token's query heads (head_dim 64); k uint32 and v uint16
     [slots, KV, capacity, 32 | 64]; slots, lengths, news int64 [b]: each row's cache row, cached keys and real new
-    tokens (the first news[r]); visible uint8 [b, T, T]; config the tile configuration (amx_tiles.config()); out
-    uint16 [b, T, H, 64]: bf16 bits (padding tokens get zeros)."""
+    tokens (the first news[r]); visible uint8 [b, T, T]; out uint16 [b, T, H, 64]: bf16 bits (padding tokens get
+    zeros)."""
     b, kv_heads = q.shape[0], k.shape[1]
+    config = tiles.config()
     for task in prange(b * kv_heads):
         r, h = task // kv_heads, task % kv_heads
         length, real = lengths[r], news[r]

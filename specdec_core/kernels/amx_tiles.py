@@ -7,7 +7,7 @@ tiles (`release`) when done; every tile here is 16 rows of 64 bytes (16 fp32, or
 
 import numpy as np
 from llvmlite import binding, ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -19,12 +19,14 @@ I64 = ir.IntType(64)
 ROWS, ROW_BYTES = 16, 64
 
 
-def config() -> np.ndarray:
-    """The 64-byte tile configuration of palette 1 with every tile ROWS x ROW_BYTES."""
+@njit(cache=True)
+def config():  # pragma: no cover - compiled
+    """The 64-byte tile configuration of palette 1 with every tile ROWS x ROW_BYTES (for `configure`)."""
     data = np.zeros(64, dtype=np.uint8)
     data[0] = 1  # palette 1
-    data[16:32].view(np.uint16)[:] = ROW_BYTES  # bytes a row, tiles 0..7
-    data[48:56] = ROWS
+    for tile in range(8):
+        data[16 + 2 * tile] = ROW_BYTES  # bytes a row (little-endian uint16: the high byte stays 0)
+        data[48 + tile] = ROWS
     return data
 
 
