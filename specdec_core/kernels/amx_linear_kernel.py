@@ -45,10 +45,7 @@ def linear(x, w, out):  # pragma: no cover - compiled
             tiles.configure(_address(config))
             sums = np.empty((tiles.ROWS, STRIPS * 16), dtype=np.float32)
             at, base, rows = _address(sums), _address(w) + group * STRIPS * chunks * TILE_BYTES, _address(x)
-            tiles.zero0()
-            tiles.zero1()
-            tiles.zero2()
-            tiles.zero3()
+            tiles.zero_sums()
             for c in range(chunks):
                 tiles.load4(rows + c * 64, row_bytes)
                 tiles.load5(base + c * TILE_BYTES, 64)
@@ -74,10 +71,7 @@ def linear(x, w, out):  # pragma: no cover - compiled
             second = min(pair + 1, blocks - 1)  # an odd last block pairs with itself
             first_rows = _address(x) + pair * tiles.ROWS * row_bytes
             second_rows = _address(x) + second * tiles.ROWS * row_bytes
-            tiles.zero0()
-            tiles.zero1()
-            tiles.zero2()
-            tiles.zero3()
+            tiles.zero_sums()
             for c in range(chunks):
                 tiles.load4(first_rows + c * 64, row_bytes)
                 tiles.load5(second_rows + c * 64, row_bytes)

@@ -102,10 +102,7 @@ def _softmax(scores, n, length, visible, r, group, first, count, scale, weights)
 def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
     """sums [16, 64] fp32 = weights . values[:n] (values uint16 [>= n, 64]; weights uint32 [16, >= ceil(n / 32) x
     16], zero past n). Values are paired into a scratch of 4 tiles (tiles.pair_rows); past n, zero rows."""
-    tiles.zero0()
-    tiles.zero1()
-    tiles.zero2()
-    tiles.zero3()
+    tiles.zero_sums()
     paired = np.empty((4, 16, 16), dtype=np.uint32)
     nothing = np.zeros(64, dtype=np.uint16)
     p_address, p_row = _address(weights), weights.shape[1] * 4

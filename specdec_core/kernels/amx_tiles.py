@@ -68,17 +68,23 @@ def _dot(c: int, a: int, b: int):
     return _asm(f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}", 0)
 
 
-# numba kernels call module-level names: zero0..zero7; load0..load7 and store0..store7 (address, bytes between rows);
-# dot_C_A_B for accumulators C in 0..3 and operands A, B in 4..7
-for _t in range(8):
-    globals()[f"zero{_t}"] = _asm(f"tilezero %tmm{_t}", 0)
-    globals()[f"load{_t}"] = _asm(f"tileloadd ($0,$1,1), %tmm{_t}", 2)
-    globals()[f"store{_t}"] = _asm(f"tilestored %tmm{_t}, ($0,$1,1)", 2)
-for _c in range(4):
-    for _a in range(4, 8):
-        for _b in range(4, 8):
-            if _a != _b:
-                globals()[f"dot_{_c}_{_a}_{_b}"] = _dot(_c, _a, _b)
+# The tile registers the kernels use: tmm0..tmm3 accumulate, tmm4..tmm7 hold operands (amx_*_kernel.py).
+zero0, zero1, zero2, zero3 = (_asm(f"tilezero %tmm{t}", 0) for t in range(4))
+load4, load5, load6, load7 = (_asm(f"tileloadd ($0,$1,1), %tmm{t}", 2) for t in range(4, 8))  # (address, row bytes)
+store0, store1, store2, store3 = (_asm(f"tilestored %tmm{t}, ($0,$1,1)", 2) for t in range(4))  # (address, row bytes)
+# dot_C_A_B: tmm_C += tmm_A . tmm_B
+dot_0_4_5, dot_1_4_5, dot_2_4_5, dot_3_4_5 = (_dot(c, 4, 5) for c in range(4))
+dot_0_4_6, dot_1_4_6, dot_3_4_6, dot_0_5_7 = _dot(0, 4, 6), _dot(1, 4, 6), _dot(3, 4, 6), _dot(0, 5, 7)
+dot_1_4_7, dot_2_5_6, dot_3_5_7 = _dot(1, 4, 7), _dot(2, 5, 6), _dot(3, 5, 7)
+
+
+@njit(cache=True, inline="always")
+def zero_sums():  # pragma: no cover - compiled
+    """The four accumulator tiles (tmm0..tmm3) <- 0."""
+    zero0()
+    zero1()
+    zero2()
+    zero3()
 
 
 @intrinsic
