@@ -14,15 +14,10 @@ TILE_BYTES = 1024
 
 
 @njit(cache=True, inline="always")
-def _address(array):  # pragma: no cover - compiled
-    return np.int64(array.ctypes.data)
-
-
-@njit(cache=True, inline="always")
 def _round_out(sums, out, first_row, first_column, columns):  # pragma: no cover - compiled
     """sums [16, >= columns] fp32 -> out[first_row .. + 16, first_column .. + columns] as bf16 bits (columns 64 or
     32: whole 64-byte halves of the tile rows)."""
-    source, target = _address(sums), _address(out) + (first_row * out.shape[1] + first_column) * 2
+    source, target = tiles.address(sums), tiles.address(out) + (first_row * out.shape[1] + first_column) * 2
     for r in range(tiles.ROWS):
         if columns == 64:
             tiles.round_64(source + r * 256, target + r * out.shape[1] * 2)
@@ -42,9 +37,9 @@ def linear(x, w, out):  # pragma: no cover - compiled
     row_bytes = x.shape[1] * 2
     if blocks == 1:
         for group in prange(strips // STRIPS):
-            tiles.configure(_address(config))
+            tiles.configure(tiles.address(config))
             sums = np.empty((tiles.ROWS, STRIPS * 16), dtype=np.float32)
-            at, base, rows = _address(sums), _address(w) + group * STRIPS * chunks * TILE_BYTES, _address(x)
+            at, base, rows = tiles.address(sums), tiles.address(w) + group * STRIPS * chunks * TILE_BYTES, tiles.address(x)
             tiles.zero_sums()
             for c in range(chunks):
                 tiles.load4(rows + c * 64, row_bytes)
@@ -64,13 +59,13 @@ def linear(x, w, out):  # pragma: no cover - compiled
             tiles.release()
         return
     for group in prange(strips // 2):
-        tiles.configure(_address(config))
+        tiles.configure(tiles.address(config))
         sums = np.empty((2, tiles.ROWS, 64), dtype=np.float32)  # per block: the two strips' columns
-        at, base = _address(sums), _address(w) + group * 2 * chunks * TILE_BYTES
+        at, base = tiles.address(sums), tiles.address(w) + group * 2 * chunks * TILE_BYTES
         for pair in range(0, blocks, 2):
             second = min(pair + 1, blocks - 1)  # an odd last block pairs with itself
-            first_rows = _address(x) + pair * tiles.ROWS * row_bytes
-            second_rows = _address(x) + second * tiles.ROWS * row_bytes
+            first_rows = tiles.address(x) + pair * tiles.ROWS * row_bytes
+            second_rows = tiles.address(x) + second * tiles.ROWS * row_bytes
             tiles.zero_sums()
             for c in range(chunks):
                 tiles.load4(first_rows + c * 64, row_bytes)

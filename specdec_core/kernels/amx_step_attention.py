@@ -7,8 +7,8 @@ arithmetic all but vanishes next to reading the cache, and a verify step costs l
 attention (decisions.md: specdec_core/kernels/amx_step_attention.py).
 
 How: a task is one row and key/value head. Scores are [16 keys x 16 queries] tiles of keys (read straight from the
-cache rows) times the queries transposed into pairs of dims; the softmax runs across each key's 16 query lanes, in
-fp32; weights are rounded to bf16 (as bf16_step_attention.py and flash attention round them) and multiply 32 values
+cache rows) times the queries transposed into pairs of dims, each tile transposed into query rows; the softmax runs
+per query row, in fp32; weights are rounded to bf16 (as bf16_step_attention.py and flash attention round them) and multiply 32 values
 at a time, interleaved key by key into the tile's pairs. Nothing past a row's real keys is read. head_dim 64 only.
 Its sums are in another order than bf16_step_attention.py's, so --deterministic keeps that kernel's exact one.
 """
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import bf16_step_attention
+from .bf16_step_attention import _words
 from .numba_kernels import LazyKernel, use_torch_threads
 
 HEAD_DIMS = (64,)
@@ -71,10 +72,6 @@ class Step(bf16_step_attention.Step):
         use_torch_threads()
         kernel()(_words(q), _words(keys), _halves(values), *self.rows, group, np.float32(scale), _halves(out))
         return out
-
-
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    return bf16_step_attention._words(tensor)
 
 
 def _halves(tensor: torch.Tensor) -> np.ndarray:

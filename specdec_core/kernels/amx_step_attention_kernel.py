@@ -18,12 +18,6 @@ VALUE_KEYS = 2 * tiles.ROWS  # keys a weighted-sum step reads (16 pairs)
 
 
 @njit(cache=True, inline="always")
-def _address(array):  # pragma: no cover - compiled
-    """An array's data address as int64 (numba's is unsigned, and unsigned + signed arithmetic turns float)."""
-    return np.int64(array.ctypes.data)
-
-
-@njit(cache=True, inline="always")
 def _transposed_queries(q, r, h, group, first, count):  # pragma: no cover - compiled
     """q uint32 [b, T, H, 32] -> [32, 16] uint32: word (i, c) = query row first + c's dims 2i, 2i + 1 (query rows
     token-major: row t x G + g is token t's head h x G + g); columns past count zero."""
@@ -38,23 +32,23 @@ def _transposed_queries(q, r, h, group, first, count):  # pragma: no cover - com
 
 
 @njit(cache=True, inline="always")
-def _scores(keys, n, qt, scores, values):  # pragma: no cover - compiled
+def _scores(keys, n, qt, scores):  # pragma: no cover - compiled
     """scores [16, >= ceil(n / 16) x 16] fp32: scores[c, j] = query c . keys[j] (unscaled) for j < n. keys uint32
     [>= n, 32] (one key's bf16 pairs a row). Each tile of 16 keys x 16 queries is transposed into place."""
-    q_address = _address(qt)
+    q_address = tiles.address(qt)
     tiles.load6(q_address, 64)
     tiles.load7(q_address + 16 * 64, 64)
     tile = np.empty((SCORE_KEYS, QUERIES), dtype=np.float32)
     pad = np.zeros((SCORE_KEYS, 32), dtype=np.uint32)
-    base, out = _address(keys), _address(tile)
-    target, row_bytes = _address(scores), scores.shape[1] * 4
+    base, out = tiles.address(keys), tiles.address(tile)
+    target, row_bytes = tiles.address(scores), scores.shape[1] * 4
     for first in range(0, n, SCORE_KEYS):
         if first + SCORE_KEYS <= n:
             address = base + first * 128
         else:  # the last keys, copied into a zeroed tile: nothing is read past the row's keys
             for j in range(n - first):
                 pad[j, :] = keys[first + j]
-            address = _address(pad)
+            address = tiles.address(pad)
         ahead = first + 8 * SCORE_KEYS  # the keys 8 tiles on
         if ahead < n:
             tiles.prefetch(base + ahead * 128, min(SCORE_KEYS, n - ahead) * 2)
@@ -105,8 +99,8 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
     tiles.zero_sums()
     paired = np.empty((4, 16, 16), dtype=np.uint32)
     nothing = np.zeros(64, dtype=np.uint16)
-    p_address, p_row = _address(weights), weights.shape[1] * 4
-    v_address, base, zero = _address(paired), _address(values), _address(nothing)
+    p_address, p_row = tiles.address(weights), weights.shape[1] * 4
+    v_address, base, zero = tiles.address(paired), tiles.address(values), tiles.address(nothing)
     for first in range(0, n, VALUE_KEYS):
         ahead = first + 4 * VALUE_KEYS
         if ahead < n:
@@ -125,7 +119,7 @@ def _weighted_sums(values, n, weights, sums):  # pragma: no cover - compiled
         tiles.dot_2_4_5()
         tiles.load5(v_address + 3072, 64)
         tiles.dot_3_4_5()
-    out = _address(sums)
+    out = tiles.address(sums)
     tiles.store0(out, 256)
     tiles.store1(out + 64, 256)
     tiles.store2(out + 128, 256)
@@ -145,7 +139,7 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
         length, real = lengths[r], news[r]
         n = length + real  # the cached keys and this forward's real tokens
         keys, values = k[slots[r], h], v[slots[r], h]
-        tiles.configure(_address(config))
+        tiles.configure(tiles.address(config))
         scores = np.empty((QUERIES, (n + SCORE_KEYS - 1) // SCORE_KEYS * SCORE_KEYS), dtype=np.float32)
         # rows past a pass's query count are never written: they only reach sums rows that are not read
         weights = np.empty((QUERIES, (n + VALUE_KEYS - 1) // VALUE_KEYS * (VALUE_KEYS // 2)), dtype=np.uint32)
@@ -153,7 +147,7 @@ def attend(q, k, v, slots, lengths, news, visible, group, scale, out):  # pragma
         rows = real * group
         for first in range(0, rows, QUERIES):
             count = min(QUERIES, rows - first)
-            _scores(keys, n, _transposed_queries(q, r, h, group, first, count), scores, values)
+            _scores(keys, n, _transposed_queries(q, r, h, group, first, count), scores)
             totals = _softmax(scores, n, length, visible, r, group, first, count, scale, weights)
             _weighted_sums(values, n, weights, sums)
             for c in range(count):

@@ -19,6 +19,12 @@ I64 = ir.IntType(64)
 ROWS, ROW_BYTES = 16, 64
 
 
+@njit(cache=True, inline="always")
+def address(array):  # pragma: no cover - compiled
+    """An array's data address as int64 (numba's is unsigned, and unsigned + signed arithmetic turns float)."""
+    return np.int64(array.ctypes.data)
+
+
 @njit(cache=True)
 def config():  # pragma: no cover - compiled
     """The 64-byte tile configuration of palette 1 with every tile ROWS x ROW_BYTES (for `configure`)."""

@@ -3,7 +3,7 @@ instruction) or amx_step_attention.py (the AMX tiles), timed on the model's head
 as chain_plan.py times the prompt attention, and kept in its plan.
 
 Why: where a CPU has AMX, its tiles made a verify step's attention cost about a decode step's, where the
-dot-product kernel's grew with the width (measurements: docs/decisions.md, "AMX step attention"); on a CPU without
+dot-product kernel's grew with the width (measurements: docs/decisions.md, "AMX tiles of our own"); on a CPU without
 AMX only the dot-product kernel runs.
 """
 
