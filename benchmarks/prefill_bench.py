@@ -2,13 +2,14 @@
 prefill_plan.py) against one large batched forward over the same prompts, side by side in one process, alternating,
 median of the rounds. Prompt tokens per second; the target is ours >= 0.9x the one large forward.
 
-- ours: BatchDecoder.admit() of every prompt at once (budget PREFILL_TOKENS), the prefix cache off and, separately,
-  on (a fresh decoder each round, so only prompts of one admission share prefixes);
+- ours: BatchDecoder.admit() of every prompt at once (budget PREFILL_TOKENS, or each of --budgets), the prefix cache
+  off and, for the first budget, on (a fresh decoder each round, so only prompts of one admission share prefixes);
 - one forward, ours: the same admission with a budget above the prompts' total: every prompt in one ragged forward;
 - one forward, HF: the model's own forward over the left-padded [n, longest] batch, logits of the last position only.
 
   python benchmarks/prefill_bench.py                                   # open questions 16, summaries 8, code edits 8
   python benchmarks/prefill_bench.py --workload summarization:16 --rounds 5
+  python benchmarks/prefill_bench.py --workload code_edit:16 --budgets 1024 2048 4096   # which budget here
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipelines.hf_batch_peer import left_padded
 from specdec_core.drafters.base import NoDrafter
 from specdec_core.engine import Engine, EngineConfig
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
+from specdec_core.loop.prefill_plan import PREFILL_TOKENS
 from specdec_core.loop.prefix_cache import PrefixCache
 from specdec_core.loop.requests import DecodeParams
 from specdec_core.loop.speculation_budget import SpeculationBudget
@@ -70,16 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", help="NAME:REQUESTS (repeatable; default: "
                                                             f"{', '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[PREFILL_TOKENS], metavar="TOKENS",
+                        help="prefill token budgets to time side by side (prefix cache off beyond the first)")
     args = parser.parse_args(argv)
+    if min(args.budgets) < 1:
+        parser.error("--budgets: each budget must be >= 1")
     engine = Engine(EngineConfig(args.model, args.dtype, "cpu"))
     print(f"{hardware('cpu')}, dtype {engine.target.dtype}, {args.model}, median of {args.rounds} rounds")
     for spec in args.workload or DEFAULT_WORKLOADS:
         name, _, count = spec.partition(":")
         prompts = [item.prompt_ids for item in workload_items(engine, name, int(count or 16), 1, int(count or 16))]
         tokens = sum(map(len, prompts))
+        first = args.budgets[0]
         ways = {
-            "ours (budget 1024), prefix cache off": lambda: ours(engine, prompts, None, False),
-            "ours (budget 1024), prefix cache on": lambda: ours(engine, prompts, None, True),
+            f"ours (budget {first}), prefix cache off": lambda: ours(engine, prompts, first, False),
+            f"ours (budget {first}), prefix cache on": lambda: ours(engine, prompts, first, True),
+            **{f"ours (budget {budget}), prefix cache off": (lambda budget=budget: ours(engine, prompts, budget, False))
+               for budget in args.budgets[1:]},
             "one forward, ours": lambda: ours(engine, prompts, tokens + 1, False),
             "one forward, HF (left-padded)": lambda: hf_one_forward(engine, prompts),
         }

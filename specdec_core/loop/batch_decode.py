@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 
 import numpy as np
 import torch
@@ -216,10 +216,24 @@ class BatchDecoder:
             admitted.append(request)
             capacity = wanted
         if admitted:
-            self.cache.fit(self._slots_for(len(self.rows) + len(admitted)), capacity,
-                           shrink=not self.target.captures_steps)
+            slots = self._slots_for(len(self.rows) + len(admitted))
+            if not self.target.captures_steps:
+                capacity = self._reserved(capacity, slots)
+            self.cache.fit(slots, capacity, shrink=not self.target.captures_steps)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
+
+    def _reserved(self, capacity: int, slots: int) -> int:
+        """The capacity to fit the cache to: enough for the live and admitted rows (`capacity`) and, where the cache
+        budget allows, for the next max_batch waiting requests too, which join as these rows retire. Rows that
+        retire one at a time (speculation) are replaced one at a time, and each longer prompt from the sorted queue
+        otherwise reallocated and copied the whole cache (decisions.md: specdec_core/loop/batch_decode.py). The
+        pass's peak is the same: those requests grow the cache to it when they join. Not where steps are
+        captured: their graphs are kept per capacity."""
+        ahead = max((self._capacity_for(r) for r in islice(self.waiting, self.max_batch)), default=0)
+        if ahead > capacity and self.cache.bytes_for(slots, ahead) <= self.cache_budget_bytes:
+            return ahead
+        return capacity
 
     def _slots_for(self, rows: int) -> int:
         """Cache slots for `rows` live rows: as many, or with captured steps the row bucket that holds them (within
