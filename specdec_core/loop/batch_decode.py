@@ -217,9 +217,7 @@ class BatchDecoder:
             capacity = wanted
         if admitted:
             slots = self._slots_for(len(self.rows) + len(admitted))
-            if not self.target.captures_steps:
-                capacity = self._reserved(capacity, slots)
-            self.cache.fit(slots, capacity, shrink=not self.target.captures_steps)
+            self.cache.fit(slots, self._reserved(capacity, slots), shrink=not self.target.captures_steps)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
 
@@ -230,6 +228,8 @@ class BatchDecoder:
         otherwise reallocated and copied the whole cache (decisions.md: specdec_core/loop/batch_decode.py). The
         pass's peak is the same: those requests grow the cache to it when they join. Not where steps are
         captured: their graphs are kept per capacity."""
+        if self.target.captures_steps:
+            return capacity
         ahead = max((self._capacity_for(r) for r in islice(self.waiting, self.max_batch)), default=0)
         if ahead > capacity and self.cache.bytes_for(slots, ahead) <= self.cache_budget_bytes:
             return ahead

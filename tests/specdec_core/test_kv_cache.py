@@ -18,8 +18,8 @@ from tests.tiny_models import hf_greedy, repetitive_prompt, tiny_gemma3, tiny_ll
 LENGTHS = [5, 23, 11, 40, 17]
 
 
-def decode_all(runner, prompts, new_tokens, batch_size, make_drafter=NoDrafter, max_new=None):
-    decoder = BatchDecoder(runner, max_batch=batch_size)
+def decode_all(runner, prompts, new_tokens, batch_size, make_drafter=NoDrafter, max_new=None, **decoder_options):
+    decoder = BatchDecoder(runner, max_batch=batch_size, **decoder_options)
     for key, prompt in enumerate(prompts):
         limit = (max_new or {}).get(key, new_tokens)
         decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=limit), make_drafter()))
@@ -193,12 +193,9 @@ def test_the_cache_is_sized_for_the_next_waiting_requests_where_the_budget_allow
     assert [r.token_ids for r in results] == expected
 
     allocations.clear()
-    decoder = BatchDecoder(llama, max_batch=2, cache_budget_bytes=decoder.cache.bytes_for(2, 256))
-    for key, prompt in enumerate(prompts):
-        decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=max_new[key]), NoDrafter()))
-    got = {request.key: result for request, result in decoder.run()}
+    results, _ = decode_all(llama, prompts, 6, 2, max_new=max_new, cache_budget_bytes=decoder.cache.bytes_for(2, 256))
     assert [a for a in allocations if a[0] > 0][0] == (2, 256), allocations  # no room to look ahead
-    assert [got[key].token_ids for key in range(4)] == expected
+    assert [r.token_ids for r in results] == expected
 
 
 class EchoDrafter(Drafter):
