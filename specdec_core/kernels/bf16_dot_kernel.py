@@ -10,8 +10,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .layouts import (DOT_INTRINSIC as INTRINSIC, DOT_NARROW_ROWS as NARROW_ROWS, DOT_PANEL as PANEL,
-                      DOT_ROW_BLOCK as ROW_BLOCK, DOT_ROWS as ROWS, DOT_WIDTH as WIDTH)
+from .layouts import (DOT_FEW_ROWS as FEW_ROWS, DOT_INTRINSIC as INTRINSIC, DOT_NARROW_ROWS as NARROW_ROWS,
+                      DOT_PANEL as PANEL, DOT_ROW_BLOCK as ROW_BLOCK, DOT_ROWS as ROWS, DOT_WIDTH as WIDTH)
 
 # k-steps (64-byte lines of a panel) to prefetch ahead. At 16 rows the kernel computes about as fast as memory
 # streams the weights, and without it did one after the other (decisions.md: specdec_core/kernels/bf16_dot_kernel.py).
@@ -149,10 +149,34 @@ def rest_rows(x, first, count, panels, p, out):  # pragma: no cover - compiled
 narrow_13, narrow_14, narrow_15, narrow_16 = (_rows_kernel(n, 1) for n in (13, 14, 15, 16))
 
 
+# 1 to 8 rows (a small batch's decode or verify step) likewise: the weights stream from memory, and a task reading one
+# panel is one stream; pairs of panels ran 30 layers' linears 7-14 % slower (decisions.md:
+# specdec_core/kernels/bf16_dot_kernel.py).
+few_1, few_2, few_3, few_4 = (_rows_kernel(n, 1) for n in (1, 2, 3, 4))
+few_5, few_6, few_7, few_8 = (_rows_kernel(n, 1) for n in (5, 6, 7, 8))
+
+
 @njit(cache=True)
 def narrow_rows(x, count, panels, p, out):  # pragma: no cover - compiled
-    """All `count` rows (NARROW_ROWS[0] <= count <= NARROW_ROWS[1]) of x @ panels[p] in one pass."""
-    if count == 13:
+    """All `count` rows (1 <= count <= FEW_ROWS, or NARROW_ROWS[0] <= count <= NARROW_ROWS[1]) of x @ panels[p] in
+    one pass."""
+    if count == 1:
+        few_1(x, 0, panels, p, out)
+    elif count == 2:
+        few_2(x, 0, panels, p, out)
+    elif count == 3:
+        few_3(x, 0, panels, p, out)
+    elif count == 4:
+        few_4(x, 0, panels, p, out)
+    elif count == 5:
+        few_5(x, 0, panels, p, out)
+    elif count == 6:
+        few_6(x, 0, panels, p, out)
+    elif count == 7:
+        few_7(x, 0, panels, p, out)
+    elif count == 8:
+        few_8(x, 0, panels, p, out)
+    elif count == 13:
         narrow_13(x, 0, panels, p, out)
     elif count == 14:
         narrow_14(x, 0, panels, p, out)
@@ -167,7 +191,7 @@ def matmul(x, panels, out):  # pragma: no cover - compiled
     """x uint32 [M, K2]; panels uint32 [P, K2, 16] (P a multiple of WIDTH); out float32 or uint16 (bf16 bits)
     [M, P x 16]."""
     rows = x.shape[0]
-    if NARROW_ROWS[0] <= rows <= NARROW_ROWS[1]:
+    if 1 <= rows <= FEW_ROWS or NARROW_ROWS[0] <= rows <= NARROW_ROWS[1]:
         for p in prange(panels.shape[0]):
             narrow_rows(x, rows, panels, p, out)
         return

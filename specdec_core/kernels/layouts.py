@@ -7,6 +7,7 @@ DOT_PANEL = 16  # columns per panel: one vector of 16 fp32 sums
 DOT_WIDTH = 2  # panels a task computes together
 DOT_ROWS = 8  # rows a task computes together
 DOT_NARROW_ROWS = (13, 16)  # row counts that one pass over each panel alone computes, all rows at once
+DOT_FEW_ROWS = 8  # up to this many rows (a small batch's decode step), too: one pass over each panel alone
 DOT_ROW_BLOCK = 1024  # the most rows of x per task: each task streams its panels once for all of them
 DOT_INTRINSIC = "llvm.x86.avx512bf16.dpbf16ps.512"
 
