@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core.kernels import bf16_dot  # noqa: E402
+from specdec_core.kernels import bf16_dot, bf16_dot_kernel as kernel  # noqa: E402 (imports numba)
+from specdec_core.kernels.layouts import DOT_NARROW_ROWS, DOT_ROW_BLOCK, DOT_ROWS, DOT_WIDTH  # noqa: E402
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M's qkv, o, gate_up, down: [out, in]
 
@@ -36,9 +37,6 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M's qk
 def panel_pairs():
     """The kernel's dispatch without the one-panel pass for 1-8 rows (compiled here, not cached)."""
     from numba import njit, prange
-
-    from specdec_core.kernels import bf16_dot_kernel as kernel
-    from specdec_core.kernels.layouts import DOT_NARROW_ROWS, DOT_ROW_BLOCK, DOT_ROWS, DOT_WIDTH
 
     held_rows, rest_rows, narrow_rows = kernel.held_rows, kernel.rest_rows, kernel.narrow_rows
 
