@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from . import block_attention, grouped_attention
-from ..kernels import (bf16_attention, fp32_chain_attention, invariant_attention, kernel_plan, packed_linear,
-                       panel_linear, residual_norm, rope_store)
+from ..kernels import (bf16_attention, decode_layer, fp32_chain_attention, invariant_attention, kernel_plan,
+                       packed_linear, panel_linear, residual_norm, rope_store)
 from ..kernels.kernel_plan import KernelPlan
 from ..kernels.packed_linear import PackedLinear
 from ..kernels.panel_linear import PanelLinear
@@ -141,6 +141,11 @@ class _Layer:
             self.o = _routed(plan, "o", [attn.o_proj], attn.o_proj) or self.o
             self.down = _routed(plan, "down", [mlp.down_proj], mlp.down_proj) or self.down
         self.scaling = attn.scaling
+        projections = (self.qkv, self.o, self.gate_up, self.down)
+        # the layer as one compiled call in a bf16 step (decode_layer.py), where its linears are all bf16 panels
+        self.fused = None if self.on_gpu or any(type(p) is not _Projection for p in projections) else (
+            decode_layer.weights(self.norm1, self.norm2, (self.eps1, self.eps2), self.scaling,
+                                 [p.module for p in projections]))
 
 
 def _on_gpu(module) -> bool:
@@ -226,6 +231,8 @@ class FastForward:
         self.final_norm, self.final_eps = base.norm.weight, base.norm.variance_epsilon
         self.plan = plan  # the kernel plan its linears follow (kernel_plan.py), or None: their modules' kernels
         self.layers = [_Layer(layer, plan) for layer in base.layers]
+        fused = [layer.fused for layer in self.layers]
+        self.fused = fused if all(weights is not None for weights in fused) else None  # decode_layer.py's
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -267,7 +274,13 @@ class FastForward:
         if 0 in captured:
             captured[0] = self._padded(x, flat, b, num_new).float()
         delta = None  # the last MLP's output, added to x by the next layer's norm (one pass with it)
-        for index, layer in enumerate(self.layers):
+        layers = self.layers
+        if (self.fused is not None and not captured and not batch.query_heads
+                and decode_layer.usable(attention.step, rotation, x.shape[0])):
+            x, delta = decode_layer.run_layers(self.fused, x, flat, (b, num_new, self.heads, self.kv_heads),
+                                               attention.step, rotation, (cache.keys, cache.values))
+            layers = ()  # all of them run
+        for index, layer in enumerate(layers):
             x, delta = self._layer(index, layer, x, delta, tokens, batch.query_heads.get(index))
             if index + 1 in captured:
                 x, delta = x + delta, None

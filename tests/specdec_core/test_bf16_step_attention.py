@@ -67,12 +67,14 @@ def test_bf16_steps_attend_through_it_and_give_the_fp32_kernels_logits(monkeypat
     """Without --deterministic the model runner sends a bf16 step of at most MAX_QUERIES tokens a row here (a model
     with head_dim 64); its logits stay those of invariant_attention.py's fp32 arithmetic within bf16 rounding."""
     from specdec_core.model import grouped_attention
-    from specdec_core.kernels import invariant_attention
+    from specdec_core.kernels import decode_layer, invariant_attention
     from tests.specdec_core.test_deterministic import SEQUENCE, feed, runner_in
     from tests.tiny_models import tiny_llama_64
 
     runner = runner_in(torch.bfloat16, tiny_llama_64)
     runner.deterministic = False
+    # layer by layer: the steps' one compiled call a layer runs the same kernel (test_decode_layer.py)
+    monkeypatch.setattr(decode_layer, "usable", lambda *args: False)
     prefill = grouped_attention.MAX_QUERIES + 4
     pieces = [prefill, 5, 3] + [1] * (len(SEQUENCE) - prefill - 8)
     calls = {"step": 0, "invariant": 0}

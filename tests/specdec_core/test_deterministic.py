@@ -66,13 +66,16 @@ RUNNER_IDS = ["fp32", "bf16", "bf16-head64"]
 
 @pytest.mark.parametrize("dtype,make", RUNNERS, ids=RUNNER_IDS)
 def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype, make, monkeypatch):
-    from specdec_core.kernels import bf16_step_attention
+    from specdec_core.kernels import bf16_step_attention, decode_layer
 
     runner = runner_in(dtype, make)
     exact = []
     real_attend = bf16_step_attention.Step.attend
     monkeypatch.setattr(bf16_step_attention.Step, "attend", lambda step, *args: exact.append(step.exact)
                         or real_attend(step, *args))
+    real_layers = decode_layer.run_layers  # a step's layers in one compiled call each: the same kernel, each layer
+    monkeypatch.setattr(decode_layer, "run_layers", lambda layers, *args: exact.extend([args[3].exact] * len(layers))
+                        or real_layers(layers, *args))
     alone = feed(runner, [1] * len(SEQUENCE))  # `ar`: one token a forward
     takes_steps = dtype == torch.bfloat16 and runner._bf16_step_kernel()
     assert exact == ([True] * runner.num_layers * len(SEQUENCE) if takes_steps else [])

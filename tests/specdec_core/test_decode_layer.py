@@ -1,0 +1,40 @@
+"""decode_layer.py: a bf16 step's layers as one compiled call each give the layer-by-layer path's logits bit for
+bit, in ragged steps beside other rows, with and without --deterministic."""
+
+import pytest
+import torch
+
+from specdec_core.kernels import bf16_dot, decode_layer
+from tests.specdec_core.test_deterministic import feed, runner_in
+from tests.tiny_models import tiny_llama, tiny_llama_64
+
+needs_bf16_dot = pytest.mark.skipif(not bf16_dot.available(), reason="no AVX512_BF16 here: the kernel does not run")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("deterministic", [True, False], ids=["exact", "step"])
+def test_a_steps_layers_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(deterministic, monkeypatch):
+    runner = runner_in(torch.bfloat16, tiny_llama_64)
+    runner.deterministic = deterministic
+    calls = []
+    real = decode_layer.run_layers
+    monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(args[2]) or real(*args))
+    pieces = [4, 1, 3, 1, 5, 2, 1]  # each forward also feeds 1-4 tokens to two rows of other lengths: ragged
+    fused = feed(runner, pieces, others=[7, 20])
+    count = len(calls)
+    assert count >= len(pieces)  # every step of row 0 (and the neighbours' first forwards where they are steps)
+    assert any(flat is not None for flat in calls), "no step had padding: the ragged gather went untested"
+    monkeypatch.setattr(decode_layer, "usable", lambda *args: False)
+    layered = feed(runner, pieces, others=[7, 20])
+    assert len(calls) == count
+    assert torch.equal(fused, layered), (fused - layered).abs().max()
+
+
+@needs_bf16_dot
+def test_layers_it_cannot_run_keep_the_layer_by_layer_path():
+    """A model with head_dim 32 (tiny_llama) gets no step kernel and an fp32 model no bf16 panels: neither is packed
+    or sent here; a recorded query head sends a forward back to the layer-by-layer path."""
+    assert runner_in(torch.float32, tiny_llama_64).fast.fused is None
+    assert runner_in(torch.bfloat16, tiny_llama_64).fast.fused is not None
+    runner = runner_in(torch.bfloat16, tiny_llama)
+    assert not decode_layer.usable(None, None, 1)
