@@ -2,9 +2,11 @@
 of SmolLM2-135M's four linears (qkv, o, gate_up, down; ~212 MB of distinct random weights, far more than the
 caches) at each row count, two ways side by side in one process, alternating:
 
-- kernel: bf16_dot_kernel.matmul as it dispatches now (1-8 and 13-16 rows: one pass over each panel alone);
-- panel pairs: every row count through blocks of 8 rows x 2 panels and the rows left over (the dispatch 1-8 rows
-  had before; 13-16 rows keep their own pass in both).
+- kernel: bf16_dot_kernel.matmul's dispatch as it is (1-8 and 13-16 rows: one pass over each panel alone);
+- panel pairs: the same with no one-panel pass for 1-8 rows, which then run in blocks of 8 rows x 2 panels and the
+  rows left over (what they ran before; 13-16 rows keep their own pass in both).
+Both are compiled in this process the same way: a cached kernel against a fresh compile read ~10 % apart at a row
+count where the two run the same code.
 
   python benchmarks/streamed_linear_bench.py                      # rows 1 2 4 8 10 16 24
   python benchmarks/streamed_linear_bench.py --rows 2 --rounds 9
@@ -20,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,39 +31,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.batch_bench import hardware  # noqa: E402
-from specdec_core.kernels import bf16_dot, bf16_dot_kernel as kernel  # noqa: E402 (imports numba)
-from specdec_core.kernels.layouts import DOT_NARROW_ROWS, DOT_ROW_BLOCK, DOT_ROWS, DOT_WIDTH  # noqa: E402
+from specdec_core.kernels import bf16_dot, bf16_dot_kernel as dot_kernel  # noqa: E402 (imports numba)
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M's qkv, o, gate_up, down: [out, in]
 
 
-def panel_pairs():
-    """The kernel's dispatch without the one-panel pass for 1-8 rows (compiled here, not cached)."""
-    from numba import njit, prange
+def dispatch(few_rows: int):
+    """The kernel's own dispatch compiled here (not from the cache, so both ways are compiled alike), with `few_rows`
+    for FEW_ROWS: the kernel's value, or 0 for what 1-8 rows ran before (panel pairs)."""
+    from numba import njit
 
-    held_rows, rest_rows, narrow_rows = kernel.held_rows, kernel.rest_rows, kernel.narrow_rows
-
-    @njit(parallel=True)
-    def matmul(x, panels, out):  # pragma: no cover - compiled
-        rows = x.shape[0]
-        if DOT_NARROW_ROWS[0] <= rows <= DOT_NARROW_ROWS[1]:
-            for p in prange(panels.shape[0]):
-                narrow_rows(x, rows, panels, p, out)
-            return
-        count = panels.shape[0] // DOT_WIDTH
-        blocks = max(1, (rows + DOT_ROW_BLOCK - 1) // DOT_ROW_BLOCK)
-        size = ((rows + blocks - 1) // blocks + DOT_ROWS - 1) // DOT_ROWS * DOT_ROWS
-        for task in prange(blocks * count):
-            p = (task % count) * DOT_WIDTH
-            first = (task // count) * size
-            last = min(rows, first + size)
-            held = first + (last - first) // DOT_ROWS * DOT_ROWS
-            for m in range(first, held, DOT_ROWS):
-                held_rows(x, m, panels, p, out)
-            if held < last:
-                rest_rows(x, held, last - held, panels, p, out)
-
-    return matmul
+    source = dot_kernel.matmul.py_func
+    return njit(parallel=True)(types.FunctionType(source.__code__, {**source.__globals__, "FEW_ROWS": few_rows}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = [bf16_dot.as_words(bf16_dot.to_pair_panels((torch.randn(out, inp) * 0.05).to(torch.bfloat16)))
               for _ in range(args.layers) for out, inp in SHAPES]  # uint32 [P, in / 2, 16] each
     weight_bytes = sum(out * inp * 2 for out, inp in SHAPES) * args.layers
-    ways = {"kernel": bf16_dot.kernel(), "panel pairs": panel_pairs()}
+    bf16_dot.kernel()  # compiles the kernel's pieces (the row passes) the dispatches call
+    ways = {"kernel": dispatch(dot_kernel.FEW_ROWS), "panel pairs": dispatch(0)}
     print(f"# {hardware('cpu')}; {args.layers} layers of SmolLM2-135M's linears, "
           f"{weight_bytes / 1e6:.0f} MB of bf16 weights; best of {args.rounds} rounds (the ratio: the median of "
           "each round's)")

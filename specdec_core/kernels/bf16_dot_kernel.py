@@ -150,7 +150,7 @@ narrow_13, narrow_14, narrow_15, narrow_16 = (_rows_kernel(n, 1) for n in (13, 1
 
 
 # 1 to 8 rows (a small batch's decode or verify step) likewise: the weights stream from memory, and a task reading one
-# panel is one stream; pairs of panels ran 30 layers' linears 7-14 % slower (decisions.md:
+# panel is one stream; pairs of panels ran 30 layers' linears at 4-8 rows 5-12 % slower (decisions.md:
 # specdec_core/kernels/bf16_dot_kernel.py).
 few_1, few_2, few_3, few_4 = (_rows_kernel(n, 1) for n in (1, 2, 3, 4))
 few_5, few_6, few_7, few_8 = (_rows_kernel(n, 1) for n in (5, 6, 7, 8))
