@@ -31,10 +31,13 @@ def test_a_steps_layers_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(d
 
 
 @needs_bf16_dot
-def test_layers_it_cannot_run_keep_the_layer_by_layer_path():
-    """A model with head_dim 32 (tiny_llama) gets no step kernel and an fp32 model no bf16 panels: neither is packed
-    or sent here; a recorded query head sends a forward back to the layer-by-layer path."""
+def test_only_bf16_panel_models_are_packed_and_steps_without_the_bf16_step_kernel_keep_the_layers(monkeypatch):
+    """fp32 linears are not packed and a bf16 model's pair panels are; a bf16 model whose head_dim the step kernel does
+    not take (tiny_llama: 32) never sends a forward here."""
     assert runner_in(torch.float32, tiny_llama_64).fast.fused is None
     assert runner_in(torch.bfloat16, tiny_llama_64).fast.fused is not None
-    runner = runner_in(torch.bfloat16, tiny_llama)
-    assert not decode_layer.usable(None, None, 1)
+    calls = []
+    real = decode_layer.run_layers
+    monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(1) or real(*args))
+    logits = feed(runner_in(torch.bfloat16, tiny_llama), [4, 1, 3, 1])
+    assert calls == [] and torch.isfinite(logits).all()
