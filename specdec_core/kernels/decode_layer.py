@@ -20,7 +20,6 @@ import torch
 from . import bf16_dot, bf16_step_attention, rope_store
 from .numba_kernels import LazyKernel, use_torch_threads
 from .panel_linear import PanelLinear
-from .residual_norm import _bf16, _bits
 
 
 def _compile():
@@ -47,7 +46,8 @@ def weights(norm1: torch.Tensor, norm2: torch.Tensor, eps: tuple[float, float], 
         if words.shape[0] * 16 != module.out_features or 2 * words.shape[1] != module.in_features:
             return None  # padded panels or an odd input width: the layer-by-layer path slices and pads
         panels.append(words)
-    return (_bits(norm1.detach()), _bits(norm2.detach()), np.array(eps, dtype=np.float32), np.float32(scale),
+    bits = rope_store.kernel_array  # a bf16 tensor's memory as uint16, no copy
+    return (bits(norm1.detach()), bits(norm2.detach()), np.array(eps, dtype=np.float32), np.float32(scale),
             *panels)
 
 
@@ -69,8 +69,8 @@ def run_layers(layers: list[tuple], x: torch.Tensor, flat: torch.Tensor | None, 
     places = (np.arange(b * num_new, dtype=np.int64) if flat is None
               else flat.numpy().astype(np.int64, copy=False))  # [M]
     attention = (places, *step.rows, step.exact)
-    residual, delta = _bits(x), np.zeros(tuple(x.shape), dtype=np.uint16)
+    residual, delta = rope_store.kernel_array(x), np.zeros(tuple(x.shape), dtype=np.uint16)
     for weights, keys, values in zip(layers, *caches):
         residual, delta = run(residual, delta, weights, shape, rotation.shared,
                               (rope_store.kernel_array(keys), rope_store.kernel_array(values)), attention)
-    return _bf16(residual), _bf16(delta)
+    return torch.from_numpy(residual).view(torch.bfloat16), torch.from_numpy(delta).view(torch.bfloat16)
