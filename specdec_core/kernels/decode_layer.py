@@ -9,7 +9,8 @@ path bit for bit (tests/specdec_core/test_decode_layer.py).
 
 Where: bf16 weights on bf16 pair panels without a bias (bf16_dot.py) for every linear of the layer, with no kernel
 plan routing one elsewhere; steps through bf16_step_attention.py (--deterministic's exact kernel too) with the
-compiled RoPE; no hidden states or queries recorded. Every other forward keeps fast_forward.py's own path.
+compiled RoPE. A forward that records a layer's output (PLD+ (h)) or its queries (PLD+ (a)) runs in pieces around
+it. Every other forward keeps fast_forward.py's own path.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def usable(step, rotation, tokens: int) -> bool:
             and tokens < rope_store.PARALLEL_MIN_TOKENS and kernel() is not None)
 
 
-def run_layers(layers: list[tuple], x: torch.Tensor, flat: torch.Tensor | None, shape: tuple[int, int, int, int],
-               step, rotation, caches: tuple[list, list]):
-    """Every layer of a step: layers[i] = weights(...) of layer i; x [M, hidden] bf16 embeddings; flat [M] the real
+def run_layers(layers: list[tuple], x: torch.Tensor, delta: torch.Tensor | None, flat: torch.Tensor | None,
+               shape: tuple[int, int, int, int], step, rotation, caches: tuple[list, list]):
+    """Consecutive layers of a step: layers[i] = weights(...) of the i-th; x [M, hidden] bf16 the residual stream
+    entering them, delta [M, hidden] bf16 the MLP output still to be added to it (None: nothing); flat [M] the real
     tokens' places in b x T (None: all of them); shape (b, T, heads, key/value heads); step and rotation: the
     forward's bf16_step_attention.Step and rope_store.RotateStore; caches: (keys, values), each layer's buffer
     -> (x, the last MLP's output still to be added), bf16 [M, hidden]."""
@@ -69,7 +71,8 @@ def run_layers(layers: list[tuple], x: torch.Tensor, flat: torch.Tensor | None, 
     places = (np.arange(b * num_new, dtype=np.int64) if flat is None
               else flat.numpy().astype(np.int64, copy=False))  # [M]
     attention = (places, *step.rows, step.exact)
-    residual, delta = rope_store.kernel_array(x), np.zeros(tuple(x.shape), dtype=np.uint16)
+    residual = rope_store.kernel_array(x)
+    delta = np.zeros(tuple(x.shape), dtype=np.uint16) if delta is None else rope_store.kernel_array(delta)
     for weights, keys, values in zip(layers, *caches):
         residual, delta = run(residual, delta, weights, shape, rotation.shared,
                               (rope_store.kernel_array(keys), rope_store.kernel_array(values)), attention)

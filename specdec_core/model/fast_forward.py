@@ -274,17 +274,24 @@ class FastForward:
         if 0 in captured:
             captured[0] = self._padded(x, flat, b, num_new).float()
         delta = None  # the last MLP's output, added to x by the next layer's norm (one pass with it)
-        layers = self.layers
-        if (self.fused is not None and not captured and not batch.query_heads
-                and decode_layer.usable(attention.step, rotation, x.shape[0])):
-            x, delta = decode_layer.run_layers(self.fused, x, flat, (b, num_new, self.heads, self.kv_heads),
-                                               attention.step, rotation, (cache.keys, cache.values))
-            layers = ()  # all of them run
-        for index, layer in enumerate(layers):
-            x, delta = self._layer(index, layer, x, delta, tokens, batch.query_heads.get(index))
-            if index + 1 in captured:
+        fused = self.fused is not None and decode_layer.usable(attention.step, rotation, x.shape[0])
+        index, count = 0, len(self.layers)
+        while index < count:
+            heads = batch.query_heads.get(index)
+            if fused and not heads:  # the layers up to the next one recorded, in one compiled call each
+                end = index + 1
+                while end < count and end not in captured and not batch.query_heads.get(end):
+                    end += 1
+                x, delta = decode_layer.run_layers(self.fused[index:end], x, delta, flat,
+                                                   (b, num_new, self.heads, self.kv_heads), attention.step, rotation,
+                                                   (cache.keys[index:end], cache.values[index:end]))
+            else:
+                x, delta = self._layer(index, self.layers[index], x, delta, tokens, heads)
+                end = index + 1
+            index = end
+            if index in captured:
                 x, delta = x + delta, None
-                captured[index + 1] = self._padded(x, flat, b, num_new).float()
+                captured[index] = self._padded(x, flat, b, num_new).float()
         logit_index = batch.logit_index
         wanted = (logit_index[:, 0] * num_new + logit_index[:, 1]).to(device)  # [N] of b x T
         if flat is not None:

@@ -18,7 +18,7 @@ def test_a_steps_layers_in_one_call_give_the_layer_by_layer_logits_bit_for_bit(d
     runner.deterministic = deterministic
     calls = []
     real = decode_layer.run_layers
-    monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(args[2]) or real(*args))
+    monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(args[3]) or real(*args))
     pieces = [4, 1, 3, 1, 5, 2, 1]  # each forward also feeds 1-4 tokens to two rows of other lengths: ragged
     fused = feed(runner, pieces, others=[7, 20])
     count = len(calls)
@@ -41,3 +41,45 @@ def test_only_bf16_panel_models_are_packed_and_steps_without_the_bf16_step_kerne
     monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(1) or real(*args))
     logits = feed(runner_in(torch.bfloat16, tiny_llama), [4, 1, 3, 1])
     assert calls == [] and torch.isfinite(logits).all()
+
+
+def recording(runner, layers: set[int], heads: dict[int, list[int]]) -> list:
+    """Make every forward of `runner` record `layers`' outputs and `heads`' queries (what PLD+ (h) and (a) read)
+    -> the list each forward's (captured, queries) is appended to."""
+    real, records = runner.forward_slots, []
+
+    def forward(cache, batch, *args):
+        batch.captured = {layer: None for layer in layers}
+        batch.query_heads = dict(heads)
+        logits = real(cache, batch, *args)
+        records.append((dict(batch.captured), dict(batch.queries)))
+        return logits
+
+    runner.forward_slots = forward
+    return records
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("layers,heads", [({1}, {}), (set(), {1: [0, 3]}), ({0, 2}, {0: [2]})],
+                         ids=["hidden-states", "queries-last-layer", "both-first-layer"])
+def test_a_step_that_records_a_layer_runs_the_others_in_one_call_and_records_the_same_bits(layers, heads, monkeypatch):
+    calls = []
+    real = decode_layer.run_layers
+    monkeypatch.setattr(decode_layer, "run_layers", lambda *args: calls.append(len(args[0])) or real(*args))
+    pieces = [4, 1, 3, 1, 5, 2, 1]
+    runner = runner_in(torch.bfloat16, tiny_llama_64)
+    records = recording(runner, layers, heads)
+    fused = feed(runner, pieces, others=[7, 20])
+    assert len(calls) >= len(pieces) and set(calls) == {1}  # two layers, one of them in pieces around the record
+    monkeypatch.setattr(decode_layer, "usable", lambda *args: False)
+    runner = runner_in(torch.bfloat16, tiny_llama_64)
+    layered_records = recording(runner, layers, heads)
+    layered = feed(runner, pieces, others=[7, 20])
+    assert torch.equal(fused, layered), (fused - layered).abs().max()
+    assert len(records) == len(layered_records)
+    for (captured, queries), (captured_layered, queries_layered) in zip(records, layered_records):
+        assert captured.keys() == layers and queries.keys() == heads.keys()
+        for layer in layers:
+            assert torch.equal(captured[layer], captured_layered[layer])
+        for layer in heads:
+            assert torch.equal(queries[layer], queries_layered[layer])

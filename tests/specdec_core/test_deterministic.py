@@ -74,7 +74,7 @@ def test_a_tokens_logits_are_bit_identical_however_it_is_fed(dtype, make, monkey
     monkeypatch.setattr(bf16_step_attention.Step, "attend", lambda step, *args: exact.append(step.exact)
                         or real_attend(step, *args))
     real_layers = decode_layer.run_layers  # a step's layers in one compiled call each: the same kernel, each layer
-    monkeypatch.setattr(decode_layer, "run_layers", lambda layers, *args: exact.extend([args[3].exact] * len(layers))
+    monkeypatch.setattr(decode_layer, "run_layers", lambda layers, *args: exact.extend([args[4].exact] * len(layers))
                         or real_layers(layers, *args))
     alone = feed(runner, [1] * len(SEQUENCE))  # `ar`: one token a forward
     takes_steps = dtype == torch.bfloat16 and runner._bf16_step_kernel()
