@@ -9,8 +9,8 @@ path bit for bit (tests/specdec_core/test_decode_layer.py).
 
 Where: bf16 weights on bf16 pair panels without a bias (bf16_dot.py) for every linear of the layer, with no kernel
 plan routing one elsewhere; steps through bf16_step_attention.py (--deterministic's exact kernel too) with the
-compiled RoPE. A forward that records a layer's output (PLD+ (h)) or its queries (PLD+ (a)) runs in pieces around
-it. Every other forward keeps fast_forward.py's own path.
+compiled RoPE. A forward that records a layer's output (PLD+ (h)) runs in pieces around it; queries (PLD+ (a))
+come out of the kernel. Every other forward keeps fast_forward.py's own path.
 """
 
 from __future__ import annotations
@@ -59,12 +59,15 @@ def usable(step, rotation, tokens: int) -> bool:
 
 
 def run_layers(layers: list[tuple], x: torch.Tensor, delta: torch.Tensor | None, flat: torch.Tensor | None,
-               shape: tuple[int, int, int, int], step, rotation, caches: tuple[list, list]):
+               shape: tuple[int, int, int, int], step, rotation, caches: tuple[list, list],
+               heads: dict[int, list[int]] | None = None):
     """Consecutive layers of a step: layers[i] = weights(...) of the i-th; x [M, hidden] bf16 the residual stream
     entering them, delta [M, hidden] bf16 the MLP output still to be added to it (None: nothing); flat [M] the real
     tokens' places in b x T (None: all of them); shape (b, T, heads, key/value heads); step and rotation: the
-    forward's bf16_step_attention.Step and rope_store.RotateStore; caches: (keys, values), each layer's buffer
-    -> (x, the last MLP's output still to be added), bf16 [M, hidden]."""
+    forward's bf16_step_attention.Step and rope_store.RotateStore; caches: (keys, values), each layer's buffer;
+    heads: {i: the query heads of the i-th layer to record}
+    -> (x, the last MLP's output still to be added), bf16 [M, hidden], and {i: [b, n, T, d] float32 the recorded
+    heads' rotated queries, as FastForward._layer records them}."""
     run = kernel()
     use_torch_threads()
     b, num_new = shape[:2]
@@ -73,7 +76,11 @@ def run_layers(layers: list[tuple], x: torch.Tensor, delta: torch.Tensor | None,
     attention = (places, *step.rows, step.exact)
     residual = rope_store.kernel_array(x)
     delta = np.zeros(tuple(x.shape), dtype=np.uint16) if delta is None else rope_store.kernel_array(delta)
-    for weights, keys, values in zip(layers, *caches):
-        residual, delta = run(residual, delta, weights, shape, rotation.shared,
-                              (rope_store.kernel_array(keys), rope_store.kernel_array(values)), attention)
-    return torch.from_numpy(residual).view(torch.bfloat16), torch.from_numpy(delta).view(torch.bfloat16)
+    queries = {}
+    for offset, (weights, keys, values) in enumerate(zip(layers, *caches)):
+        residual, delta, query = run(residual, delta, weights, shape, rotation.shared,
+                                     (rope_store.kernel_array(keys), rope_store.kernel_array(values)), attention)
+        if heads and heads.get(offset):
+            chosen = torch.from_numpy(query[:, heads[offset]]).view(torch.bfloat16).float()  # [b x T, n, d]
+            queries[offset] = chosen.view(b, num_new, *chosen.shape[1:]).transpose(1, 2)  # [b, n, T, d]
+    return torch.from_numpy(residual).view(torch.bfloat16), torch.from_numpy(delta).view(torch.bfloat16), queries

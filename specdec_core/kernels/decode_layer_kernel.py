@@ -30,7 +30,8 @@ def layer(x, delta, weights, shape, rope, cache, attention):  # pragma: no cover
     cache       (keys, values): the layer's buffers, uint16 [slots, KV, capacity, d]
     attention   (flat int64 [M]: each token's place in b x T, then the step attention's slots, lengths, news,
                 visible (bf16_step_attention.Step.rows) and exact: attend_exact)
-    -> (x + attention's output, the MLP's output still to be added), uint16 [M, hidden] each."""
+    -> (x + attention's output, the MLP's output still to be added), uint16 [M, hidden] each, and the rotated
+    queries uint16 [b x T, H, d] (zero padding), which a drafter may read (PLD+ (a))."""
     norm1, norm2, eps, scale, qkv, o, gate_up, down = weights
     b, num_new, heads, kv_heads = shape
     cos, sin, token_rows, places = rope
@@ -64,4 +65,4 @@ def layer(x, delta, weights, shape, rope, cache, attention):  # pragma: no cover
     both = _project(normed, gate_up)  # [M, 2I]
     gated = np.empty((count, both.shape[1] // 2), dtype=np.uint16)
     silu_mul_bf16(both, gated)
-    return residual, _project(gated, down)
+    return residual, _project(gated, down), padded

@@ -277,16 +277,18 @@ class FastForward:
         fused = self.fused is not None and decode_layer.usable(attention.step, rotation, x.shape[0])
         index, count = 0, len(self.layers)
         while index < count:
-            heads = batch.query_heads.get(index)
-            if fused and not heads:  # the layers up to the next one recorded, in one compiled call each
+            if fused:  # the layers up to the next one whose output is recorded, in one compiled call each
                 end = index + 1
-                while end < count and end not in captured and not batch.query_heads.get(end):
+                while end < count and end not in captured:
                     end += 1
-                x, delta = decode_layer.run_layers(self.fused[index:end], x, delta, flat,
-                                                   (b, num_new, self.heads, self.kv_heads), attention.step, rotation,
-                                                   (cache.keys[index:end], cache.values[index:end]))
+                heads = {layer - index: batch.query_heads[layer] for layer in range(index, end)
+                         if batch.query_heads.get(layer)}
+                x, delta, queries = decode_layer.run_layers(
+                    self.fused[index:end], x, delta, flat, (b, num_new, self.heads, self.kv_heads), attention.step,
+                    rotation, (cache.keys[index:end], cache.values[index:end]), heads)
+                batch.queries.update({index + offset: query for offset, query in queries.items()})
             else:
-                x, delta = self._layer(index, self.layers[index], x, delta, tokens, heads)
+                x, delta = self._layer(index, self.layers[index], x, delta, tokens, batch.query_heads.get(index))
                 end = index + 1
             index = end
             if index in captured:
