@@ -222,21 +222,24 @@ def test_auto_switches_determinism_on_only_where_it_costs_nothing(monkeypatch):
 @pytest.mark.slow
 def test_the_real_model_in_bf16_gives_batch_one_ar_tokens_with_every_lossless_method_batched():
     """SmolLM2 in bf16 with --deterministic: rows of different lengths, each with its own lossless method (copy
-    drafters, a candidates tree, CASD, SPECTRA, the draft model), batched, equal batch-1 ar token for token. (On the
-    AVX2 CPU these rows happen to agree without the switch too; the logits below are what it changes.)"""
+    drafters, a candidates tree, CASD, SPECTRA, the draft model, PLD+ (h) and (a)), batched, equal batch-1 ar token for
+    token. (On the AVX2 CPU these rows happen to agree without the switch too; the logits below are what it
+    changes.)"""
     from specdec_core.engine import EngineConfig
     from specdec_core.methods import MethodOptions
     from tests.prompts import LOSSLESS_CASES
 
     engine = Engine(EngineConfig(dtype="bfloat16", deterministic=True, drafter="smollm2-135m", share_across_methods=True))
-    # The shorter cases (37-201 prompt tokens): a bf16 prefill on an AVX2 CPU runs at ~1/7 of fp32's speed.
-    cases = [(name, LOSSLESS_CASES[name]) for name in ("code_rename", "summary_news", "summary_paper",
-                                                        "chat_revise_poem", "no_repetition_story", "no_repetition_facts")]
+    # The shorter cases (37-329 prompt tokens): a bf16 prefill on an AVX2 CPU runs at ~1/7 of fp32's speed.
+    names = ("code_rename", "summary_news", "summary_paper", "chat_revise_poem", "no_repetition_story",
+             "no_repetition_facts", "code_hints", "chat_revise_code")
+    cases = [(name, LOSSLESS_CASES[name]) for name in names]
     items = [BatchItem(name, engine.prompt_ids(messages=messages), DecodeParams(max_new_tokens=12))
              for name, messages in cases]
     reference = {item.key: engine.generate_ids(item.prompt_ids, "ar", item.params) for item in items}
     methods = [("pld", MethodOptions()), ("copyspec", MethodOptions()), ("copyspec", MethodOptions(candidates=3)),
-               ("casd_strict", MethodOptions()), ("spectra", MethodOptions(spectra_pool=6)), ("draft", MethodOptions())]
+               ("casd_strict", MethodOptions()), ("spectra", MethodOptions(spectra_pool=6)), ("draft", MethodOptions()),
+               ("pld_plus_h", MethodOptions()), ("pld_plus_a", MethodOptions())]  # PLD+: steps recording signals
     decoder = engine.decoder(batch_size=len(items), speculation_budget=False)
     for item, (method, options) in zip(items, methods):
         decoder.submit(engine.request(item, method, options, decoder))
