@@ -184,12 +184,41 @@ def test_runs_row_has_job_throughput_per_method_and_the_report_leads_with_it(fir
     assert first_section.startswith("Job throughput by method") and "| run-a | copyspec |" in first_section
 
 
+def session_processes(session: int) -> list[int]:
+    """Live (not zombie) processes of a session. Ray's workers each lead their own process group, so killpg on the
+    driver's group leaves them writing blocks until they notice the raylet is gone; they stay in the session."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, session, ...
+        except OSError:  # the process ended while listed
+            continue
+        if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_session(session: int, wait_s: float = 30.0) -> None:
+    """SIGKILL every process of a session until none is left alive (none can start one once the raylet is gone)."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while pids := session_processes(session):
+        assert time.monotonic() < deadline, f"processes {pids} outlived SIGKILL"
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
 def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(ray_cluster, tmp_path):
     """SIGKILL the job after its first blocks are written; --resume (with another --batch-size, which does not
     change outputs, so the written pairs still count as done) finishes the same run: every pair once, no temporary
     file left, one runs row. (A reused run id without --resume is refused: test_job_arguments.py.)"""
-    import os
-    import signal
     import time
 
     rows = [json.dumps({"id": f"r{i}", "prompt": f"Write the number {i} in words, then count to ten."}).encode()
@@ -206,7 +235,7 @@ def test_driver_killed_mid_run_resumes_the_same_run_exactly_once(ray_cluster, tm
     while time.monotonic() < deadline and job.poll() is None and len(list(run.rglob("*.parquet"))) < 2:
         time.sleep(0.2)
     assert job.poll() is None, "the job finished before it could be killed: the test proved nothing"
-    os.killpg(job.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+    kill_session(job.pid)  # the driver and every Ray process it started, as a lost machine would stop them
     job.wait()
     written = len(pads.dataset(str(run), format="parquet").to_table())
     assert 2 <= written < 12 and not (run / "_SUCCESS").exists()
