@@ -109,3 +109,29 @@ def test_kernels_that_fail_to_compile_fall_back_and_the_tokens_equal_ars(lossles
     for method in ("ar", "pld"):
         for key, ids in out[method].items():
             assert ids == lossless_reference[key]["output_token_ids"], (method, key)
+
+
+def test_no_cached_kernel_closes_over_another_compiled_function():
+    """numba's disk cache keys a closure by the pickled values it closes over, and a compiled function pickles with
+    a fresh id in each process: such a kernel was found in no later process's cache and compiled again in every one
+    (the fp32 attention: ~8 s of each job's warm-up, and a new cache entry each time). Kernels call other compiled
+    functions as module globals instead (the *_kernel.py modules)."""
+    import importlib
+    import pkgutil
+
+    from numba.core.dispatcher import Dispatcher
+
+    import specdec_core
+
+    for module in pkgutil.walk_packages(specdec_core.__path__, "specdec_core."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)  # every LazyKernel registers itself in KERNELS when its module loads
+    checked = 0
+    for kernel in numba_kernels.KERNELS:
+        compiled = kernel()
+        for dispatcher in compiled if isinstance(compiled, tuple) else (compiled,):
+            closure = getattr(getattr(dispatcher, "py_func", None), "__closure__", None) or ()
+            captured = [cell.cell_contents for cell in closure]
+            assert not [value for value in captured if isinstance(value, Dispatcher)], (kernel.what, captured)
+            checked += dispatcher is not None
+    assert checked >= 10, checked
