@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 NEW_TOKENS = 16  # per row: enough decode and verify steps for every step kernel to run
 # A CPU warm-up's prefill tokens a forward: past 512 rows, the kernel plan's widest row bucket (kernel_plan.BUCKETS),
-# so its long prompt still goes in two chunks; a job's 1,024 took ~2 s more of every fp32 actor's start.
+# so its long prompt still goes in two chunks; a job's 1,024 compiled nothing more, at a cost to every actor's start
+# (decisions.md, session 42).
 WARM_PREFILL_TOKENS = 576
 SHORT_SENTENCES = 2  # of each short prompt: enough repeats for every copying method to draft
 ATTEMPTS = 4  # passes of one method, each after a kernel turned itself off
