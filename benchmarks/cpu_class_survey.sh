@@ -34,7 +34,7 @@ CLASS=${CLASS:-$(cpu_class)}
 CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), family $(grep -m1 '^cpu family' /proc/cpuinfo \
     | cut -d: -f2 | xargs) model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, flags: \
 $(grep -o -w -E 'avx2|avx512f|avx512_bf16|amx_tile|amx_bf16' /proc/cpuinfo | sort -u | xargs)"
-COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- specdec_core benchmarks || echo "+edits")
+COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- specdec_core benchmarks ':!benchmarks/results' || echo "+edits")
 echo "class $CLASS: $CPU; commit $COMMIT; stages ${stages[*]}"
 
 # run FILE COMMAND...: the command's stdout appended to FILE under a header line; its stderr's tail kept beside it.
