@@ -130,9 +130,11 @@ class Engine:
 
     def decoder(self, batch_size: int = DEFAULT_BATCH_SIZE, token_budget: int | None = None,
                 speculation_budget: bool = True,
-                row_timeout_s: float | None = None, method: str | None = None) -> BatchDecoder:
+                row_timeout_s: float | None = None, method: str | None = None,
+                prefill_tokens: int | None = None) -> BatchDecoder:
         """A batched decoder on this engine's models; with `method`, its budget starts from what earlier decoders
-        of that method learned (and adds to it)."""
+        of that method learned (and adds to it). prefill_tokens: padded tokens a prefill forward (None: the
+        device's default, prefill_plan.default_budget)."""
         learned = {}
         if method is not None:
             learned = dict(zip(("pooled", "payoff", "pricing"), self.learned.setdefault(
@@ -144,7 +146,7 @@ class Engine:
         memory = self.memory_for(method) if method is not None and get_method(method).uses_job_memory else None
         return BatchDecoder(self.target, max_batch=batch_size, budget=budget, row_timeout_s=row_timeout_s,
                             prefix_cache=self.prefix_cache.scope(scope), draft_pool=self._draft_pool(budget.pricing),
-                            job_memory=memory)
+                            job_memory=memory, prefill_tokens=prefill_tokens)
 
     def _draft_pool(self, pricing: DraftPricing):
         """One draft-model pool per decoder: its drafters' rows step together on the draft model's own cache."""
@@ -195,10 +197,12 @@ class Engine:
         batch_size: int = DEFAULT_BATCH_SIZE,
         token_budget: int | None = None,
         speculation_budget: bool = True,
+        prefill_tokens: int | None = None,
     ) -> Iterator[tuple[object, dict]]:
         """Decode every item with `method`, `batch_size` rows at a time; yields (key, result dict) as rows finish.
         A failing row yields a dict with only `method` and `error` set (the others go on)."""
-        decoder = self.decoder(batch_size, token_budget, speculation_budget, method=method)
+        decoder = self.decoder(batch_size, token_budget, speculation_budget, method=method,
+                               prefill_tokens=prefill_tokens)
         for item in items:
             decoder.submit(self.request(item, method, options, decoder))
         yield from self.results(decoder, method)

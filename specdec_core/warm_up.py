@@ -50,8 +50,8 @@ def warm_up(engine, methods: list[str], batch_size: int, options=None) -> float:
         for attempt in range(ATTEMPTS):
             off = _kernels_off()
             try:
-                errors = [r["error"] for _, r in _decode(engine, items, method, options, batch_size, budget)
-                          if r["error"]]
+                errors = [r["error"] for _, r in engine.decode_batch(items, method, options, batch_size,
+                                                                     prefill_tokens=budget) if r["error"]]
             except KernelUnavailableError as exc:  # a step's kernel turned itself off
                 errors = [str(exc)]
             if not errors:
@@ -68,15 +68,6 @@ def prefill_budget(device) -> int:
     WARM_PREFILL_TOKENS."""
     budget = default_budget(device)
     return budget if not str(device).startswith("cpu") else min(budget, WARM_PREFILL_TOKENS)
-
-
-def _decode(engine, items: list[BatchItem], method: str, options, batch_size: int, budget: int):
-    """engine.decode_batch with the decoder's prefill budget set to `budget`."""
-    decoder = engine.decoder(batch_size, method=method)
-    decoder.prefill_tokens = budget
-    for item in items:
-        decoder.submit(engine.request(item, method, options, decoder))
-    yield from engine.results(decoder, method)
 
 
 def freeze_heap() -> int:
