@@ -52,6 +52,10 @@ from .target_signals import PendingAttention, Signals, deliver_attention, hand_o
 from .verification import ConditionalRule, VerifyResult, accept_greedy_nodes, check_rule, verify_rows
 
 DEFAULT_CACHE_BUDGET_BYTES = 4 << 30  # KV cache of one decoder; a 24 GiB machine may run two actors and two models
+# Most steps a free slot waits, with requests waiting, for a live row that will surely retire by then (its tokens left),
+# so both slots fill in one prefill forward: each forward reads every weight once, and rows that speculate retire one
+# at a time (decisions.md: specdec_core/loop/batch_decode.py).
+ADMIT_WAIT_STEPS = 2
 
 NO_DRAFT = empty_draft()  # the draft of every row whose drafter never proposes (nothing changes an empty draft)
 
@@ -156,6 +160,8 @@ class BatchDecoder:
         if prefill_tokens < 1:
             raise ValueError(f"the prefill token budget must be >= 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (prefill_plan.py)
+        self.admit_wait = ADMIT_WAIT_STEPS  # 0 = admit as soon as a slot frees
+        self._admit_waited = 0  # steps the free slots have waited so far
 
     # ----------------------------------------------------------------------------------------------- public
     def submit(self, request: DecodeRequest) -> None:
@@ -191,6 +197,8 @@ class BatchDecoder:
         The requests admitted together are chosen first and the cache is fitted once for all of them: fitting per
         admission reallocated (and copied) every live row's keys once per admission while a batch filled up
         (decisions.md: specdec_core/loop/batch_decode.py)."""
+        if self._waits_for_retiring_rows():
+            return
         admitted: list[DecodeRequest] = []
         capacity = max((self._capacity_for(r.request) for r in self.rows), default=0)
         while self.waiting and len(self.rows) + len(admitted) < self.max_batch:
@@ -220,6 +228,21 @@ class BatchDecoder:
             self.cache.fit(slots, self._reserved(capacity, slots), shrink=not self.target.captures_steps)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
+
+    def _waits_for_retiring_rows(self) -> bool:
+        """Whether this step's admission waits for a live row that retires within the steps left of `admit_wait`
+        (each step emits at least one token a row), to fill its slot in the same prefill forward. Only while
+        requests wait for more than the free slots, so the wait fills a slot that would otherwise join later."""
+        free = self.max_batch - len(self.rows)
+        if not free or not self.rows or len(self.waiting) <= free:
+            self._admit_waited = 0
+            return False
+        left = self.admit_wait - self._admit_waited
+        if left > 0 and any(_tokens_left(row) <= left for row in self.rows):
+            self._admit_waited += 1
+            return True
+        self._admit_waited = 0
+        return False
 
     def _reserved(self, capacity: int, slots: int) -> int:
         """The capacity to fit the cache to: enough for the live and admitted rows (`capacity`) and, where the cache

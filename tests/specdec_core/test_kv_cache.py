@@ -7,6 +7,7 @@ import torch
 from specdec_core.drafters.base import Draft, Drafter, NoDrafter
 from specdec_core.drafters.copyspec import CopySpecDrafter
 from specdec_core.drafters.draft_model import DraftModelDrafter, DraftModelPool
+from specdec_core.loop import batch_decode
 from specdec_core.loop.batch_decode import BatchDecoder, DecodeRequest
 from specdec_core.loop.kv_cache import SlotKVCache
 from specdec_core.loop.requests import DecodeParams
@@ -197,6 +198,27 @@ def test_the_cache_is_sized_for_the_next_waiting_requests_where_the_budget_allow
     assert [a for a in allocations if a[0] > 0][0] == (2, 256), allocations  # no room to look ahead
     assert [r.token_ids for r in results] == expected
 
+
+def test_a_free_slot_waits_for_a_row_about_to_retire_so_one_prefill_fills_both(llama, monkeypatch):
+    """Rows that retire a step apart used to be replaced by a prefill forward each; a free slot now waits (at most
+    admit_wait steps) for a live row that will surely retire by then, and both slots fill in one forward. No wait
+    for a row that may not retire in time, nor when the queue fits the free slots; the tokens are the same."""
+    forwards = []
+    original = BatchDecoder._prefill_forward
+    monkeypatch.setattr(BatchDecoder, "_prefill_forward",
+                        lambda self, group, chunks: (forwards.append(len(group)), original(self, group, chunks))[1])
+    prompts = [repetitive_prompt(seed, 20) for seed in range(5)]
+    max_new = {0: 3, 1: 4, 2: 6, 3: 6, 4: 6}  # rows 0 and 1 retire a step apart
+    expected = [hf_greedy(llama, prompt, max_new[key]) for key, prompt in enumerate(prompts)]
+    groups = {}
+    for wait in (0, 2):
+        forwards.clear()
+        monkeypatch.setattr(batch_decode, "ADMIT_WAIT_STEPS", wait)
+        results, _ = decode_all(llama, prompts, 6, 2, max_new=max_new)
+        assert [r.token_ids for r in results] == expected
+        groups[wait] = list(forwards)
+    assert groups[0] == [2, 1, 1, 1], groups  # prompts 2, 3, 4: one forward each as the slots free
+    assert groups[2] == [2, 2, 1], groups  # prompts 2 and 3 together; 4 alone (the queue then fits its slot)
 
 class EchoDrafter(Drafter):
     """Always proposes the last 6 tokens again (a draft on every step, accepted or not)."""
