@@ -84,6 +84,8 @@ class Row:
     # Whether its tokens count in the budget's view of the step: False for a row that can no longer set the pass's
     # length while nothing waits for a slot (SpeculationBudget.critical).
     counts: bool = True
+    # Its drafter's while_verifying bookkeeping was put off while drafting rests; done before it next proposes.
+    behind: bool = False
 
 
 @dataclass
@@ -529,14 +531,31 @@ class BatchDecoder:
 
     def _while_verifying(self, rows: list[Row]) -> None:
         """The drafters' bookkeeping that no proposal of this step needs (Drafter.works_while_verifying), while the
-        device verifies the step. A failure is the row's error (the step still commits the row's tokens)."""
+        device verifies the step. Where the next step rests from drafting, a row that only proposes when drafting
+        puts it off until it next proposes (`_catch_up`): one call then covers every step since, and the steps
+        that propose nothing pay nothing for it. A failure is the row's error (the step still commits its tokens)."""
+        resting = self.budget.rests_next()
         for row in rows:
-            drafter = row.request.drafter
-            if drafter.works_while_verifying and row.error is None:
-                try:
-                    drafter.while_verifying(row.state.tokens)
-                except Exception as exc:
-                    row.error = f"{type(exc).__name__}: {exc}"
+            if row.request.drafter.works_while_verifying and row.error is None:
+                if resting and not _pinned(row):
+                    row.behind = True
+                else:
+                    self._bookkeep(row)
+
+    def _catch_up(self, rows: list[Row]) -> None:
+        """The bookkeeping `rows` put off while drafting rested, before any of them proposes (a job memory's
+        rows draft from each other's outputs)."""
+        for row in rows:
+            if row.behind and row.error is None:
+                self._bookkeep(row)
+
+    @staticmethod
+    def _bookkeep(row: Row) -> None:
+        row.behind = False
+        try:
+            row.request.drafter.while_verifying(row.state.tokens)
+        except Exception as exc:
+            row.error = f"{type(exc).__name__}: {exc}"
 
     def _pinned_draft_limit(self) -> int:
         """Most draft tokens a seeded sampling row verifies: --token-budget split over a full batch, if set."""
@@ -559,7 +578,9 @@ class BatchDecoder:
         """Each of `rows`' proposals (all live rows, or the pinned ones while drafting rests). Drafters that share
         a pool (a draft model) only ask here; `_flush` drafts for them together. -> the pools asked."""
         pools = {id(r.request.drafter.pool): r.request.drafter.pool for r in rows if r.request.drafter.pool}
-        failed = self._deliver_attention(rows)
+        self._catch_up(rows)
+        failed = [row for row in rows if row.error is not None]
+        failed += self._deliver_attention([row for row in rows if row.error is None])
         with ExitStack() as collecting:
             for pool in pools.values():
                 collecting.enter_context(pool.collecting_proposals())

@@ -428,12 +428,16 @@ class SpeculationBudget:
 
     def drafting_due(self) -> bool:
         """Whether the rows should propose drafts this step (False while speculation rests)."""
-        if not self.enabled or not self.rest_after or not self.explore_every or self.idle_steps < self.rest_after:
-            return True  # (without exploration a rest would never end)
-        if self.explore_every and self.idle_steps + 1 >= self._wait():
-            return True  # this step explores: it needs drafts
+        if not self.rests_next():
+            return True
         self.idle_steps += 1
         return False
+
+    def rests_next(self) -> bool:
+        """Whether the next drafting_due() says no (asking changes nothing)."""
+        if not self.enabled or not self.rest_after or not self.explore_every or self.idle_steps < self.rest_after:
+            return False  # (without exploration a rest would never end)
+        return self.idle_steps + 1 < self._wait()  # (else that step explores: it needs drafts)
 
     def most_nodes(self, rows: int) -> int:
         """The most draft nodes a row may verify in a step of `rows` rows under the token budget (B x T)."""

@@ -227,6 +227,45 @@ class EchoDrafter(Drafter):
         return Draft(tokens=list(tokens[-6:])[:max_tokens], source="echo")
 
 
+class BookkeepingDrafter(EchoDrafter):
+    """Echoes, and keeps bookkeeping while the target verifies: how far behind the row's tokens it is when asked
+    to propose, and how often the loop ran it."""
+
+    works_while_verifying = True
+
+    def start(self, tokens, request):
+        super().start(tokens, request)
+        self.indexed, self.calls, self.behind = len(tokens), 0, []
+
+    def propose(self, tokens, max_tokens):
+        self.behind.append(len(tokens) - self.indexed)
+        return super().propose(tokens, max_tokens)
+
+    def while_verifying(self, tokens):
+        self.calls += 1
+        self.indexed = len(tokens)
+
+
+def test_bookkeeping_waits_while_drafting_rests_and_catches_up_before_the_next_proposal(llama):
+    """A budget that refuses every draft rests after rest_after steps (its rows propose nothing until the next
+    exploring step): the drafters' while_verifying bookkeeping is put off for those steps too, and done before
+    the row next proposes, so no proposal sees less than before (at most the last step's tokens unindexed)."""
+    from specdec_core.loop.speculation_budget import SpeculationBudget, StepCostModel
+
+    prompts = [repetitive_prompt(seed, 30) for seed in range(2)]
+    budget = SpeculationBudget.for_target(llama, cost=StepCostModel(fixed=lambda rows, width: float(width)))
+    decoder = BatchDecoder(llama, max_batch=2, budget=budget)
+    drafters = [BookkeepingDrafter() for _ in prompts]
+    for key, (prompt, drafter) in enumerate(zip(prompts, drafters)):
+        decoder.submit(DecodeRequest(key, prompt, DecodeParams(max_new_tokens=40), drafter))
+    results = dict((request.key, result) for request, result in decoder.run())
+    assert [results[k].token_ids for k in range(2)] == [hf_greedy(llama, p, 40) for p in prompts]
+    for drafter in drafters:
+        assert drafter.behind and max(drafter.behind) <= 2  # an exploring step emits at most 2 tokens a row
+        assert drafter.calls < decoder.stats.steps - 20  # of ~38 steps, 4 + 1 in 16 drafted or were next to
+        assert 0 in drafter.behind  # a catch-up just before a proposal
+
+
 @pytest.mark.parametrize("drafter", ["echo", "draft model"])
 def test_a_seeded_sampling_row_verifies_its_own_drafts_whatever_the_budget_and_its_neighbours(llama, drafter):
     """A seeded row's drafts bypass the budget, whose choices follow the clock (capped only by the token budget over

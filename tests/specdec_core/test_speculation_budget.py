@@ -237,7 +237,11 @@ def test_refused_drafting_rests_until_the_next_exploring_step():
     estimates = [AcceptanceEstimate(accepted=0, rejections=5)] * 4
     plan = []  # per step: (proposed?, width)
     for _ in range(32):
-        if b.drafting_due():
+        foreseen = not b.rests_next()
+        assert b.rests_next() == (not foreseen)  # asking changes nothing
+        due = b.drafting_due()
+        assert due == foreseen, len(plan)  # (the loop puts bookkeeping off on what rests_next foresees)
+        if due:
             plan.append((True, choose_width(b, [chain(4)] * 4, estimates)))
         else:
             plan.append((False, choose_width(b, [[]] * 4, estimates)))  # no drafts: width 1
