@@ -68,6 +68,6 @@ class CopySpecDrafter(Drafter):
         return copy_draft(branches, sources, max_tokens)
 
     def observe(self, tokens: Sequence[int], draft: Draft, num_accepted: int) -> None:
-        self._sync(tokens)
+        # (the index catches up in propose: steps that rest from drafting never touch it)
         if draft.source in self.SOURCES:
             self.length.update(draft.max_depth, num_accepted)
