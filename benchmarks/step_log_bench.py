@@ -1,11 +1,13 @@
 """Where a pass's time goes, method by method, in one process: prefill forwards, plain steps by row count, steps that
 verified drafts by their real tokens, and the host work around them (the wall time less prefill and forwards).
 
-  python benchmarks/step_log_bench.py --workload open_questions --requests 80 --batch-size 16 --methods ar suffix auto --rounds 3
+  python benchmarks/step_log_bench.py --workload open_questions --requests 80 --batch-size 16 \
+      --methods ar suffix auto --rounds 3
 
 Whole-pass ratios on a 2-core machine move by ~5 % with nothing changed (docs/decisions.md); these parts move less,
 and say whether a slow pass was the machine's (every step slower) or the budget's (more wide steps). A plain step's
-median time at each row count gives what one more row costs; a wide step's, what one more verified token costs.
+median time at each row count gives what one more row costs; a wide step's excess over it, what one more verified
+token costs at that row count.
 Prints one block per pass; the machine and dtype in the header.
 """
 
@@ -85,6 +87,15 @@ def summary(log: StepLog, result: dict, batch_size: int) -> str:
     if wide:
         lines.append(f"  wide steps at {batch_size} rows, real tokens: median ms (count): " + ", ".join(
             f"{real}+: {statistics.median(v) * 1e3:.1f} ({len(v)})" for real, v in sorted(wide.items())))
+    # a wide step's seconds over its row count's median plain step, per verified token: what the budget's s_token
+    # prices (as a share of a plain step's seconds per row)
+    extra = defaultdict(list)
+    for rows, width, real, seconds in steps:
+        if width > 1 and real > rows and len(plain.get(rows, ())) >= 3:
+            extra[rows].append((seconds - statistics.median(plain[rows])) / (real - rows))
+    if extra:
+        lines.append("  one more verified token, by rows: median ms (steps): " + ", ".join(
+            f"{rows}: {statistics.median(v) * 1e3:.2f} ({len(v)})" for rows, v in sorted(extra.items())))
     return "\n".join(lines)
 
 
