@@ -8,13 +8,18 @@ decoding.
   python benchmarks/pass_split.py                                   # 16 code edits, batch 16, ar and suffix
   python benchmarks/pass_split.py --workload summarization --requests 48 --methods ar pld
 
-Each method runs one untimed pass (compiles, first allocations), then --rounds timed ones.
+Each method runs one untimed pass (compiles, first allocations), then --rounds timed ones, the methods in turn
+within each round. After the table, each timed pass's steps in detail: plain steps' median by row count, steps that
+verified drafts at the full batch by their real tokens, and one more verified token's cost by row count (a wide
+step's seconds over its row count's median plain step; the fast forward's run, so without the LM head, which is in
+"other"): whether a slow pass was the machine's (every step slower) or the budget's (more wide steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,41 +28,54 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.batch_bench import WORKLOADS, hardware, workload_items  # noqa: E402
 from specdec_core import Engine, EngineConfig  # noqa: E402
+from specdec_core.loop.batch_decode import BatchDecoder  # noqa: E402
 from specdec_core.model import fast_forward  # noqa: E402
-
-PREFILL_FROM = 17  # a forward this many tokens a row or wider is a prefill (verify steps are narrower)
 
 
 class ForwardTimer:
-    """Seconds and calls of the fast forward's runs, by kind: "prefill", or "T=<tokens a row>"."""
+    """Seconds and calls of the fast forward's runs, by kind: "prefill" (inside the decoder's prefill forwards), or
+    "T=<tokens a row>"; and every step's (rows, width, real tokens, seconds)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
-        self._run = fast_forward.FastForward.run
+        self.steps: list[tuple[int, int, int, float]] = []
+        self._run, self._prefill = fast_forward.FastForward.run, BatchDecoder._prefill_forward
+        self._prefilling = False
 
     def __enter__(self) -> "ForwardTimer":
-        timer, run = self, self._run
+        timer, run, prefill = self, self._run, self._prefill
 
         def timed(forward, cache, batch, attention, real):
             started = time.perf_counter()
             try:
                 return run(forward, cache, batch, attention, real)
             finally:
-                width = batch.input_ids.shape[1]
-                kind = "prefill" if width >= PREFILL_FROM else f"T={width}"
-                timer.seconds[kind] += time.perf_counter() - started
+                seconds, (rows, width) = time.perf_counter() - started, batch.input_ids.shape
+                kind = "prefill" if timer._prefilling else f"T={width}"
+                timer.seconds[kind] += seconds
                 timer.calls[kind] += 1
+                if not timer._prefilling:  # real: the tokens that see themselves (a row's pending token and drafts)
+                    timer.steps.append((rows, width, int(batch.visible.diagonal(dim1=1, dim2=2).sum()), seconds))
+
+        def prefilling(decoder, *args, **kwargs):
+            timer._prefilling = True
+            try:
+                return prefill(decoder, *args, **kwargs)
+            finally:
+                timer._prefilling = False
 
         fast_forward.FastForward.run = timed
+        BatchDecoder._prefill_forward = prefilling
         return self
 
     def __exit__(self, *exc) -> None:
-        fast_forward.FastForward.run = self._run
+        fast_forward.FastForward.run, BatchDecoder._prefill_forward = self._run, self._prefill
 
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.steps.clear()
 
 
 def split_line(method: str, wall: float, tokens: int, timer: ForwardTimer) -> str:
@@ -71,6 +89,31 @@ def split_line(method: str, wall: float, tokens: int, timer: ForwardTimer) -> st
     return (f"| {method} | {tokens / wall:.1f} | {wall:.2f} | {prefill:.2f} ({prefill / wall:.0%}) | "
             f"{decode:.2f} | {verify:.2f} | {wall - forwards:.2f} ({(wall - forwards) / wall:.0%}) | "
             f"{timer.calls['prefill']} | {widths} |")
+
+
+def step_details(method: str, steps: list[tuple[int, int, int, float]], batch_size: int) -> str:
+    """Plain steps' median ms by row count; wide steps' at `batch_size` rows by real tokens (in eights); one more
+    verified token's ms by row count."""
+    plain, wide, extra = (collections.defaultdict(list) for _ in range(3))
+    for rows, width, real, seconds in steps:
+        if width == 1:
+            plain[rows].append(seconds)
+        elif rows == batch_size:
+            wide[real // 8 * 8].append(seconds)
+    for rows, width, real, seconds in steps:
+        if width > 1 and real > rows and len(plain.get(rows, ())) >= 3:
+            extra[rows].append((seconds - statistics.median(plain[rows])) / (real - rows))
+
+    def medians(groups, suffix="", digits=1):
+        return ", ".join(f"{key}{suffix}: {statistics.median(v) * 1e3:.{digits}f} ({len(v)})"
+                         for key, v in sorted(groups.items()) if len(v) >= (3 if groups is plain else 1))
+
+    lines = [f"- {method}: plain steps by rows, median ms (count): {medians(plain)}"]
+    if wide:
+        lines.append(f"  steps that verified drafts at {batch_size} rows, by real tokens: {medians(wide, '+')}")
+    if extra:
+        lines.append(f"  one more verified token by rows, ms: {medians(extra, digits=2)}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,17 +135,20 @@ def main(argv: list[str] | None = None) -> int:
           "steps by width |")
     print("|---|---|---|---|---|---|---|---|---|")
     items = workload_items(engine, args.workload, args.requests, args.max_new_tokens, args.batch_size)
+    details = []
     with ForwardTimer() as timer:
-        for method in args.methods:
-            for round_ in range(args.rounds + 1):
+        for round_ in range(args.rounds + 1):
+            for method in args.methods:
                 getattr(engine, "forget", lambda: None)()  # each pass as a new job's (no job memory of the last)
                 timer.reset()
                 started = time.perf_counter()
                 results = dict(engine.decode_batch(items, method, batch_size=args.batch_size))
                 wall = time.perf_counter() - started
-                if round_:  # the first pass compiles and warms up
+                if round_:  # the first round compiles and warms up
                     tokens = sum(len(r["output_token_ids"]) for r in results.values())
                     print(split_line(method, wall, tokens, timer), flush=True)
+                    details.append(step_details(f"{method}, round {round_}", timer.steps, args.batch_size))
+    print("\n" + "\n".join(details))
     return 0
 
 
