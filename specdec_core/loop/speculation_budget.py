@@ -156,8 +156,7 @@ class StepCostModel:
     throw-away calibration forward is paid for (the measurements behind both: docs/decisions.md).
 
     Estimator: ridge regression of (seconds / plain seconds - 1) on the two features, sums decayed by `decay` per wide
-    step (to the power of the step's x_token^2, at most 1: a step that says little about s_token fades little),
-    pulled toward the priors by one pseudo-observation for s_token and `width_weight` for s_width; a coefficient
+    step, pulled toward the priors by one pseudo-observation for s_token and `width_weight` for s_width; a coefficient
     that comes out negative is dropped and the other refitted alone. Steps where every row drafts alike cannot
     separate the two (x_token = x_width there): then the pull decides the split, and the heavier one on s_width puts
     the cost on the tokens, which is where it is wherever the split matters (a ragged forward computes real tokens
@@ -254,12 +253,8 @@ class StepCostModel:
         x1 = ((rows * width if computed is None else computed) - rows) / rows
         x2, y = float(width - 1), seconds / plain - 1.0
         sums = self.sums.setdefault((batch_bucket(rows), where), [0.0] * 5)
-        # Older steps fade as far as this one tells s_token instead (x1^2 of a step where every row verifies one
-        # more token): the tail's steps where one row of ten verifies two nodes tell it little, and a full fade at
-        # each let the prior win back (s_token fell ~0.55 -> 0.25 where a verified token cost ~0.5: decisions.md).
-        kept = self.decay ** min(1.0, x1 * x1)
         for i, term in enumerate((x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)):
-            sums[i] = kept * sums[i] + term
+            sums[i] = self.decay * sums[i] + term
 
     def calibrate(self, rows: int, context: int, ratios: dict[int, float]) -> None:
         """Steps timed on purpose at `rows` rows: ratios[width] = a padded step's seconds at that width over a plain

@@ -436,19 +436,3 @@ def test_steps_where_every_row_drafts_alike_put_the_cost_on_the_tokens():
     for _ in range(60):
         equal.observe(16, 2, 0.10 * 1.45, context=100)
     assert equal.ratio(16, 5, 100, computed=20) > 1.6
-
-
-def test_steps_that_say_little_about_the_token_slope_do_not_fade_what_earlier_steps_said():
-    """A pass's tail: after steps where every row verified a token (x_token 1), steps where one row of ten verifies
-    two nodes (x_token 0.2), all priced alike (s_token 0.6). Each used to fade the older steps in full, so the prior
-    (0.12) won back within 30 such steps; a step now fades them as far as it tells s_token."""
-    model = StepCostModel()
-    plain = 0.017
-    model.observe(10, 1, plain, context=400)
-    for _ in range(10):
-        model.observe(10, 2, plain * (1 + 0.6 * 1.0 + 0.03), context=400, computed=20)
-    learned = model.slopes(10, 400)[0]
-    assert 0.45 < learned < 0.6  # (the prior's pull)
-    for _ in range(30):
-        model.observe(10, 3, plain * (1 + 0.6 * 0.2 + 0.03 * 2), context=400, computed=12)
-    assert model.slopes(10, 400)[0] == pytest.approx(learned, abs=0.03)
