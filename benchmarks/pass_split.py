@@ -100,15 +100,16 @@ def step_details(method: str, steps: list[tuple[int, int, int, float]], batch_si
             plain[rows].append(seconds)
         elif rows == batch_size:
             wide[real // 8 * 8].append(seconds)
+    plain_median = {rows: statistics.median(v) for rows, v in plain.items() if len(v) >= 3}
     for rows, width, real, seconds in steps:
-        if width > 1 and real > rows and len(plain.get(rows, ())) >= 3:
-            extra[rows].append((seconds - statistics.median(plain[rows])) / (real - rows))
+        if width > 1 and real > rows and rows in plain_median:
+            extra[rows].append((seconds - plain_median[rows]) / (real - rows))
 
-    def medians(groups, suffix="", digits=1):
+    def medians(groups, suffix="", digits=1, least=1):
         return ", ".join(f"{key}{suffix}: {statistics.median(v) * 1e3:.{digits}f} ({len(v)})"
-                         for key, v in sorted(groups.items()) if len(v) >= (3 if groups is plain else 1))
+                         for key, v in sorted(groups.items()) if len(v) >= least)
 
-    lines = [f"- {method}: plain steps by rows, median ms (count): {medians(plain)}"]
+    lines = [f"- {method}: plain steps by rows, median ms (count): {medians(plain, least=3)}"]
     if wide:
         lines.append(f"  steps that verified drafts at {batch_size} rows, by real tokens: {medians(wide, '+')}")
     if extra:
