@@ -248,16 +248,23 @@ class BatchDecoder:
 
     def _reserved(self, capacity: int, slots: int) -> int:
         """The capacity to fit the cache to: enough for the live and admitted rows (`capacity`) and, where the cache
-        budget allows, for the next max_batch waiting requests too, which join as these rows retire. Rows that
-        retire one at a time (speculation) are replaced one at a time, and each longer prompt from the sorted queue
-        otherwise reallocated and copied the whole cache (decisions.md: specdec_core/loop/batch_decode.py). The
-        pass's peak is the same: those requests grow the cache to it when they join. Not where steps are
-        captured: their graphs are kept per capacity."""
+        budget allows, for every waiting request too (else for the next max_batch of them), which join as these rows
+        retire. Rows that retire one at a time (speculation) are replaced one at a time, and each longer prompt from
+        the sorted queue otherwise reallocated and copied the whole cache (decisions.md:
+        specdec_core/loop/batch_decode.py). The pass's peak is the same: those requests grow the cache to it when
+        they join. The queue is read only where the fit would change the cache (more slots, more positions, or rows
+        that need under half of it). Not where steps are captured: their graphs are kept per capacity."""
         if self.target.captures_steps:
             return capacity
-        ahead = max((self._capacity_for(r) for r in islice(self.waiting, self.max_batch)), default=0)
-        if ahead > capacity and self.cache.bytes_for(slots, ahead) <= self.cache_budget_bytes:
-            return ahead
+        held = self.cache.capacity
+        if slots <= self.cache.slots and capacity <= held < 2 * capacity:
+            return held  # the cache holds these rows and is not twice what they need: it stays as it is
+        for ahead in (len(self.waiting), self.max_batch):
+            longest = max((self._capacity_for(r) for r in islice(self.waiting, ahead)), default=0)
+            if longest <= capacity:
+                break
+            if self.cache.bytes_for(slots, longest) <= self.cache_budget_bytes:
+                return longest
         return capacity
 
     def _slots_for(self, rows: int) -> int:

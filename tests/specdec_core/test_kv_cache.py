@@ -177,16 +177,17 @@ def test_requests_admitted_together_fit_the_cache_once(llama, monkeypatch):
         assert result.token_ids == hf_greedy(llama, prompt, 6)
 
 
-def test_the_cache_is_sized_for_the_next_waiting_requests_where_the_budget_allows(llama, monkeypatch):
+def test_the_cache_is_sized_for_every_waiting_request_where_the_budget_allows(llama, monkeypatch):
     """Rows that retire one at a time are replaced one at a time, and each longer prompt from the sorted queue
-    reallocated (and copied) the whole cache: the first admission now fits it for the next max_batch waiting
-    requests too, so the pass allocates once. A budget that cannot hold that keeps the fit to the rows admitted
-    (the later requests then wait for room, as before); the tokens are the same either way."""
+    reallocated (and copied) the whole cache: the first admission now fits it for every waiting request, so the
+    pass allocates once, where a look at the next max_batch requests (20 and 60 tokens admitted, 100 and 120 next)
+    grew it again for the 300- and 400-token prompts. A budget that cannot hold that keeps the fit to the rows
+    admitted (the later requests then wait for room, as before); the tokens are the same either way."""
     allocations = []
     original = SlotKVCache._allocate
     monkeypatch.setattr(SlotKVCache, "_allocate", lambda self, *a: (allocations.append(a), original(self, *a))[1])
-    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate((20, 100, 300, 400))]
-    max_new = {0: 2, 1: 8, 2: 6, 3: 6}  # row 0 retires first, so the 300-token prompt joins row 1
+    prompts = [repetitive_prompt(seed, length) for seed, length in enumerate((20, 60, 100, 120, 300, 400))]
+    max_new = {0: 2, 1: 8, 2: 4, 3: 7, 4: 6, 5: 6}  # rows retire one at a time
     results, decoder = decode_all(llama, prompts, 6, 2, max_new=max_new)
     grown = [a for a in allocations if a[0] > 0]
     assert len(grown) == 1 and grown[0][1] >= 400 + 6, allocations
