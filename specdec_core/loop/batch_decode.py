@@ -252,15 +252,17 @@ class BatchDecoder:
         retire. Rows that retire one at a time (speculation) are replaced one at a time, and each longer prompt from
         the sorted queue otherwise reallocated and copied the whole cache (decisions.md:
         specdec_core/loop/batch_decode.py). The pass's peak is the same: those requests grow the cache to it when
-        they join. The queue is read only where the fit would change the cache (more slots, more positions, or rows
-        that need under half of it). Not where steps are captured: their graphs are kept per capacity."""
+        they join; a request that admission will refuse (an empty or overlong prompt) reserves nothing. The queue is
+        read only where the fit would change the cache (more slots, more positions, or rows that need under half of
+        it). Not where steps are captured: their graphs are kept per capacity."""
         if self.target.captures_steps:
             return capacity
         held = self.cache.capacity
         if slots <= self.cache.slots and capacity <= held < 2 * capacity:
             return held  # the cache holds these rows and is not twice what they need: it stays as it is
         for ahead in (len(self.waiting), self.max_batch):
-            longest = max((self._capacity_for(r) for r in islice(self.waiting, ahead)), default=0)
+            longest = max((self._capacity_for(r) for r in islice(self.waiting, ahead)
+                           if 0 < len(r.prompt_ids) < self.target.max_positions), default=0)  # (check_prompt's)
             if longest <= capacity:
                 break
             if self.cache.bytes_for(slots, longest) <= self.cache_budget_bytes:

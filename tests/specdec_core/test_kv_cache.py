@@ -179,20 +179,25 @@ def test_requests_admitted_together_fit_the_cache_once(llama, monkeypatch):
 
 def test_the_cache_is_sized_for_every_waiting_request_where_the_budget_allows(llama, monkeypatch):
     """Rows that retire one at a time are replaced one at a time, and each longer prompt from the sorted queue
-    reallocated (and copied) the whole cache: the first admission now fits it for every waiting request, so the
-    pass allocates once, where a look at the next max_batch requests (20 and 60 tokens admitted, 100 and 120 next)
-    grew it again for the 300- and 400-token prompts. A budget that cannot hold that keeps the fit to the rows
-    admitted (the later requests then wait for room, as before); the tokens are the same either way."""
+    reallocated (and copied) the whole cache: the first admission now fits it for every waiting request, so its
+    positions never grow again, where a look at the next max_batch requests (20 and 60 tokens admitted, 100 and 120 next)
+    grew it again for the 300- and 400-token prompts. A prompt over the model's context (refused at admission, an
+    error row) reserves nothing. A budget that cannot hold that keeps the fit to the rows admitted (the later
+    requests then wait for room, as before); the tokens are the same either way."""
     allocations = []
     original = SlotKVCache._allocate
     monkeypatch.setattr(SlotKVCache, "_allocate", lambda self, *a: (allocations.append(a), original(self, *a))[1])
     prompts = [repetitive_prompt(seed, length) for seed, length in enumerate((20, 60, 100, 120, 300, 400))]
     max_new = {0: 2, 1: 8, 2: 4, 3: 7, 4: 6, 5: 6}  # rows retire one at a time
-    results, decoder = decode_all(llama, prompts, 6, 2, max_new=max_new)
+    overlong = repetitive_prompt(9, llama.max_positions + 10)
+    results, decoder = decode_all(llama, prompts + [overlong], 6, 2, max_new=max_new)
     grown = [a for a in allocations if a[0] > 0]
-    assert len(grown) == 1 and grown[0][1] >= 400 + 6, allocations
+    # 400 + 6 new tokens + the step's draft slack, in whole quanta (the overlong prompt would have asked for 768);
+    # later only the slots change, as the tail's rows retire
+    assert grown[0] == (2, 512) and {capacity for _, capacity in grown} == {512}, allocations
     expected = [hf_greedy(llama, prompt, max_new[key]) for key, prompt in enumerate(prompts)]
-    assert [r.token_ids for r in results] == expected
+    assert [r.token_ids for r in results[:-1]] == expected
+    assert isinstance(results[-1], str) and results[-1].startswith("BadRequestError"), results[-1]
 
     allocations.clear()
     results, _ = decode_all(llama, prompts, 6, 2, max_new=max_new, cache_budget_bytes=decoder.cache.bytes_for(2, 256))
