@@ -205,12 +205,10 @@ class BatchDecoder:
         capacity = max((self._capacity_for(r.request) for r in self.rows), default=0)
         while self.waiting and len(self.rows) + len(admitted) < self.max_batch:
             request = self.waiting[0]
-            try:
-                check_prompt(self.target, request.prompt_ids)
-                check_rule(request.rule, request.params.sampling)
-            except Exception as exc:
+            refusal = self._refusal(request)
+            if refusal is not None:
                 self.waiting.popleft()
-                self.finished.append((request, f"{type(exc).__name__}: {exc}"))
+                self.finished.append((request, refusal))
                 continue
             wanted = max(capacity, self._capacity_for(request))
             needed = self.cache.bytes_for(self._slots_for(len(self.rows) + len(admitted) + 1), wanted)
@@ -230,6 +228,16 @@ class BatchDecoder:
             self.cache.fit(slots, self._reserved(capacity, slots), shrink=not self.target.captures_steps)
             self._prefill(admitted)
         self.stats.peak_cache_bytes = max(self.stats.peak_cache_bytes, self.cache.nbytes)
+
+    def _refusal(self, request: DecodeRequest) -> str | None:
+        """Why admission refuses `request` (its error row's value: an empty or overlong prompt, a rule it cannot
+        decode under), or None."""
+        try:
+            check_prompt(self.target, request.prompt_ids)
+            check_rule(request.rule, request.params.sampling)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _waits_for_retiring_rows(self) -> bool:
         """Whether this step's admission waits for a live row that retires within the steps left of `admit_wait`
@@ -252,17 +260,17 @@ class BatchDecoder:
         retire. Rows that retire one at a time (speculation) are replaced one at a time, and each longer prompt from
         the sorted queue otherwise reallocated and copied the whole cache (decisions.md:
         specdec_core/loop/batch_decode.py). The pass's peak is the same: those requests grow the cache to it when
-        they join; a request that admission will refuse (an empty or overlong prompt) reserves nothing. The queue is
-        read only where the fit would change the cache (more slots, more positions, or rows that need under half of
-        it). Not where steps are captured: their graphs are kept per capacity."""
+        they join; a request that admission will refuse (`_refusal`) reserves nothing. The queue is read only where
+        the fit would change the cache (more slots, more positions, or rows that need under half of it). Not where
+        steps are captured: their graphs are kept per capacity."""
         if self.target.captures_steps:
             return capacity
         held = self.cache.capacity
         if slots <= self.cache.slots and capacity <= held < 2 * capacity:
             return held  # the cache holds these rows and is not twice what they need: it stays as it is
         for ahead in (len(self.waiting), self.max_batch):
-            longest = max((self._capacity_for(r) for r in islice(self.waiting, ahead)
-                           if 0 < len(r.prompt_ids) < self.target.max_positions), default=0)  # (check_prompt's)
+            longest = max((self._capacity_for(r) for r in islice(self.waiting, ahead) if self._refusal(r) is None),
+                          default=0)
             if longest <= capacity:
                 break
             if self.cache.bytes_for(slots, longest) <= self.cache_budget_bytes:

@@ -180,10 +180,10 @@ def test_requests_admitted_together_fit_the_cache_once(llama, monkeypatch):
 def test_the_cache_is_sized_for_every_waiting_request_where_the_budget_allows(llama, monkeypatch):
     """Rows that retire one at a time are replaced one at a time, and each longer prompt from the sorted queue
     reallocated (and copied) the whole cache: the first admission now fits it for every waiting request, so its
-    positions never grow again, where a look at the next max_batch requests (20 and 60 tokens admitted, 100 and 120 next)
-    grew it again for the 300- and 400-token prompts. A prompt over the model's context (refused at admission, an
-    error row) reserves nothing. A budget that cannot hold that keeps the fit to the rows admitted (the later
-    requests then wait for room, as before); the tokens are the same either way."""
+    positions never grow again, where a look at the next max_batch requests (20 and 60 tokens admitted, 100 and
+    120 next) grew it again for the 300- and 400-token prompts. A prompt over the model's context (refused at
+    admission, an error row) reserves nothing. A budget that cannot hold that keeps the fit to the rows admitted
+    (the later requests then wait for room, as before); the tokens are the same either way."""
     allocations = []
     original = SlotKVCache._allocate
     monkeypatch.setattr(SlotKVCache, "_allocate", lambda self, *a: (allocations.append(a), original(self, *a))[1])
