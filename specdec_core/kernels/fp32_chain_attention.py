@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .numba_kernels import LazyKernel, load_generated, use_torch_threads
+from .numba_kernels import LazyKernel, load_generated, slp_vectorized, use_torch_threads
 
 PANEL = 16  # keys (scores) or head dimensions (weighted sums) a panel: two AVX registers of fp32
 QUERY_BLOCK = 64  # new tokens a task: their keys are repacked once for every block of the row
@@ -167,17 +167,11 @@ def kernel_source() -> str:
 
 
 def _compile():
-    from numba.core import config
-
     module = load_generated(MODULE_NAME, kernel_source())
     use_torch_threads()
-    # numba leaves LLVM's SLP vectoriser off; the products' sums stay scalar without it (read at compile time)
-    saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
-    try:
+    with slp_vectorized():  # the products' sums into AVX registers
         module.attend.compile("(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[::1], "
                               "int64[::1], int64[::1], float32, float32[:, :, :, ::1])")
-    finally:
-        config.SLP_VECTORIZE = saved
     return module.attend
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -42,6 +43,22 @@ def cache_key(root: Path | None = None) -> str:
 def use_numba_cache() -> None:
     """Point numba's disk cache at numba_cache_dir() (unless NUMBA_CACHE_DIR is set): before numba compiles."""
     os.environ.setdefault("NUMBA_CACHE_DIR", numba_cache_dir())
+
+
+@contextlib.contextmanager
+def slp_vectorized():
+    """LLVM's SLP vectoriser on for the compiles inside (numba leaves it off; the generated kernels' register-blocked
+    sums stay scalar without it). numba reads its settings from the environment again at a compile whenever the
+    environment changed since it last read them, which would undo the override: the first kernel compiled after
+    use_numba_cache set NUMBA_CACHE_DIR came out scalar (~17x slower) and was cached so. So they are read first."""
+    from numba.core import config
+
+    config.reload_config()
+    saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
+    try:
+        yield
+    finally:
+        config.SLP_VECTORIZE = saved
 
 
 def load_generated(name: str, source: str):

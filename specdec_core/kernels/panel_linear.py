@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import bf16_dot, coded_panels
-from .numba_kernels import LazyKernel, load_generated, use_torch_threads
+from .numba_kernels import LazyKernel, load_generated, slp_vectorized, use_torch_threads
 from .packed_linear import replace_linears
 
 PANEL = 16  # output columns per panel: two AVX registers of fp32
@@ -139,23 +139,16 @@ def _kernel_lines(name: str, load: str, weights: str = "panels", preamble: list[
 
 def _compile(dtype: torch.dtype | int):
     """The kernel for `dtype` panels, or for coded panels of that many bits."""
-    from numba.core import config
-
     module = load_generated(MODULE_NAME, kernel_source())
     use_torch_threads()
-    # numba leaves LLVM's SLP vectorizer off by default; without it the 64 sums stay scalar.
-    # The flag is read when a function is compiled, so it is on for this one only.
     if dtype in CODED:
         name, code_type = CODED[dtype][:2]
         weights = f"{code_type}[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1]"
     else:
         name, weight_type, _ = KERNELS[dtype]
         weights = f"{weight_type}[:, :, ::1]"
-    saved, config.SLP_VECTORIZE = config.SLP_VECTORIZE, 1
-    try:
+    with slp_vectorized():  # the 64 sums into AVX registers
         getattr(module, name).compile(f"(float32[:, ::1], {weights}, float32[:, ::1])")
-    finally:
-        config.SLP_VECTORIZE = saved
     return getattr(module, name)
 
 

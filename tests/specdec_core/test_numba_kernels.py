@@ -64,6 +64,27 @@ def test_numba_reads_the_cache_folder_the_key_names(tmp_path):
     assert list(Path(folder).rglob("*.nbi")), "nothing was cached in the key's folder"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_kernel_compiled_after_numba_was_imported_elsewhere_is_still_vectorised(tmp_path):
+    """A script that imports numba before the engine: setting NUMBA_CACHE_DIR then changes the environment after
+    numba read it, numba reads its settings again at the next compile, and that once reset the SLP vectoriser the
+    kernel had just turned on: the fp32 panel kernel came out with scalar FMAs only (and the prompt attention ~17x
+    slower), cached so for every later process."""
+    code = ("import re, numba, torch\n"
+            "from specdec_core.kernels import panel_linear\n"
+            "dispatcher = panel_linear.kernels[torch.float32]()\n"
+            "assembly = dispatcher.inspect_asm(dispatcher.signatures[0])\n"
+            "print(len(re.findall(r'vfmadd\\w*ps\\s+[^\\n]*%[yz]mm', assembly)), "
+            "len(re.findall(r'vfmadd\\w*ss\\s', assembly)))")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(SPECBATCH_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    packed, scalar = map(int, proc.stdout.split())
+    assert packed > 0 and scalar == 0, (packed, scalar)
+
+
 BROKEN_COMPILER = """
 import json, logging, sys
 import numba.core.dispatcher
