@@ -35,6 +35,7 @@ from .numba_kernels import LazyKernel, use_torch_threads
 
 
 def _compile():
+    bf16_dot.require_cpu()
     from . import bf16_attention_kernel  # imports numba and llvmlite: only here, when the kernel is first used
 
     return bf16_attention_kernel.attend

@@ -30,7 +30,15 @@ from .layouts import DOT_INTRINSIC as INTRINSIC, DOT_PANEL as PANEL, DOT_WIDTH a
 from .numba_kernels import LazyKernel, use_torch_threads
 
 
+def require_cpu() -> None:
+    """Raise where this CPU lacks the dot-product instruction: LLVM asked to compile it would end the process (not
+    raise), so every kernel that uses it asks first and is turned off instead (LazyKernel)."""
+    if not _cpu_has_it():
+        raise RuntimeError("this CPU has no AVX512_BF16 that numba compiles for")
+
+
 def _compile():
+    require_cpu()
     from . import bf16_dot_kernel  # imports numba and llvmlite: only here, when the kernel is first used
 
     use_torch_threads()

@@ -32,6 +32,7 @@ HEAD_DIMS = (64, 128)
 
 
 def _compile():
+    bf16_dot.require_cpu()
     from . import bf16_step_attention_kernel  # imports numba and llvmlite: only here, when the kernel is first used
 
     return bf16_step_attention_kernel.attend, bf16_step_attention_kernel.attend_exact

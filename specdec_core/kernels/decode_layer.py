@@ -24,6 +24,7 @@ from .panel_linear import PanelLinear
 
 
 def _compile():
+    bf16_dot.require_cpu()
     from . import decode_layer_kernel  # imports numba and llvmlite: only here, when first used
 
     return decode_layer_kernel.layer
