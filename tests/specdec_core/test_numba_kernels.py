@@ -15,6 +15,15 @@ from specdec_core.kernels import numba_kernels
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def fresh_process(code: str, cache: Path) -> str:
+    """`code`'s stdout, run in a new process with its cache under `cache` and NUMBA_CACHE_DIR unset."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(SPECBATCH_CACHE=str(cache), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_the_cache_key_covers_every_source_the_versions_and_the_cpu(tmp_path, monkeypatch):
     """A constant in a file that does not import numba (layouts.DOT_ROWS is compiled into the dot kernel)
     changes the key; so do numba's and llvmlite's versions and the CPU's features."""
@@ -55,11 +64,7 @@ def test_numba_reads_the_cache_folder_the_key_names(tmp_path):
             "assert kernel() is not None, kernel.unavailable\n"
             "import numba\n"
             "print(numba.config.CACHE_DIR == numba_kernels.numba_cache_dir(), numba_kernels.numba_cache_dir())")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    env.update(SPECBATCH_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    same, folder = proc.stdout.split()
+    same, folder = fresh_process(code, tmp_path).split()
     assert same == "True" and folder.startswith(str(tmp_path / "numba"))
     assert list(Path(folder).rglob("*.nbi")), "nothing was cached in the key's folder"
 
@@ -77,11 +82,7 @@ def test_a_kernel_compiled_after_numba_was_imported_elsewhere_is_still_vectorise
             "assembly = dispatcher.inspect_asm(dispatcher.signatures[0])\n"
             "print(len(re.findall(r'vfmadd\\w*ps\\s+[^\\n]*%[yz]mm', assembly)), "
             "len(re.findall(r'vfmadd\\w*ss\\s', assembly)))")
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    env.update(SPECBATCH_CACHE=str(tmp_path), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    packed, scalar = map(int, proc.stdout.split())
+    packed, scalar = map(int, fresh_process(code, tmp_path).split())
     assert packed > 0 and scalar == 0, (packed, scalar)
 
 
