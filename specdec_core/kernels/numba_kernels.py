@@ -49,8 +49,8 @@ def use_numba_cache() -> None:
 def slp_vectorized():
     """LLVM's SLP vectoriser on for the compiles inside (numba leaves it off; the generated kernels' register-blocked
     sums stay scalar without it). numba reads its settings from the environment again at a compile whenever the
-    environment changed since it last read them, which would undo the override: the first kernel compiled after
-    use_numba_cache set NUMBA_CACHE_DIR came out scalar (~17x slower) and was cached so. So they are read first."""
+    environment changed since it last read them (use_numba_cache sets NUMBA_CACHE_DIR), which would undo the
+    override: so they are read first."""
     from numba.core import config
 
     config.reload_config()

@@ -74,8 +74,8 @@ def test_numba_reads_the_cache_folder_the_key_names(tmp_path):
 def test_a_kernel_compiled_after_numba_was_imported_elsewhere_is_still_vectorised(tmp_path):
     """A script that imports numba before the engine: setting NUMBA_CACHE_DIR then changes the environment after
     numba read it, numba reads its settings again at the next compile, and that once reset the SLP vectoriser the
-    kernel had just turned on: the fp32 panel kernel came out with scalar FMAs only (and the prompt attention ~17x
-    slower), cached so for every later process."""
+    kernel had just turned on: the fp32 panel kernel came out with scalar FMAs only, cached so for every later
+    process."""
     code = ("import re, numba, torch\n"
             "from specdec_core.kernels import panel_linear\n"
             "dispatcher = panel_linear.kernels[torch.float32]()\n"
